@@ -1,0 +1,33 @@
+"""Sparse embedding primitives: lookups, segmented SpMM and fused sparse optimizers.
+
+Every op has a pure-jnp reference exported beside it (`*_ref`, same signature) and
+an `implementation=` switch ("xla", "cpu_ffi", "pallas", or None for the platform's
+best; `default_implementation()` tells which).
+"""
+
+from . import optimizers as optimizers
+from ._checks import checks as checks
+from ._checks import checks_enabled as checks_enabled
+from ._checks import set_checks as set_checks
+from ._cpu_ffi import is_available as cpu_ffi_available
+from ._dispatch import IMPLEMENTATIONS as IMPLEMENTATIONS
+from ._dispatch import default_implementation as default_implementation
+from ._dispatch import resolve_implementation as resolve_implementation
+from ._embedding_bag import COMBINERS as COMBINERS
+from ._embedding_bag import embedding_bag as embedding_bag
+from ._embedding_bag import embedding_bag_ref as embedding_bag_ref
+from ._embedding_bag import embedding_lookup as embedding_lookup
+from ._embedding_bag import embedding_lookup_ref as embedding_lookup_ref
+from ._embedding_bag import pooling_coefficients as pooling_coefficients
+from ._segment_spmm import segment_spmm as segment_spmm
+from ._segment_spmm import segment_spmm_ref as segment_spmm_ref
+from ._sparse_apply import dedup_ids as dedup_ids
+from ._sparse_apply import sparse_apply as sparse_apply
+from ._sparse_apply import sparse_apply_ref as sparse_apply_ref
+from .optimizers import FTRL as FTRL
+from .optimizers import SGD as SGD
+from .optimizers import Adagrad as Adagrad
+from .optimizers import AdagradDecay as AdagradDecay
+from .optimizers import LazyAdam as LazyAdam
+from .optimizers import RowWiseAdagrad as RowWiseAdagrad
+from .optimizers import SparseOptimizer as SparseOptimizer

@@ -1,0 +1,119 @@
+"""Validation, twice: shapes and dtypes at trace time; values (ids out of range,
+unsorted segments, non-finite weights) on concrete arrays.
+
+Value checks run on every eager call (concrete inputs) and, inside `jit`, only when
+checked mode is on (`set_checks(True)`, `with checks():` or `SPARSEJAX_CHECKS=1`),
+through a host callback. The fast kernels never read out of bounds either way: an
+id outside `[0, vocab)` contributes nothing. Checked mode turns that into an error
+that names the table, the position and the id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_CHECKS = os.environ.get("SPARSEJAX_CHECKS", "0") not in ("", "0", "false", "False")
+
+
+def set_checks(enabled: bool) -> None:
+    """Turn value checks inside `jit` on or off (eager calls are always checked)."""
+    global _CHECKS
+    _CHECKS = bool(enabled)
+
+
+def checks_enabled() -> bool:
+    return _CHECKS
+
+
+@contextlib.contextmanager
+def checks(enabled: bool = True):
+    """Context manager form of `set_checks`; applies to functions traced inside it."""
+    global _CHECKS
+    previous, _CHECKS = _CHECKS, bool(enabled)
+    try:
+        yield
+    finally:
+        _CHECKS = previous
+
+
+def require(cond: bool, op: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"sparsejax.ops.{op}: {message}")
+
+
+def check_array(op: str, name: str, x, *, ndim: int | None = None, kind: str | None = None):
+    """Trace-time check of one argument's rank and dtype kind ('int' or 'float')."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"sparsejax.ops.{op}: `{name}` must be an array, got {type(x).__name__}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(
+            f"sparsejax.ops.{op}: `{name}` must have rank {ndim}, got shape {tuple(x.shape)}"
+        )
+    if kind == "int" and not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"sparsejax.ops.{op}: `{name}` must be an integer array, got {x.dtype}")
+    if kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"sparsejax.ops.{op}: `{name}` must be a float array, got {x.dtype}")
+
+
+def check_same_length(op: str, **arrays) -> None:
+    lengths = {name: a.shape[0] for name, a in arrays.items() if a is not None}
+    if len(set(lengths.values())) > 1:
+        shown = ", ".join(f"`{n}` has {n_} entries" for n, n_ in lengths.items())
+        raise ValueError(f"sparsejax.ops.{op}: lookups must line up: {shown}")
+
+
+def _is_concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs if x is not None)
+
+
+def host_check_lookups(op, table_name, vocab, num_segments, ids, segment_ids, weights) -> None:
+    """Raise IndexError / ValueError naming the first bad entry (numpy, on the host)."""
+    ids = np.asarray(ids).reshape(-1)
+    where = f"sparsejax.ops.{op} (table {table_name!r}, vocab {vocab})"
+    too_big = np.nonzero(ids >= vocab)[0]
+    if too_big.size:
+        k = int(too_big[0])
+        raise IndexError(
+            f"{where}: id {int(ids[k])} at position {k} is out of range; ids must be < {vocab} "
+            f"({too_big.size} such ids; negative ids are padding)"
+        )
+    if segment_ids is None:
+        return
+    seg = np.asarray(segment_ids).reshape(-1)
+    valid = ids >= 0
+    bad = np.nonzero(valid & ((seg < 0) | (seg >= num_segments)))[0]
+    if bad.size:
+        k = int(bad[0])
+        raise IndexError(
+            f"{where}: segment id {int(seg[k])} at position {k} is outside [0, {num_segments})"
+        )
+    vseg = seg[valid]
+    down = np.nonzero(np.diff(vseg) < 0)[0]
+    if down.size:
+        k = int(np.nonzero(valid)[0][down[0] + 1])
+        raise ValueError(
+            f"{where}: segment_ids must be non-decreasing over non-padding entries "
+            f"(CSR order); position {k} has {int(seg[k])} after {int(vseg[down[0]])}"
+        )
+    if weights is not None:
+        w = np.asarray(weights, dtype=np.float32).reshape(-1)
+        nonfinite = np.nonzero(valid & ~np.isfinite(w))[0]
+        if nonfinite.size:
+            k = int(nonfinite[0])
+            raise ValueError(f"{where}: weight at position {k} is {w[k]}")
+
+
+def check_lookups(op, table_name, vocab, num_segments, ids, segment_ids=None, weights=None):
+    """Value checks: now if the inputs are concrete, in a host callback in checked mode."""
+    if _is_concrete(ids, segment_ids, weights):
+        host_check_lookups(op, table_name, vocab, num_segments, ids, segment_ids, weights)
+    elif _CHECKS:
+        jax.debug.callback(
+            lambda i, s, w: host_check_lookups(op, table_name, vocab, num_segments, i, s, w),
+            ids, segment_ids, weights,
+        )

@@ -1,0 +1,243 @@
+"""Row-sparse optimizers for embedding tables.
+
+Each optimizer updates only the rows a batch touched ("lazy" semantics, as in
+FBGEMM's TBE and TF's LazyAdam). The math lives in one place, `update_rows`, a pure
+jnp function on a block of rows that every implementation shares: the XLA path calls
+it on gathered rows, the Pallas kernel traces it inside the kernel, and the C++ CPU
+kernel mirrors it line by line (`csrc/sparsejax_cpu.cc`, same hyperparameter order).
+
+Hyperparameters travel as a small f32 vector (`hparams()`), so a learning-rate
+schedule never recompiles a kernel. Slots are stored in f32 whatever the table dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "SparseOptimizer",
+    "SGD",
+    "Adagrad",
+    "RowWiseAdagrad",
+    "LazyAdam",
+    "FTRL",
+    "AdagradDecay",
+    "SlotSpec",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSpec:
+    """One optimizer slot: per-element (`[V, D]`) or per-row (`[V]`)."""
+
+    name: str
+    per_row: bool
+    init: float = 0.0
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseOptimizer:
+    """Base class. Subclasses define `slots`, `hparams` and `update_rows`."""
+
+    learning_rate: float
+    """Step size; may be overridden per step by `sparse_apply(learning_rate=...)`."""
+
+    code: ClassVar[int]
+    """Kernel id shared with the C++ CPU kernel."""
+
+    def slots(self) -> tuple[SlotSpec, ...]:
+        return ()
+
+    def hparams(self, learning_rate: jax.Array | float | None = None) -> jax.Array:
+        """f32[8]: learning rate first, then optimizer-specific constants, zero-padded."""
+        lr = self.learning_rate if learning_rate is None else learning_rate
+        extra = [float(x) for x in self._extra_hparams()]
+        return jnp.concatenate(
+            [jnp.reshape(jnp.asarray(lr, jnp.float32), (1,)),
+             jnp.asarray(extra + [0.0] * (7 - len(extra)), jnp.float32)]
+        )
+
+    def _extra_hparams(self) -> tuple[float, ...]:
+        return ()
+
+    def init_slots(self, num_rows: int, dim: int) -> dict[str, jax.Array]:
+        """Fresh slot arrays for a `[num_rows, dim]` table."""
+        return {
+            s.name: jnp.full((num_rows,) if s.per_row else (num_rows, dim), s.init, s.dtype)
+            for s in self.slots()
+        }
+
+    def update_rows(self, hp, rows, slots, grads, step, *, dim):
+        """New (rows, slots) for a block of unique touched rows.
+
+        Args:
+          hp: f32[8] from `hparams()`.
+          rows: f32[R, Dp] current weights (Dp >= dim; columns past `dim` are padding
+            and have zero gradient).
+          slots: dict name -> f32[R, Dp] or [R] (per-row slots), the rows' state.
+          grads: f32[R, Dp] summed gradient of each row (duplicates already reduced).
+          step: i32 scalar, 1-based number of this update (bias correction, decay).
+          dim: the true embedding dim, for row-wise means.
+        """
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGD(SparseOptimizer):
+    """w -= lr * g."""
+
+    code: ClassVar[int] = 0
+
+    def update_rows(self, hp, rows, slots, grads, step, *, dim):
+        return rows - hp[0] * grads, slots
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Adagrad(SparseOptimizer):
+    """Element-wise Adagrad; matches `optax.adagrad` on touched rows."""
+
+    initial_accumulator_value: float = 0.1
+    eps: float = 1e-7
+    code: ClassVar[int] = 1
+
+    def slots(self):
+        return (SlotSpec("accumulator", per_row=False, init=self.initial_accumulator_value),)
+
+    def _extra_hparams(self):
+        return (self.eps,)
+
+    def update_rows(self, hp, rows, slots, grads, step, *, dim):
+        acc = slots["accumulator"] + grads * grads
+        scale = jnp.where(acc > 0, jax.lax.rsqrt(acc + hp[1]), 0.0)
+        return rows - hp[0] * scale * grads, {"accumulator": acc}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowWiseAdagrad(SparseOptimizer):
+    """One accumulator per row (FBGEMM EXACT_ROWWISE_ADAGRAD).
+
+    acc += mean(g^2); w -= lr * g / (sqrt(acc) + eps).
+    """
+
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-8
+    code: ClassVar[int] = 2
+
+    def slots(self):
+        return (SlotSpec("accumulator", per_row=True, init=self.initial_accumulator_value),)
+
+    def _extra_hparams(self):
+        return (self.eps,)
+
+    def update_rows(self, hp, rows, slots, grads, step, *, dim):
+        acc = slots["accumulator"] + jnp.sum(grads * grads, axis=-1) / dim
+        mult = hp[0] / (jnp.sqrt(acc) + hp[1])
+        return rows - mult[:, None] * grads, {"accumulator": acc}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LazyAdam(SparseOptimizer):
+    """Adam on touched rows only, with global-step bias correction (TF LazyAdam).
+
+    Equals `optax.adam` on rows that are touched every step.
+    """
+
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    code: ClassVar[int] = 3
+
+    def slots(self):
+        return (SlotSpec("mu", per_row=False), SlotSpec("nu", per_row=False))
+
+    def _extra_hparams(self):
+        return (self.b1, self.b2, self.eps)
+
+    def update_rows(self, hp, rows, slots, grads, step, *, dim):
+        b1, b2, eps = hp[1], hp[2], hp[3]
+        t = step.astype(jnp.float32)
+        mu = b1 * slots["mu"] + (1.0 - b1) * grads
+        nu = b2 * slots["nu"] + (1.0 - b2) * (grads * grads)
+        mu_hat = mu / (1.0 - b1**t)
+        nu_hat = nu / (1.0 - b2**t)
+        return rows - hp[0] * mu_hat / (jnp.sqrt(nu_hat) + eps), {"mu": mu, "nu": nu}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FTRL(SparseOptimizer):
+    """FTRL-proximal (McMahan et al. 2013; TF `FtrlOptimizer` with lr_power=-0.5)."""
+
+    l1: float = 0.0
+    l2: float = 0.0
+    beta: float = 0.0
+    initial_accumulator_value: float = 0.1
+    code: ClassVar[int] = 4
+
+    def slots(self):
+        return (
+            SlotSpec("accumulator", per_row=False, init=self.initial_accumulator_value),
+            SlotSpec("linear", per_row=False),
+        )
+
+    def _extra_hparams(self):
+        return (self.l1, self.l2, self.beta)
+
+    def update_rows(self, hp, rows, slots, grads, step, *, dim):
+        lr, l1, l2, beta = hp[0], hp[1], hp[2], hp[3]
+        n = slots["accumulator"]
+        n_new = n + grads * grads
+        sigma = (jnp.sqrt(n_new) - jnp.sqrt(n)) / lr
+        z = slots["linear"] + grads - sigma * rows
+        quadratic = (beta + jnp.sqrt(n_new)) / lr + 2.0 * l2
+        w = jnp.where(jnp.abs(z) > l1, (jnp.sign(z) * l1 - z) / quadratic, 0.0)
+        return w, {"accumulator": n_new, "linear": z}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdagradDecay(SparseOptimizer):
+    """DeepRec's AdagradDecay: Adagrad whose accumulator decays every
+    `accumulator_decay_step` global steps, never below `initial_accumulator_value`.
+
+    Decay is applied lazily when a row is next touched, once per elapsed period
+    (`acc = max(acc * rate**periods, baseline)`), which equals decaying every row at
+    every period boundary.
+    """
+
+    initial_accumulator_value: float = 0.1
+    accumulator_decay_step: int = 100_000
+    accumulator_decay_rate: float = 0.9
+    code: ClassVar[int] = 5
+
+    def __post_init__(self):
+        if self.initial_accumulator_value <= 0:
+            raise ValueError("AdagradDecay: initial_accumulator_value must be > 0, got "
+                             f"{self.initial_accumulator_value}")
+        if not 0 < self.accumulator_decay_step < 2**24:
+            raise ValueError("AdagradDecay: accumulator_decay_step must be in [1, 2**24), "
+                             f"got {self.accumulator_decay_step}")
+
+    def slots(self):
+        return (
+            SlotSpec("accumulator", per_row=False, init=self.initial_accumulator_value),
+            SlotSpec("decay_power", per_row=True, dtype="int32"),
+        )
+
+    def _extra_hparams(self):
+        return (self.accumulator_decay_rate, self.initial_accumulator_value,
+                float(self.accumulator_decay_step))
+
+    def update_rows(self, hp, rows, slots, grads, step, *, dim):
+        lr, rate, baseline, period_len = hp[0], hp[1], hp[2], hp[3]
+        period = step // period_len.astype(jnp.int32)
+        power = slots["decay_power"]
+        elapsed = (period - power).astype(jnp.float32)
+        decayed = jnp.maximum(slots["accumulator"] * rate ** elapsed[:, None], baseline)
+        acc = jnp.where((elapsed > 0)[:, None], decayed, slots["accumulator"])
+        acc = acc + grads * grads
+        new_rows = rows - lr * grads * jax.lax.rsqrt(acc)
+        return new_rows, {"accumulator": acc, "decay_power": jnp.maximum(power, period)}

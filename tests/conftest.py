@@ -1,0 +1,27 @@
+"""One strict test environment: strict dtype promotion, several fake CPU devices (so
+mesh tests run anywhere), float32 by default, warnings as errors (pyproject.toml)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+from sparsejax import ops  # noqa: E402
+
+CPU_IMPLEMENTATIONS = [
+    "xla",
+    "pallas",
+    pytest.param("cpu_ffi", marks=pytest.mark.skipif(
+        not ops.cpu_ffi_available(), reason="C++ extension not built")),
+    None,
+]
+
+
+@pytest.fixture(params=CPU_IMPLEMENTATIONS, ids=lambda p: str(p))
+def implementation(request):
+    """Every implementation that runs on this CPU (Pallas in interpret mode)."""
+    return request.param
