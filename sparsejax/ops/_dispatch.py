@@ -3,13 +3,12 @@
 `implementation=None` means "best for the platform": the C++ kernel on CPU when the
 extension is built (else XLA), the Pallas-Triton kernel on CUDA, XLA elsewhere. An
 explicit choice that cannot run on a platform is an error, never a silent fallback.
-The choice is logged once per (op, platform, implementation) at DEBUG level on the
-`sparsejax` logger, and `resolve_implementation` tells it without running anything.
+The choice is logged at DEBUG level on the
+`sparsejax` logger each time an op is compiled, and `resolve_implementation` tells it without running anything.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 IMPLEMENTATIONS = ("xla", "cpu_ffi", "pallas")
@@ -53,7 +52,6 @@ def resolve_implementation(implementation: str | None, platform: str) -> str:
     return implementation
 
 
-@functools.cache
 def log_choice(op: str, platform: str, requested: str | None, chosen: str) -> None:
     logger.debug("sparsejax.ops.%s on %s: requested %s -> %s", op, platform, requested, chosen)
 
