@@ -1,0 +1,392 @@
+#!/usr/bin/env python3
+"""GPU check of the Pallas-Triton kernels (`sparsejax.ops._pallas`): correctness at
+realistic sizes against plain-jnp XLA implementations written inline here, and timing
+against those and against a device-to-device copy, in one table.
+
+    python experiments/gpu_check.py                       # on a GPU (a few minutes)
+    python experiments/gpu_check.py --interpret --small   # CPU smoke test, tiny sizes
+
+Columns: ms is the median of >= 10 timed samples (each sample runs the call `--reps`
+times back to back, then blocks); GB/s counts the bytes a kernel must move (the byte
+model is printed under the table); "% copy" compares that with `x + c` over ~2 GB
+(read + write bytes); "vs XLA" is XLA's time divided by the kernel's (> 1: faster);
+"check" is the largest error against the XLA result on the same inputs (argmax
+positions and untouched rows must match exactly).
+
+What this covers that CPU tests cannot: races between programs (hot ids whose atomics
+collide, many programs storing rows), negative / out-of-range ids on real memory
+(masked loads must never fault), Triton compilation itself, and real bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sparsejax.ops import _pallas
+from sparsejax.ops import optimizers as opt_lib
+
+ROWS: list[dict] = []
+COPY_GBPS = [float("nan")]
+FAILED: list[str] = []
+BYTE_MODELS = {
+    "copy": "2 x array bytes (read + write)",
+    "forward": "N*(D*itemsize + 8 id/coef) + S*D*itemsize out (+ S*D*4 argk for max)",
+    "spmm": "N*(D*itemsize + 12 id/seg/coef) + S*D*itemsize out",
+    "sparse_apply": "N*(12 + D*4 grad row) + U*2*D*4 (G write + read) "
+                    "+ U*2*(row + slot bytes) (touched state read + write)",
+    "apply_rows": "U*(D*4 grad + 4 id) + U*2*(row + slot bytes)",
+}
+
+
+# ------------------------------------------------------------------ timing helpers
+def timeit(fn, *args, samples, reps):
+    """Median ms per call of fn(*args) (already compiled by a warm-up call)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / reps)
+    return statistics.median(times) * 1e3
+
+
+def timeit_stateful(fn, state, *args, samples, reps):
+    """Like `timeit` for fn(state, *args) -> state with the state donated."""
+    state = fn(state, *args)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        for _ in range(reps):
+            state = fn(state, *args)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t) / reps)
+    return statistics.median(times) * 1e3, state
+
+
+def record(kernel, shape, ms, nbytes, xla_ms=None, check=""):
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    ROWS.append(dict(kernel=kernel, shape=shape, ms=ms, gbps=gbps,
+                     pct=100.0 * gbps / COPY_GBPS[0],
+                     speedup=(xla_ms / ms) if xla_ms else None, check=check))
+    print(f"  {kernel:<34} {shape:<46} {ms:9.4f} ms  {gbps:8.1f} GB/s"
+          + (f"  x{xla_ms / ms:5.2f} vs XLA" if xla_ms else "") + f"  {check}", flush=True)
+
+
+def print_table(args):
+    dev = jax.devices()[0]
+    print()
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+          f"interpret={args.interpret}, small={args.small}, copy bw {COPY_GBPS[0]:.1f} GB/s")
+    head = (f"| {'kernel':<34} | {'shape':<46} | {'ms':>9} | {'GB/s':>8} | {'% copy':>6} "
+            f"| {'vs XLA':>6} | check")
+    print(head)
+    print("|" + "|".join("-" * (len(c) + 0) for c in head.split("|")[1:]))
+    for r in ROWS:
+        sp = f"{r['speedup']:6.2f}" if r["speedup"] else "     -"
+        print(f"| {r['kernel']:<34} | {r['shape']:<46} | {r['ms']:9.4f} | {r['gbps']:8.1f} "
+              f"| {r['pct']:6.1f} | {sp} | {r['check']}")
+    print("\nbyte models (what GB/s counts; xla rows use their kernel's model):")
+    for k, v in BYTE_MODELS.items():
+        print(f"  {k}: {v}")
+
+
+# ------------------------------------------------------------------ XLA implementations
+def xla_bag_sum(table, ids, seg, coef, num_segments):
+    """take + segment_sum (sorted segment ids; padding has coef 0 and id clamped)."""
+    vocab = table.shape[0]
+    valid = (ids >= 0) & (ids < vocab) & (seg >= 0) & (seg < num_segments)
+    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0).astype(jnp.float32)
+    rows = rows * jnp.where(valid, coef, 0.0)[:, None]
+    out = jax.ops.segment_sum(rows, seg, num_segments, indices_are_sorted=True)
+    return out.astype(table.dtype)
+
+
+def xla_bag_max(table, ids, seg, coef, num_segments):
+    vocab = table.shape[0]
+    valid = (ids >= 0) & (ids < vocab) & (seg >= 0) & (seg < num_segments)
+    x = jnp.take(table, jnp.where(valid, ids, 0), axis=0).astype(jnp.float32) * coef[:, None]
+    x = jnp.where(valid[:, None], x, -jnp.inf)
+    best = jax.ops.segment_max(x, seg, num_segments, indices_are_sorted=True)
+    pos = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
+    won = valid[:, None] & (x == best[jnp.clip(seg, 0, num_segments - 1)])
+    arg = jax.ops.segment_min(jnp.where(won, pos, 2**31 - 1), seg, num_segments,
+                              indices_are_sorted=True)
+    found = arg < 2**31 - 1
+    return jnp.where(found, best, 0.0).astype(table.dtype), jnp.where(found, arg, -1)
+
+
+def xla_sparse_apply(table, slots, ids, seg, coef, grad, hp, step, *, optimizer):
+    """Sort-based dedup + segment_sum of row gradients + update_rows + scatter."""
+    vocab, dim = table.shape
+    n, num_segments = ids.shape[0], grad.shape[0]
+    valid = (ids >= 0) & (ids < vocab) & (seg >= 0) & (seg < num_segments)
+    key = jnp.where(valid, ids, vocab)
+    skey, perm = lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1)
+    first = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
+    run = jnp.cumsum(first.astype(jnp.int32)) - 1
+    uniq = jnp.full((n,), vocab, jnp.int32).at[run].set(skey)
+    g_rows = grad[jnp.clip(seg[perm], 0, num_segments - 1)] * jnp.where(valid, coef, 0.0)[
+        perm][:, None]
+    g = jax.ops.segment_sum(g_rows, run, n, indices_are_sorted=True)
+    specs = optimizer.slots()
+    rows = table.at[uniq].get(mode="fill", fill_value=0).astype(jnp.float32)
+    slot_rows = {s.name: v.at[uniq].get(mode="fill", fill_value=0)
+                 for s, v in zip(specs, slots, strict=True)}
+    new_rows, new_slots = optimizer.update_rows(hp, rows, slot_rows, g, step, dim=dim)
+    table = table.at[uniq].set(new_rows.astype(table.dtype), mode="drop")
+    slots = tuple(v.at[uniq].set(new_slots[s.name].astype(v.dtype), mode="drop")
+                  for s, v in zip(specs, slots, strict=True))
+    return table, slots
+
+
+def xla_apply_rows(table, slots, uids, grads, hp, step, *, optimizer):
+    vocab, dim = table.shape
+    uids = jnp.where((uids >= 0) & (uids < vocab), uids, vocab)
+    specs = optimizer.slots()
+    rows = table.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
+    slot_rows = {s.name: v.at[uids].get(mode="fill", fill_value=0)
+                 for s, v in zip(specs, slots, strict=True)}
+    new_rows, new_slots = optimizer.update_rows(hp, rows, slot_rows, grads, step, dim=dim)
+    table = table.at[uids].set(new_rows.astype(table.dtype), mode="drop")
+    slots = tuple(v.at[uids].set(new_slots[s.name].astype(v.dtype), mode="drop")
+                  for s, v in zip(specs, slots, strict=True))
+    return table, slots
+
+
+# ------------------------------------------------------------------ inputs
+def make_bags(rng, num_bags, mean_len, vocab, *, power_law=False, pad_frac=0.02,
+              hot_frac=0.0):
+    """Sorted segment ids; ids uniform over the table (so the table is not L2-resident),
+    a fraction of padding ids (-1 and >= vocab) anywhere, optional hot id 7."""
+    if power_law:
+        lengths = np.minimum(rng.zipf(1.6, num_bags), 50 * mean_len)
+        lengths = (lengths * (mean_len * num_bags / lengths.sum())).astype(np.int64)
+    else:
+        lengths = rng.integers(mean_len // 2, mean_len + mean_len // 2 + 1, num_bags)
+    lengths[:3] = [0, 1, 0]  # empty bags and L=1 even at small sizes
+    seg = np.repeat(np.arange(num_bags, dtype=np.int32), lengths)
+    n = seg.shape[0]
+    ids = rng.integers(0, vocab, n, dtype=np.int64).astype(np.int32)
+    bad = rng.random(n) < pad_frac
+    ids[bad] = np.where(rng.random(bad.sum()) < 0.5, -1, vocab + 3)
+    if hot_frac:
+        ids[rng.random(n) < hot_frac] = 7
+    coef = rng.uniform(0.5, 1.5, n).astype(np.float32)
+    return jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(coef)
+
+
+def max_err(a, b):
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    return float(jnp.max(jnp.abs(a - b) / (1.0 + jnp.abs(b))))
+
+
+# ------------------------------------------------------------------ sections
+def guarded(label, fn, *a, **k):
+    """Run one check; a failure is reported and recorded, never fatal to the others."""
+    try:
+        return fn(*a, **k)
+    except Exception:  # noqa: BLE001
+        print(f"  {label} FAILED:")
+        traceback.print_exc()
+        FAILED.append(label)
+        return None
+
+
+def sizes(args):
+    """(vocab, num_bags, mean bag length): a table far larger than L2 and >= 100 MB
+    gathered per call on the GPU; tiny with --small."""
+    return (20_000, 64, 8) if args.small else (4_000_000, 16384, 32)
+
+
+def section_copy(args):
+    n = (8 << 20 if args.small else 2 << 30) // 4
+    x = jnp.ones((n,), jnp.float32)
+    c = jnp.float32(0.0)  # a runtime operand, so XLA cannot fold the add away
+    ms = timeit(jax.jit(lambda x, c: x + c), x, c, samples=args.samples, reps=args.reps)
+    COPY_GBPS[0] = 2 * n * 4 / (ms * 1e-3) / 1e9
+    record("copy x+c", f"f32[{n}]", ms, 2 * n * 4)
+
+
+def forward_case(args, table, ids, seg, coef, num_bags, label, *, with_max, sweep):
+    ip, t = args.interpret, dict(samples=args.samples, reps=args.reps)
+    n, dim = ids.shape[0], table.shape[1]
+    isz = table.dtype.itemsize
+    nbytes = n * (dim * isz + 8) + num_bags * dim * isz
+    shape = f"{label} N={n} S={num_bags}"
+    ref_fn = jax.jit(functools.partial(xla_bag_sum, num_segments=num_bags))
+    ref = ref_fn(table, ids, seg, coef)
+    xla_ms = timeit(ref_fn, table, ids, seg, coef, **t)
+    record("xla take+segment_sum", shape, xla_ms, nbytes)
+
+    def fwd():
+        f = jax.jit(functools.partial(_pallas.embedding_bag_forward, num_segments=num_bags,
+                                      interpret=ip))
+        err = max_err(f(table, ids, seg, coef), ref)
+        record("embedding_bag_fwd sum", shape, timeit(f, table, ids, seg, coef, **t), nbytes,
+               xla_ms, f"err {err:.1e}")
+
+    def spmm():
+        f = jax.jit(lambda c, i, s, tb: _pallas.spmm(c, i, s, tb, num_bags, interpret=ip))
+        err = max_err(f(coef, ids, seg, table), ref)
+        record("spmm (as fwd)", shape, timeit(f, coef, ids, seg, table, **t), nbytes + 4 * n,
+               xla_ms, f"err {err:.1e}")
+
+    def fmax():
+        ref_fn = jax.jit(functools.partial(xla_bag_max, num_segments=num_bags))
+        r_out, r_arg = ref_fn(table, ids, seg, coef)
+        x_ms = timeit(ref_fn, table, ids, seg, coef, **t)
+        f = jax.jit(functools.partial(_pallas.embedding_bag_forward, num_segments=num_bags,
+                                      combiner="max", interpret=ip))
+        out, arg = f(table, ids, seg, coef)
+        check = f"err {max_err(out, r_out):.1e} argk diff {int(jnp.sum(arg != r_arg))}"
+        record("embedding_bag_fwd max", shape, timeit(f, table, ids, seg, coef, **t),
+               nbytes + num_bags * dim * 4, x_ms, check)
+
+    guarded(f"fwd sum {shape}", fwd)
+    guarded(f"spmm {shape}", spmm)
+    if with_max:
+        guarded(f"fwd max {shape}", fmax)
+    if sweep:
+        for r in (8, 16, 32):
+            for w in (1, 2, 4):
+                for bags in (1, 2):
+                    def one(r=r, w=w, bags=bags):
+                        f = jax.jit(functools.partial(
+                            _pallas.embedding_bag_forward, num_segments=num_bags,
+                            rows_per_step=r, bags_per_program=bags, num_warps=w,
+                            interpret=ip))
+                        err = max_err(f(table, ids, seg, coef), ref)
+                        record(f"fwd sweep R={r} warps={w} bags={bags}", shape,
+                               timeit(f, table, ids, seg, coef, **t), nbytes, xla_ms,
+                               f"err {err:.1e}")
+
+                    guarded(f"fwd sweep R={r} warps={w} bags={bags}", one)
+
+
+def section_forward(args, rng):
+    vocab, num_bags, mean_len = sizes(args)
+    for dim, dtype in ((128, jnp.float32), (64, jnp.float32), (128, jnp.bfloat16)):
+        table = jax.random.normal(jax.random.key(dim), (vocab, dim), jnp.float32).astype(dtype)
+        label = f"V={vocab} D={dim} {jnp.dtype(dtype).name}"
+        ids, seg, coef = make_bags(rng, num_bags, mean_len, vocab)
+        main_case = dim == 128 and dtype == jnp.float32
+        forward_case(args, table, ids, seg, coef, num_bags, label, with_max=main_case,
+                     sweep=main_case and not args.no_sweep)
+        if main_case:  # heavy-tailed bag lengths: one bag per program vs fixed chunks
+            ids, seg, coef = make_bags(rng, num_bags, mean_len, vocab, power_law=True)
+            forward_case(args, table, ids, seg, coef, num_bags, f"{label} power-law L",
+                         with_max=False, sweep=False)
+        del table
+
+
+def optimizer_case(args, optimizer, table, ids, seg, coef, grad, touched, untouched):
+    ip, t = args.interpret, dict(samples=args.samples, reps=args.reps)
+    name = type(optimizer).__name__
+    vocab, dim = table.shape
+    n, num_u = ids.shape[0], touched.shape[0]
+    slots = tuple(optimizer.init_slots(vocab, dim)[s.name] for s in optimizer.slots())
+    hp, step = optimizer.hparams(), jnp.int32(3)
+    slot_row_bytes = sum(4 if s.per_row else 4 * dim for s in optimizer.slots())
+    state_bytes = 2 * num_u * (dim * 4 + slot_row_bytes)
+    shape = f"V={vocab} D={dim} N={n} U={num_u}"
+    # Correctness without donation (the inputs must survive for the comparison).
+    ref_fn = jax.jit(functools.partial(xla_sparse_apply, optimizer=optimizer))
+    pal_fn = jax.jit(functools.partial(_pallas.sparse_apply, optimizer=optimizer,
+                                       interpret=ip))
+    r_table, r_slots = ref_fn(table, slots, ids, seg, coef, grad, hp, step)
+    p_table, p_slots = pal_fn(table, slots, ids, seg, coef, grad, hp, step)
+    rows, ut = jnp.asarray(touched), jnp.asarray(untouched)
+    err = max([max_err(p_table[rows], r_table[rows])]
+              + [max_err(a[rows], b[rows]) for a, b in zip(p_slots, r_slots, strict=True)])
+    same = bool(jnp.array_equal(p_table[ut], table[ut])) and all(
+        bool(jnp.array_equal(a[ut], b[ut])) for a, b in zip(p_slots, slots, strict=True))
+    check = f"err {err:.1e} untouched {'same' if same else 'CHANGED'}"
+    del r_table, r_slots, p_table, p_slots
+    # Timing with the state donated (in place), as in a training step.
+    nbytes = n * (12 + dim * 4) + 2 * num_u * dim * 4 + state_bytes
+    xs = jax.jit(lambda st, *a: xla_sparse_apply(*st, *a, optimizer=optimizer),
+                 donate_argnums=0)
+    ps = jax.jit(lambda st, *a: _pallas.sparse_apply(*st, *a, optimizer=optimizer,
+                                                     interpret=ip), donate_argnums=0)
+    state = (table, slots)
+    del table, slots
+    xla_ms, state = timeit_stateful(xs, state, ids, seg, coef, grad, hp, step, **t)
+    record(f"xla sparse_apply {name}", shape, xla_ms, nbytes)
+    before = state[0].unsafe_buffer_pointer()
+    ms, state = timeit_stateful(ps, state, ids, seg, coef, grad, hp, step, **t)
+    inplace = state[0].unsafe_buffer_pointer() == before
+    record(f"sparse_apply {name}", shape, ms, nbytes, xla_ms,
+           check + (" in-place" if inplace else " COPIED"))
+    # apply_rows alone, on the unique ids (padded with -1 to N).
+    uids = jnp.asarray(np.concatenate([touched, -np.ones(n - num_u, np.int64)]), jnp.int32)
+    g = jax.random.normal(jax.random.key(3), (n, dim), jnp.float32)
+    xa = jax.jit(lambda st, *a: xla_apply_rows(*st, *a, optimizer=optimizer), donate_argnums=0)
+    pa = jax.jit(lambda st, *a: _pallas.apply_rows(*st, *a, optimizer=optimizer,
+                                                   interpret=ip), donate_argnums=0)
+    xla_ms, state = timeit_stateful(xa, state, uids, g, hp, step, **t)
+    ms, state = timeit_stateful(pa, state, uids, g, hp, step, **t)
+    record(f"apply_rows {name}", shape, ms, num_u * (dim * 4 + 4) + state_bytes, xla_ms)
+
+
+def section_optimizer(args, rng):
+    vocab, num_bags, mean_len = sizes(args)
+    dim = 128
+    # 1% of lookups hit one hot id: its run spans hundreds of spmm chunks (atomics).
+    ids, seg, coef = make_bags(rng, num_bags, mean_len, vocab, hot_frac=0.01)
+    grad = jax.random.normal(jax.random.key(1), (num_bags, dim), jnp.float32)
+    ids_np, seg_np = np.asarray(ids), np.asarray(seg)
+    ok = (ids_np >= 0) & (ids_np < vocab) & (seg_np >= 0) & (seg_np < num_bags)
+    touched = np.unique(ids_np[ok])
+    untouched = np.setdiff1d(rng.integers(0, vocab, 4096), touched)
+    for optimizer in (opt_lib.RowWiseAdagrad(learning_rate=0.01),
+                      opt_lib.LazyAdam(learning_rate=0.001), opt_lib.SGD(learning_rate=0.01)):
+        table = jax.random.normal(jax.random.key(2), (vocab, dim), jnp.float32)
+        guarded(f"optimizer {type(optimizer).__name__}", optimizer_case, args, optimizer,
+                table, ids, seg, coef, grad, touched, untouched)
+        del table
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
+    p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+    p.add_argument("--samples", type=int, default=10, help="timed samples (median)")
+    p.add_argument("--reps", type=int, default=None, help="calls per sample (default 5; 1 "
+                   "with --interpret)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the forward config sweep")
+    p.add_argument("--sections", default="copy,forward,optimizer")
+    args = p.parse_args(argv)
+    if args.reps is None:
+        args.reps = 1 if args.interpret else 5
+    if not args.interpret and jax.default_backend() != "gpu":
+        print("no GPU: run with --interpret --small on a CPU", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    sections = {"copy": lambda: section_copy(args), "forward": lambda: section_forward(args, rng),
+                "optimizer": lambda: section_optimizer(args, rng)}
+    for name in args.sections.split(","):
+        print(f"[{name}]", flush=True)
+        guarded(f"section {name}", sections[name])
+    print_table(args)
+    if FAILED:
+        print(f"\nFAILED: {FAILED}")
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
