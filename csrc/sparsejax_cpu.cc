@@ -19,19 +19,26 @@
 // nearest even). Summation order is always ascending k within an output row, so
 // results do not depend on the thread count or on whether the fast path ran.
 //
-// Threads: std::thread, count = $SPARSEJAX_CPU_THREADS or hardware_concurrency();
+// Threads: a persistent worker pool, count = $SPARSEJAX_CPU_THREADS or hardware_concurrency();
 // work below $SPARSEJAX_CPU_MIN_PARALLEL entries per thread (default 4096) runs on
 // fewer threads (one for tiny inputs).
+// Buffers of 64 MiB or more are advised onto 2 MiB pages (AdviseHugePages).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -109,39 +116,142 @@ int ThreadsFor(int64_t work) {
   return static_cast<int>(t);
 }
 
-// Runs fn(0..n-1), fn(0) on the calling thread. If a thread cannot be created,
-// its share runs on the calling thread (results never depend on the split).
+// Runs fn(t) for t in [0, n): fn(0) on the calling thread, the rest on a persistent
+// pool of workers (thread start-up costs ~40 us, as much as a small lookup). If the
+// pool is busy (XLA may run two custom calls at once) or a worker cannot be started,
+// the extra shares run on the calling thread: results never depend on the split.
+class WorkerPool {
+ public:
+  static WorkerPool& Get() {
+    static WorkerPool* pool = new WorkerPool();  // leaked: workers outlive static dtors
+    return *pool;
+  }
+
+  // Returns false (nothing ran) if the pool is busy with another caller.
+  bool TryRun(int n, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    EnsureWorkers(n - 1);
+    const int helpers = std::min<int>(n - 1, static_cast<int>(workers_.size()));
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &fn;
+      job_helpers_ = helpers;
+      pending_ = helpers;
+      failed_ = false;
+      ++generation_;
+    }
+    cv_.notify_all();
+    bool failed = false;
+    try {
+      fn(0);
+      for (int t = helpers + 1; t < n; ++t) fn(t);
+    } catch (...) {
+      failed = true;
+    }
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    job_ = nullptr;
+    if (failed || failed_) throw std::runtime_error("worker thread failed");
+    return true;
+  }
+
+ private:
+  void EnsureWorkers(int want) {
+    while (static_cast<int>(workers_.size()) < want) {
+      const int index = static_cast<int>(workers_.size()) + 1;
+      try {
+        workers_.emplace_back([this, index] { Loop(index); });
+        workers_.back().detach();
+      } catch (...) {
+        return;  // run that share inline
+      }
+    }
+  }
+
+  void Loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index > job_helpers_) continue;
+        job = job_;
+      }
+      bool failed = false;
+      try {
+        (*job)(index);
+      } catch (...) {
+        failed = true;
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      failed_ = failed_ || failed;
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* job_ = nullptr;
+  int job_helpers_ = 0, pending_ = 0;
+  bool failed_ = false;
+  uint64_t generation_ = 0;
+};
+
 template <typename Fn>
 void ParallelFor(int n, Fn&& fn) {
   if (n <= 1) {
     fn(0);
     return;
   }
-  std::vector<std::thread> threads;
-  threads.reserve(n - 1);
-  std::vector<int> inline_ids;
-  std::atomic<bool> worker_failed{false};
-  for (int t = 1; t < n; ++t) {
-    try {
-      threads.emplace_back([&fn, &worker_failed, t] {
-        try {
-          fn(t);
-        } catch (...) {  // never let an exception terminate the process
-          worker_failed.store(true);
-        }
-      });
-    } catch (...) {
-      inline_ids.push_back(t);
+  const std::function<void(int)> job = [&fn](int t) { fn(t); };
+  if (WorkerPool::Get().TryRun(n, job)) return;
+  for (int t = 0; t < n; ++t) fn(t);  // pool busy: this call runs alone
+}
+
+// Asks the kernel to back a large buffer (an embedding table, its optimizer slots)
+// with 2 MiB pages: random row access over a GiB table otherwise misses the TLB on
+// nearly every row. MADV_HUGEPAGE covers future faults; MADV_COLLAPSE (Linux >= 6.1)
+// converts the pages already there, in a background thread so no step stalls. Both
+// leave the contents unchanged, so advising memory XLA later frees is harmless.
+// Once per (address, size); off with SPARSEJAX_HUGE_PAGES=0.
+void AdviseHugePages(const void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr int64_t kMinBytes = int64_t{64} << 20;
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < kMinBytes || EnvInt("SPARSEJAX_HUGE_PAGES", 1) == 0) return;
+  static std::mutex mu;
+  static std::vector<std::pair<uintptr_t, int64_t>>* seen =
+      new std::vector<std::pair<uintptr_t, int64_t>>();
+  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    for (const auto& e : *seen) {
+      if (e.first == p && e.second == bytes) return;
     }
+    if (seen->size() > 4096) seen->clear();
+    seen->emplace_back(p, bytes);
   }
+  const uintptr_t begin = (p + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (p + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (end <= begin) return;
+  madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
   try {
-    fn(0);
-    for (int t : inline_ids) fn(t);
+    std::thread([begin, end] {
+      constexpr uintptr_t kStep = uintptr_t{64} << 20;
+      for (uintptr_t a = begin; a < end; a += kStep) {
+        madvise(reinterpret_cast<void*>(a), std::min(kStep, end - a), 25 /* MADV_COLLAPSE */);
+      }
+    }).detach();
   } catch (...) {
-    worker_failed.store(true);
   }
-  for (auto& th : threads) th.join();
-  if (worker_failed.load()) throw std::runtime_error("worker thread failed");
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
 // Runs fn(c) for every chunk c in [0, nchunks) on `nthreads` threads that grab
@@ -265,9 +375,9 @@ void ZeroRows(T* out, int64_t s_begin, int64_t s_end, int64_t d) {
 }
 
 template <typename T>
-void SpmmSortedRange(const Entries& e, const T* SJ_RESTRICT dense, T* SJ_RESTRICT out,
-                     int64_t d, int64_t k_begin, int64_t k_end, int64_t s_begin,
-                     int64_t s_end) {
+SJ_INLINE void SpmmSortedRangeBody(const Entries& e, const T* SJ_RESTRICT dense,
+                                   T* SJ_RESTRICT out, int64_t d, int64_t k_begin,
+                                   int64_t k_end, int64_t s_begin, int64_t s_end) {
   std::vector<float> acc_buf(std::max<int64_t>(d, 1));
   float* SJ_RESTRICT acc = acc_buf.data();
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
@@ -297,6 +407,36 @@ void SpmmSortedRange(const Entries& e, const T* SJ_RESTRICT dense, T* SJ_RESTRIC
   }
   if (cur >= 0) StoreRow(out + cur * d, acc, d);
   ZeroRows(out, next_zero, s_end, d);
+}
+
+// The gather-accumulate loop is compute-bound at SSE2 width (the portable baseline),
+// so it is compiled twice: a copy for AVX2+FMA machines, picked at run time, and
+// the baseline. Each copy is deterministic on its own; they differ (FMA) by an ulp.
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename T>
+__attribute__((target("avx2,fma"))) void SpmmSortedRangeAvx2(
+    const Entries& e, const T* dense, T* out, int64_t d, int64_t k_begin, int64_t k_end,
+    int64_t s_begin, int64_t s_end) {
+  SpmmSortedRangeBody<T>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+}
+
+bool HasAvx2Fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         EnvInt("SPARSEJAX_CPU_BASELINE_ISA", 0) == 0;
+  return ok;
+}
+#endif
+
+template <typename T>
+void SpmmSortedRange(const Entries& e, const T* dense, T* out, int64_t d, int64_t k_begin,
+                     int64_t k_end, int64_t s_begin, int64_t s_end) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (HasAvx2Fma()) {
+    SpmmSortedRangeAvx2<T>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+    return;
+  }
+#endif
+  SpmmSortedRangeBody<T>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
 }
 
 template <typename T>
@@ -372,6 +512,7 @@ ffi::Error SpmmImplHandler(ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::AnyBu
             reinterpret_cast<const int32_t*>(seg.untyped_data()), values.dimensions()[0],
             dense.dimensions()[0], out->dimensions()[0]};
   const int64_t d = dense.dimensions()[1];
+  AdviseHugePages(dense.untyped_data(), static_cast<int64_t>(dense.size_bytes()));
   if (dense.element_type() == ffi::DataType::F32) {
     SpmmImpl<float>(e, reinterpret_cast<const float*>(dense.untyped_data()),
                     reinterpret_cast<float*>(out->untyped_data()), d);
@@ -499,6 +640,7 @@ ffi::Error SegMaxImplHandler(ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::Any
             reinterpret_cast<const int32_t*>(seg.untyped_data()), values.dimensions()[0],
             dense.dimensions()[0], out->dimensions()[0]};
   const int64_t d = dense.dimensions()[1];
+  AdviseHugePages(dense.untyped_data(), static_cast<int64_t>(dense.size_bytes()));
   int32_t* arg = reinterpret_cast<int32_t*>(argk->untyped_data());
   if (dense.element_type() == ffi::DataType::F32) {
     SegMaxImpl<float>(e, reinterpret_cast<const float*>(dense.untyped_data()),
@@ -854,6 +996,9 @@ ffi::Error SparseApplyImplHandler(ffi::RemainingArgs args, ffi::RemainingRets re
     }
   }
 
+  for (const ffi::AnyBuffer& b : out) {
+    AdviseHugePages(b.untyped_data(), static_cast<int64_t>(b.size_bytes()));
+  }
   ApplyCtx c{};
   c.opt = optimizer;
   c.v = v;
