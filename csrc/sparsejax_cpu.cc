@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <utility>
@@ -137,9 +138,9 @@ class WorkerPool {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = &fn;
       job_helpers_ = helpers;
-      pending_ = helpers;
-      failed_ = false;
-      ++generation_;
+      pending_.store(helpers, std::memory_order_relaxed);
+      failed_.store(false, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     bool failed = false;
@@ -149,14 +150,31 @@ class WorkerPool {
     } catch (...) {
       failed = true;
     }
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return pending_ == 0; });
-    job_ = nullptr;
-    if (failed || failed_) throw std::runtime_error("worker thread failed");
+    if (!SpinUntil([&] { return pending_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+    }
+    if (failed || failed_.load()) throw std::runtime_error("worker thread failed");
     return true;
   }
 
  private:
+  // Spins up to ~kSpinMicros for `done`. A kernel call is often ~1 ms, and waking a
+  // thread blocked on a futex costs tens of microseconds, so workers (and the caller
+  // waiting for them) spin briefly before they sleep, as OpenMP runtimes do.
+  template <typename Pred>
+  static bool SpinUntil(Pred done) {
+    constexpr int64_t kSpinMicros = 300;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+    for (int i = 0;; ++i) {
+      if (done()) return true;
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+      if ((i & 255) == 0 && std::chrono::steady_clock::now() > until) return done();
+    }
+  }
+
   void EnsureWorkers(int want) {
     while (static_cast<int>(workers_.size()) < want) {
       const int index = static_cast<int>(workers_.size()) + 1;
@@ -172,11 +190,15 @@ class WorkerPool {
   void Loop(int index) {
     uint64_t seen = 0;
     for (;;) {
+      auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+      if (!SpinUntil(fresh)) {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, fresh);
+      }
       const std::function<void(int)>* job;
       {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
+        std::lock_guard<std::mutex> lk(mu_);
+        seen = generation_.load(std::memory_order_relaxed);
         if (index > job_helpers_) continue;
         job = job_;
       }
@@ -186,9 +208,11 @@ class WorkerPool {
       } catch (...) {
         failed = true;
       }
-      std::lock_guard<std::mutex> lk(mu_);
-      failed_ = failed_ || failed;
-      if (--pending_ == 0) done_cv_.notify_one();
+      if (failed) failed_.store(true);
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lk(mu_);  // pairs with the caller's wait
+        done_cv_.notify_one();
+      }
     }
   }
 
@@ -196,9 +220,10 @@ class WorkerPool {
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> workers_;
   const std::function<void(int)>* job_ = nullptr;
-  int job_helpers_ = 0, pending_ = 0;
-  bool failed_ = false;
-  uint64_t generation_ = 0;
+  int job_helpers_ = 0;
+  std::atomic<int> pending_{0};
+  std::atomic<bool> failed_{false};
+  std::atomic<uint64_t> generation_{0};
 };
 
 template <typename Fn>
@@ -374,27 +399,35 @@ void ZeroRows(T* out, int64_t s_begin, int64_t s_end, int64_t d) {
   if (s_end > s_begin) std::memset(out + s_begin * d, 0, sizeof(T) * (s_end - s_begin) * d);
 }
 
-template <typename T>
+// kD > 0: the row width is a compile-time constant, so the accumulator lives in
+// registers and the row loop is fully unrolled.
+template <typename T, int kD>
 SJ_INLINE void SpmmSortedRangeBody(const Entries& e, const T* SJ_RESTRICT dense,
-                                   T* SJ_RESTRICT out, int64_t d, int64_t k_begin,
+                                   T* SJ_RESTRICT out, int64_t d_runtime, int64_t k_begin,
                                    int64_t k_end, int64_t s_begin, int64_t s_end) {
-  std::vector<float> acc_buf(std::max<int64_t>(d, 1));
-  float* SJ_RESTRICT acc = acc_buf.data();
+  const int64_t d = kD > 0 ? kD : d_runtime;
+  float fixed_acc[kD > 0 ? kD : 1];
+  std::vector<float> acc_buf(kD > 0 ? 0 : std::max<int64_t>(d, 1));
+  float* SJ_RESTRICT acc = kD > 0 ? fixed_acc : acc_buf.data();
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int32_t* SJ_RESTRICT col = e.col;
+  const int32_t* SJ_RESTRICT seg = e.seg;
+  const float* SJ_RESTRICT val = e.values;
+  const uint32_t k_rows = static_cast<uint32_t>(e.k), n_seg = static_cast<uint32_t>(e.s);
   int64_t cur = -1, next_zero = s_begin;
-  // Warm-up prefetch of the first rows.
   for (int64_t p = k_begin; p < std::min<int64_t>(k_end, k_begin + kPrefetchDist); ++p) {
-    const int64_t c = e.col[p];
-    if (c >= 0 && c < e.k) PrefetchBytes<0>(dense + c * d, row_bytes);
+    const uint32_t c = static_cast<uint32_t>(col[p]);
+    if (c < k_rows) PrefetchBytes<0>(dense + static_cast<int64_t>(c) * d, row_bytes);
   }
   for (int64_t i = k_begin; i < k_end; ++i) {
     const int64_t p = i + kPrefetchDist;
     if (p < k_end) {
-      const int64_t c = e.col[p];
-      if (c >= 0 && c < e.k) PrefetchBytes<0>(dense + c * d, row_bytes);
+      const uint32_t c = static_cast<uint32_t>(col[p]);  // negative ids wrap: invalid
+      if (c < k_rows) PrefetchBytes<0>(dense + static_cast<int64_t>(c) * d, row_bytes);
     }
-    if (!e.Valid(i)) continue;
-    const int64_t s = e.seg[i];
+    const uint32_t c = static_cast<uint32_t>(col[i]), g = static_cast<uint32_t>(seg[i]);
+    if (c >= k_rows || g >= n_seg) continue;  // invalid entry
+    const int64_t s = g;
     if (s < s_begin || s >= s_end) continue;  // cannot happen for sorted input
     if (s != cur) {
       if (cur >= 0) StoreRow(out + cur * d, acc, d);
@@ -403,21 +436,35 @@ SJ_INLINE void SpmmSortedRangeBody(const Entries& e, const T* SJ_RESTRICT dense,
       cur = s;
       for (int64_t j = 0; j < d; ++j) acc[j] = 0.0f;
     }
-    Axpy(acc, dense + e.col[i] * d, e.values[i], d);
+    Axpy(acc, dense + static_cast<int64_t>(c) * d, val[i], d);
   }
   if (cur >= 0) StoreRow(out + cur * d, acc, d);
   ZeroRows(out, next_zero, s_end, d);
 }
 
-// The gather-accumulate loop is compute-bound at SSE2 width (the portable baseline),
-// so it is compiled twice: a copy for AVX2+FMA machines, picked at run time, and
-// the baseline. Each copy is deterministic on its own; they differ (FMA) by an ulp.
+template <typename T>
+SJ_INLINE void SpmmSortedRangeAnyD(const Entries& e, const T* dense, T* out, int64_t d,
+                                   int64_t k_begin, int64_t k_end, int64_t s_begin,
+                                   int64_t s_end) {
+  switch (d) {
+    case 16: return SpmmSortedRangeBody<T, 16>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+    case 32: return SpmmSortedRangeBody<T, 32>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+    case 64: return SpmmSortedRangeBody<T, 64>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+    case 128:
+      return SpmmSortedRangeBody<T, 128>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+    default: return SpmmSortedRangeBody<T, 0>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+  }
+}
+
+// The gather loop is compiled twice: a copy for AVX2+FMA machines, picked at run
+// time, and the portable (SSE2) baseline. Each copy is deterministic on its own;
+// they may differ by an ulp (FMA).
 #if defined(__x86_64__) && defined(__GNUC__)
 template <typename T>
 __attribute__((target("avx2,fma"))) void SpmmSortedRangeAvx2(
     const Entries& e, const T* dense, T* out, int64_t d, int64_t k_begin, int64_t k_end,
     int64_t s_begin, int64_t s_end) {
-  SpmmSortedRangeBody<T>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+  SpmmSortedRangeAnyD<T>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
 }
 
 bool HasAvx2Fma() {
@@ -436,7 +483,7 @@ void SpmmSortedRange(const Entries& e, const T* dense, T* out, int64_t d, int64_
     return;
   }
 #endif
-  SpmmSortedRangeBody<T>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
+  SpmmSortedRangeAnyD<T>(e, dense, out, d, k_begin, k_end, s_begin, s_end);
 }
 
 template <typename T>
