@@ -27,12 +27,13 @@ def _info(args: argparse.Namespace) -> int:
     import jax
 
     from . import __version__, ops
+    from .ops import _cpu_ffi
 
     print(f"sparsejax {__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
           f"devices {jax.devices()}")
     print(f"default implementation: {ops.default_implementation()}"
           + ("" if ops.cpu_ffi_available() else
-             f" (C++ kernels unavailable: {ops._cpu_ffi.unavailable_reason()})"))
+             f" (C++ kernels unavailable: {_cpu_ffi.unavailable_reason()})"))
     return 0
 
 

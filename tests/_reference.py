@@ -36,7 +36,8 @@ def embedding_bag(table, ids, seg, num_segments, weights=None, combiner="sum"):
 def segment_spmm(values, col, seg, dense, num_segments):
     dense = np.asarray(dense, np.float64)
     out = np.zeros((num_segments, dense.shape[1]))
-    for v, c, s in zip(np.asarray(values, np.float64), np.asarray(col), np.asarray(seg)):
+    for v, c, s in zip(np.asarray(values, np.float64), np.asarray(col), np.asarray(seg),
+                       strict=True):
         if 0 <= c < dense.shape[0] and 0 <= s < num_segments:
             out[s] += v * dense[c]
     return out

@@ -1,11 +1,11 @@
 """embedding_bag / embedding_lookup, every implementation vs float64 numpy."""
 
+import _reference as ref
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import _reference as ref
 from sparsejax import ops
 
 TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}

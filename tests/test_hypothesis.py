@@ -1,12 +1,12 @@
 """Random jagged batches (hypothesis): bag lengths from 0 to many, padding, duplicates."""
 
+import _reference as ref
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import _reference as ref
 from sparsejax import ops
 
 

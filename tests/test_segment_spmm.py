@@ -1,11 +1,11 @@
 """segment_spmm vs float64 numpy; chunking bounds memory without changing results."""
 
+import _reference as ref
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import _reference as ref
 from sparsejax import ops
 from sparsejax.ops._segment_spmm import xla_segment_spmm
 

@@ -3,13 +3,13 @@ numpy otherwise) on the touched rows; untouched rows bit-identical; in place."""
 
 import functools
 
+import _reference as ref
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-import _reference as ref
 from sparsejax import ops
 
 V, D, S, N = 40, 8, 6, 30
@@ -34,9 +34,7 @@ def _batch(rng, *, cover_all=False, nnz=N):
 
 
 def _dense_grad(table, ids, seg, weights, grad, combiner):
-    f = functools.partial(ref.embedding_bag, ids=ids, seg=seg, num_segments=S, weights=weights,
-                          combiner=combiner)
-    del f  # the dense gradient of <pooled, grad> w.r.t. the table, in float64:
+    """The dense float64 gradient of <pooled, grad> w.r.t. the table, and touched rows."""
     t = np.asarray(table, np.float64)
     g = np.zeros_like(t)
     for s in range(S):
@@ -149,8 +147,8 @@ def test_matches_optax_when_every_row_is_touched(implementation, make_opt, tx):
     for step in range(1, 5):
         ids, seg, weights, grad = _batch(rng, cover_all=True)
         args = (jnp.asarray(ids), jnp.asarray(seg), S)
-        g = jax.grad(lambda t: jnp.vdot(ops.embedding_bag_ref(t, *args, weights=weights),
-                                        grad))(dense)
+        g = jax.grad(lambda t, args=args, w=weights, g=grad: jnp.vdot(
+            ops.embedding_bag_ref(t, *args, weights=w), g))(dense)
         with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes int and float
             upd, state = tx.update(g, state, dense)
         dense = optax.apply_updates(dense, upd)

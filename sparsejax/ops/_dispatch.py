@@ -3,8 +3,8 @@
 `implementation=None` means "best for the platform": the C++ kernel on CPU when the
 extension is built (else XLA), the Pallas-Triton kernel on CUDA, XLA elsewhere. An
 explicit choice that cannot run on a platform is an error, never a silent fallback.
-The choice is logged at DEBUG level on the
-`sparsejax` logger each time an op is compiled, and `resolve_implementation` tells it without running anything.
+The choice is logged at DEBUG level on the `sparsejax` logger each time an op is
+compiled, and `resolve_implementation` tells it without running anything.
 """
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ def resolve_implementation(implementation: str | None, platform: str) -> str:
 
 def log_choice(op: str, platform: str, requested: str | None, chosen: str) -> None:
     logger.debug("sparsejax.ops.%s on %s: requested %s -> %s", op, platform, requested, chosen)
+
+
+def cpu_ffi_available() -> bool:
+    """True if the C++ CPU kernels are built and registered (see `sparsejax info`)."""
+    from . import _cpu_ffi
+
+    return _cpu_ffi.is_available()
 
 
 def default_implementation(platform: str | None = None) -> str:
