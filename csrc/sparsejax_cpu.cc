@@ -377,6 +377,19 @@ void SplitSorted(const Entries& e, int parts, std::vector<int64_t>* seg_lo,
   // segments up to S.
 }
 
+// Runs fn(entry_begin, entry_end, segment_begin, segment_end) over the chunks of
+// sorted entries (SplitSorted), in parallel; each chunk owns whole output rows.
+template <typename Fn>
+void ForEachSortedChunk(const Entries& e, Fn&& fn) {
+  const int nt = ThreadsFor(e.n);
+  const int nc = nt > 1 ? nt * kChunksPerThread : 1;
+  std::vector<int64_t> seg_lo, ent_lo;
+  SplitSorted(e, nc, &seg_lo, &ent_lo);
+  ParallelChunks(nt, nc, [&](int64_t t) {
+    fn(ent_lo[t], ent_lo[t + 1], seg_lo[t], seg_lo[t + 1]);
+  });
+}
+
 // Rows prefetched ahead (~16 x 4 cache lines in flight per thread for D=64 f32).
 constexpr int kPrefetchDist = 16;
 
@@ -490,12 +503,8 @@ template <typename T>
 void SpmmImpl(const Entries& e, const T* dense, T* out, int64_t d) {
   if (e.s == 0 || d == 0) return;
   if (SortedBySegment(e)) {
-    const int nt = ThreadsFor(e.n);
-    const int nc = nt > 1 ? nt * kChunksPerThread : 1;
-    std::vector<int64_t> seg_lo, ent_lo;
-    SplitSorted(e, nc, &seg_lo, &ent_lo);
-    ParallelChunks(nt, nc, [&](int64_t t) {
-      SpmmSortedRange<T>(e, dense, out, d, ent_lo[t], ent_lo[t + 1], seg_lo[t], seg_lo[t + 1]);
+    ForEachSortedChunk(e, [&](int64_t k0, int64_t k1, int64_t s0, int64_t s1) {
+      SpmmSortedRange<T>(e, dense, out, d, k0, k1, s0, s1);
     });
     return;
   }
@@ -644,13 +653,8 @@ template <typename T>
 void SegMaxImpl(const Entries& e, const T* dense, T* out, int32_t* arg, int64_t d) {
   if (e.s == 0 || d == 0) return;
   if (SortedBySegment(e)) {
-    const int nt = ThreadsFor(e.n);
-    const int nc = nt > 1 ? nt * kChunksPerThread : 1;
-    std::vector<int64_t> seg_lo, ent_lo;
-    SplitSorted(e, nc, &seg_lo, &ent_lo);
-    ParallelChunks(nt, nc, [&](int64_t t) {
-      SegMaxSortedRange<T>(e, dense, out, arg, d, ent_lo[t], ent_lo[t + 1], seg_lo[t],
-                           seg_lo[t + 1]);
+    ForEachSortedChunk(e, [&](int64_t k0, int64_t k1, int64_t s0, int64_t s1) {
+      SegMaxSortedRange<T>(e, dense, out, arg, d, k0, k1, s0, s1);
     });
     return;
   }

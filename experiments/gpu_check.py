@@ -34,6 +34,7 @@ from jax import lax
 
 from sparsejax.ops import _pallas
 from sparsejax.ops import optimizers as opt_lib
+from sparsejax.ops._sparse_apply import update_touched_rows
 
 ROWS: list[dict] = []
 COPY_GBPS = [float("nan")]
@@ -131,7 +132,7 @@ def xla_bag_max(table, ids, seg, coef, num_segments):
 
 def xla_sparse_apply(table, slots, ids, seg, coef, grad, hp, step, *, optimizer):
     """Sort-based dedup + segment_sum of row gradients + update_rows + scatter."""
-    vocab, dim = table.shape
+    vocab = table.shape[0]
     n, num_segments = ids.shape[0], grad.shape[0]
     valid = (ids >= 0) & (ids < vocab) & (seg >= 0) & (seg < num_segments)
     key = jnp.where(valid, ids, vocab)
@@ -142,29 +143,15 @@ def xla_sparse_apply(table, slots, ids, seg, coef, grad, hp, step, *, optimizer)
     g_rows = grad[jnp.clip(seg[perm], 0, num_segments - 1)] * jnp.where(valid, coef, 0.0)[
         perm][:, None]
     g = jax.ops.segment_sum(g_rows, run, n, indices_are_sorted=True)
-    specs = optimizer.slots()
-    rows = table.at[uniq].get(mode="fill", fill_value=0).astype(jnp.float32)
-    slot_rows = {s.name: v.at[uniq].get(mode="fill", fill_value=0)
-                 for s, v in zip(specs, slots, strict=True)}
-    new_rows, new_slots = optimizer.update_rows(hp, rows, slot_rows, g, step, dim=dim)
-    table = table.at[uniq].set(new_rows.astype(table.dtype), mode="drop")
-    slots = tuple(v.at[uniq].set(new_slots[s.name].astype(v.dtype), mode="drop")
-                  for s, v in zip(specs, slots, strict=True))
-    return table, slots
+    table, slots = update_touched_rows(optimizer, table, slots, uniq, g, hp, step)
+    return table, tuple(slots)
 
 
 def xla_apply_rows(table, slots, uids, grads, hp, step, *, optimizer):
-    vocab, dim = table.shape
+    vocab = table.shape[0]
     uids = jnp.where((uids >= 0) & (uids < vocab), uids, vocab)
-    specs = optimizer.slots()
-    rows = table.at[uids].get(mode="fill", fill_value=0).astype(jnp.float32)
-    slot_rows = {s.name: v.at[uids].get(mode="fill", fill_value=0)
-                 for s, v in zip(specs, slots, strict=True)}
-    new_rows, new_slots = optimizer.update_rows(hp, rows, slot_rows, grads, step, dim=dim)
-    table = table.at[uids].set(new_rows.astype(table.dtype), mode="drop")
-    slots = tuple(v.at[uids].set(new_slots[s.name].astype(v.dtype), mode="drop")
-                  for s, v in zip(specs, slots, strict=True))
-    return table, slots
+    table, slots = update_touched_rows(optimizer, table, slots, uids, grads, hp, step)
+    return table, tuple(slots)
 
 
 # ------------------------------------------------------------------ inputs

@@ -145,22 +145,33 @@ def xla_sparse_apply(table, *args, optimizer):
     """Dedup by sort, reduce row gradients with segment_spmm, update gathered rows, scatter."""
     n_slots = len(optimizer.slots())
     slot_values, (ids, segment_ids, coef, grad, hp, step) = args[:n_slots], args[n_slots:]
-    vocab, dim = table.shape
+    vocab = table.shape[0]
     num_segments = grad.shape[0]
     valid = _valid(ids, segment_ids, vocab, num_segments)
     unique_ids, run = dedup_ids(jnp.where(valid, ids, -1), vocab)
     row_grads = xla_segment_spmm(jnp.where(valid, coef, 0.0), jnp.where(valid, segment_ids, -1),
                                  run, grad, num_segments=ids.shape[0])
-    rows = table.at[unique_ids].get(mode="fill", fill_value=0).astype(jnp.float32)
+    table, slot_values = update_touched_rows(optimizer, table, slot_values, unique_ids,
+                                             row_grads, hp, step)
+    return [table, *slot_values]
+
+
+def update_touched_rows(optimizer, table, slot_values, unique_ids, row_grads, hp, step):
+    """Gather the rows `unique_ids` names, apply `optimizer.update_rows`, scatter back.
+
+    Ids outside `[0, V)` mark padding: their gathers read zeros and their stores are
+    dropped, so every other row (and slot) is left bit-identical.
+    """
     specs = optimizer.slots()
+    rows = table.at[unique_ids].get(mode="fill", fill_value=0).astype(jnp.float32)
     slot_rows = {s.name: v.at[unique_ids].get(mode="fill", fill_value=0)
                  for s, v in zip(specs, slot_values, strict=True)}
-    new_rows, new_slots = optimizer.update_rows(hp, rows, slot_rows, row_grads, step, dim=dim)
-    # unique_ids == vocab marks padding: mode="drop" leaves every other row untouched.
+    new_rows, new_slots = optimizer.update_rows(hp, rows, slot_rows, row_grads, step,
+                                                dim=table.shape[1])
     table = table.at[unique_ids].set(new_rows.astype(table.dtype), mode="drop")
     slot_values = [v.at[unique_ids].set(new_slots[s.name].astype(v.dtype), mode="drop")
                    for s, v in zip(specs, slot_values, strict=True)]
-    return [table, *slot_values]
+    return table, slot_values
 
 
 def sparse_apply_ref(table, slots, ids, segment_ids, grad, *, optimizer, step, weights=None,
