@@ -1,7 +1,11 @@
 """The `sparsejax` command line (`python -m sparsejax` is the same).
 
-    sparsejax train [--steps N ...]   short sparse training run on synthetic data
-    sparsejax info                    versions, devices and which kernels run here
+    sparsejax train [CONFIG.yaml ...] [key=value ...]   train (default: synthetic data)
+    sparsejax eval RUN_DIR [--step N] [key=value ...]   evaluate a run's checkpoint
+    sparsejax info                                      versions, devices, kernels
+
+Configs layer left to right, then the overrides, e.g.
+    sparsejax train configs/dlrm_criteo.yaml steps=500 optimizer.dense_learning_rate=3e-4
 """
 
 from __future__ import annotations
@@ -10,16 +14,24 @@ import argparse
 import sys
 
 
-def _train(args: argparse.Namespace) -> int:
-    from ._synthetic import SyntheticRunConfig, run_synthetic
+def _split(items: list[str]) -> tuple[list[str], list[str]]:
+    files = [a for a in items if "=" not in a]
+    return files, [a for a in items if "=" in a]
 
-    cfg = SyntheticRunConfig(steps=args.steps, batch_size=args.batch_size, vocab=args.vocab,
-                             features=args.features, dim=args.dim, seed=args.seed,
-                             learning_rate=args.learning_rate,
-                             implementation=args.implementation)
-    result = run_synthetic(cfg, log=print)
-    if result["final_loss"] >= result["first_loss"]:
-        print("warning: loss did not decrease", file=sys.stderr)
+
+def _train(args: argparse.Namespace) -> int:
+    from . import runner
+
+    files, overrides = _split(args.config)
+    summary = runner.train(runner.load_config(files, overrides))
+    print({k: v for k, v in summary.items() if k != "run_dir"})
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from . import runner
+
+    runner.evaluate_run(args.run_dir, step=args.step, overrides=args.overrides)
     return 0
 
 
@@ -41,21 +53,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparsejax", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="short sparse training run on synthetic data")
-    train.add_argument("--steps", type=int, default=300)
-    train.add_argument("--batch-size", type=int, default=1024)
-    train.add_argument("--vocab", type=int, default=1_000_000, help="rows per table")
-    train.add_argument("--features", type=int, default=8, help="tables, one id each")
-    train.add_argument("--dim", type=int, default=16)
-    train.add_argument("--learning-rate", type=float, default=0.05)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--implementation", default=None,
-                       choices=["xla", "cpu_ffi", "pallas"], help="default: best for platform")
+    train = sub.add_parser("train", help="train from layered YAML configs and overrides")
+    train.add_argument("config", nargs="*", metavar="CONFIG.yaml | key=value",
+                       help="config files (layered left to right) and key=value overrides; "
+                            "none: a short run on synthetic data")
     train.set_defaults(fn=_train)
+    ev = sub.add_parser("eval", help="evaluate a run directory's checkpoint")
+    ev.add_argument("run_dir")
+    ev.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value")
+    ev.set_defaults(fn=_eval)
     info = sub.add_parser("info", help="versions, devices and kernel availability")
     info.set_defaults(fn=_info)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    from ._config import ConfigError
+
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"sparsejax: config error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,31 @@
+"""The host input pipeline: readers (Criteo TSV, delimited text with a schema), a synthetic
+Zipf generator, id mappings, an in-memory columnar store, and the prefetching, resumable
+`Loader` that packs everything into fixed-shape `SparseBatch`es."""
+
+from ._batch import BatchPacker as BatchPacker
+from ._batch import Jagged as Jagged
+from ._batch import Ragged as Ragged
+from ._batch import SparseBatch as SparseBatch
+from ._behavior import SyntheticBehavior as SyntheticBehavior
+from ._criteo import CATEGORICAL_NAMES as CATEGORICAL_NAMES
+from ._criteo import DENSE_NAMES as DENSE_NAMES
+from ._criteo import HashMapping as HashMapping
+from ._criteo import VocabMapping as VocabMapping
+from ._criteo import fit_vocab as fit_vocab
+from ._criteo import iter_criteo_chunks as iter_criteo_chunks
+from ._criteo import read_criteo as read_criteo
+from ._criteo import specs_for_vocab as specs_for_vocab
+from ._criteo import vocab_sizes as vocab_sizes
+from ._csv import MISSING as MISSING
+from ._csv import ParseReport as ParseReport
+from ._csv import TableSchema as TableSchema
+from ._csv import read_delimited as read_delimited
+from ._csv import stable_hash as stable_hash
+from ._loader import BatchSource as BatchSource
+from ._loader import Examples as Examples
+from ._loader import HostBatch as HostBatch
+from ._loader import Loader as Loader
+from ._loader import LoaderPosition as LoaderPosition
+from ._loader import measure_throughput as measure_throughput
+from ._synthetic import KAGGLE_CARDINALITIES as KAGGLE_CARDINALITIES
+from ._synthetic import SyntheticCriteo as SyntheticCriteo

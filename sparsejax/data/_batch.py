@@ -1,0 +1,187 @@
+"""`SparseBatch`: one batch of keyed jagged ids, dense features and labels, with fixed
+capacities so a training run compiles once; and the host-side packer that builds it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from ..embedding._spec import FeatureSpec, TableSpec, check_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class Jagged:
+    """One feature's ids in a batch, flat and padded to the feature's capacity.
+
+    Ids of one example are contiguous and `segments` is non-decreasing (CSR order), so
+    the lookup primitives can take them as they are. Padding: id -1, weight 0, segment
+    equal to the last bag (keeps the order).
+    """
+
+    ids: jax.Array | np.ndarray  # i32[capacity], -1 = padding
+    segments: jax.Array | np.ndarray  # i32[capacity], bag of each id
+    weights: jax.Array | np.ndarray | None = None  # f32[capacity] or None
+
+
+jax.tree_util.register_dataclass(Jagged, data_fields=["ids", "segments", "weights"],
+                                 meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseBatch:
+    """A batch: sparse features by name, dense features, labels and a row mask.
+
+    `mask` is 1 for real examples and 0 for rows that pad the last batch of a dataset
+    to the fixed batch size (losses and metrics weight by it, so no example is lost or
+    counted twice).
+    """
+
+    features: Mapping[str, Jagged]
+    dense: jax.Array | np.ndarray  # f32[B, num_dense]
+    labels: jax.Array | np.ndarray  # f32[B] (or [B, ...] for other tasks)
+    mask: jax.Array | np.ndarray  # f32[B]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.mask.shape[0])
+
+
+jax.tree_util.register_dataclass(SparseBatch, data_fields=["features", "dense", "labels", "mask"],
+                                 meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class Ragged:
+    """Host-side ids of one feature for a batch: `lengths[i]` ids per example, flat."""
+
+    lengths: np.ndarray  # int[B]
+    values: np.ndarray  # int[sum(lengths)]
+    weights: np.ndarray | None = None  # float[sum(lengths)]
+
+    @classmethod
+    def from_dense(cls, ids: np.ndarray, weights: np.ndarray | None = None) -> Ragged:
+        """`ids[B]` (one id each) or `ids[B, k]` with negative entries meaning absent."""
+        ids = np.asarray(ids)
+        if ids.ndim == 1:
+            ids = ids[:, None]
+            weights = None if weights is None else np.asarray(weights)[:, None]
+        present = ids >= 0
+        return cls(lengths=present.sum(1), values=ids[present],
+                   weights=None if weights is None else np.asarray(weights)[present])
+
+
+class BatchPacker:
+    """Packs host arrays into `SparseBatch`es of fixed shapes for the given specs.
+
+    Errors name the feature, the example and the value: an id outside its table, a bag
+    longer than `max_ids`, more ids than the feature's capacity, a weight missing or
+    unexpected. Sequences longer than `max_ids` keep their last `max_ids` ids (the
+    sliding window of a behavior sequence); that is the one documented truncation.
+    """
+
+    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *,
+                 batch_size: int, num_dense: int = 0):
+        check_specs(tables, features)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.features = tuple(features)
+        self.vocab = {t.name: t.vocab_size for t in tables}
+        self.batch_size = batch_size
+        self.num_dense = num_dense
+
+    def pack(self, sparse: Mapping[str, Ragged | np.ndarray], *, labels: np.ndarray,
+             dense: np.ndarray | None = None, mask: np.ndarray | None = None,
+             first_example: int = 0) -> SparseBatch:
+        """Build a batch; fewer than `batch_size` examples are padded (mask 0).
+
+        `first_example` only offsets the example numbers in error messages (e.g. the
+        line number in a file).
+        """
+        labels = np.asarray(labels, np.float32)
+        n = labels.shape[0]
+        b = self.batch_size
+        if n > b:
+            raise ValueError(f"{n} examples do not fit a batch of {b}")
+        unknown = set(sparse) - {f.name for f in self.features}
+        if unknown:
+            raise ValueError(f"unknown sparse features {sorted(unknown)}; the specs declare "
+                             f"{[f.name for f in self.features]}")
+        out = {}
+        for spec in self.features:
+            if spec.name not in sparse:
+                raise ValueError(f"feature {spec.name!r} is missing from the batch")
+            col = sparse[spec.name]
+            col = col if isinstance(col, Ragged) else Ragged.from_dense(col)
+            out[spec.name] = self._pack_feature(spec, col, n, first_example)
+        dense_out = np.zeros((b, self.num_dense), np.float32)
+        if not self.num_dense and dense is not None and np.size(dense):
+            raise ValueError(f"dense features of shape {np.shape(dense)} given, but the packer "
+                             f"was built with num_dense=0")
+        if self.num_dense:
+            if dense is None or np.shape(dense) != (n, self.num_dense):
+                raise ValueError(f"dense features must have shape ({n}, {self.num_dense}), "
+                                 f"got {None if dense is None else np.shape(dense)}")
+            dense_out[:n] = dense
+        labels_out = np.zeros((b, *labels.shape[1:]), np.float32)
+        labels_out[:n] = labels
+        mask_out = np.zeros(b, np.float32)
+        mask_out[:n] = 1.0 if mask is None else mask
+        return SparseBatch(features=out, dense=dense_out, labels=labels_out, mask=mask_out)
+
+    def _pack_feature(self, spec: FeatureSpec, col: Ragged, n: int, first: int) -> Jagged:
+        lengths = np.asarray(col.lengths, np.int64)
+        values = np.asarray(col.values)
+        name = f"feature {spec.name!r}"
+        if lengths.shape != (n,):
+            raise ValueError(f"{name}: {lengths.shape[0]} examples, the labels have {n}")
+        if lengths.size and lengths.min() < 0:
+            raise ValueError(f"{name}: negative length {lengths.min()} for example "
+                             f"{first + int(np.argmin(lengths))}")
+        if values.shape[0] != lengths.sum():
+            raise ValueError(f"{name}: {values.shape[0]} ids for lengths summing to "
+                             f"{lengths.sum()}")
+        if (col.weights is not None) != spec.weighted:
+            raise ValueError(f"{name}: weights {'missing' if spec.weighted else 'given'}, "
+                             f"but FeatureSpec.weighted={spec.weighted}")
+        vocab = self.vocab[spec.table]
+        bad = np.flatnonzero((values < 0) | (values >= vocab))
+        if bad.size:
+            k = bad[0]
+            example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+            raise ValueError(f"{name}: id {int(values[k])} of example {first + example} is "
+                             f"outside table {spec.table!r} of {vocab} rows")
+        example = np.repeat(np.arange(n), lengths)
+        starts = np.cumsum(lengths) - lengths
+        pos = np.arange(values.shape[0]) - starts[example]
+        weights = col.weights
+        if spec.is_sequence:  # keep the last max_ids of each sequence
+            keep = pos >= (lengths[example] - spec.max_ids)
+            pos = (pos - np.maximum(lengths[example] - spec.max_ids, 0))[keep]
+            values, example = values[keep], example[keep]
+            weights = None if weights is None else weights[keep]
+            segments = example * spec.max_ids + pos
+            num_bags = self.batch_size * spec.max_ids
+        else:
+            long = np.flatnonzero(lengths > spec.max_ids)
+            if long.size:
+                i = long[0]
+                raise ValueError(f"{name}: example {first + i} has {lengths[i]} ids, more "
+                                 f"than FeatureSpec.max_ids={spec.max_ids}")
+            segments = example
+            num_bags = self.batch_size
+        cap = spec.capacity_for(self.batch_size)
+        if values.shape[0] > cap:
+            raise ValueError(f"{name}: the batch holds {values.shape[0]} ids but the "
+                             f"capacity is {cap}; set FeatureSpec(capacity>={values.shape[0]})")
+        ids_out = np.full(cap, -1, np.int32)
+        seg_out = np.full(cap, num_bags - 1, np.int32)
+        ids_out[: values.shape[0]] = values
+        seg_out[: values.shape[0]] = segments
+        w_out = None
+        if spec.weighted:
+            w_out = np.zeros(cap, np.float32)
+            w_out[: values.shape[0]] = weights
+        return Jagged(ids=ids_out, segments=seg_out, weights=w_out)

@@ -1,0 +1,434 @@
+"""In-memory columnar examples and the prefetching, resumable `Loader` of `SparseBatch`es."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from ._batch import BatchPacker, Ragged, SparseBatch
+
+HostBatch = tuple[dict[str, Ragged], np.ndarray, np.ndarray]
+"""`(sparse by feature name, labels f32[n, ...], dense f32[n, num_dense])`: host arrays of
+one batch before packing; what `Examples.take` and a generator's `batch` return."""
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(lengths.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Examples:
+    """A columnar in-memory store of examples: labels, dense features, ragged sparse ids.
+
+    Each sparse feature is one `Ragged` over all `n` examples (`lengths[n]`, flat `values`,
+    optional flat `weights`), so taking a batch is a handful of vectorized gathers. A
+    reader fills it with raw ids (e.g. Criteo hex values, missing = -1); `map_ids` turns
+    them into table rows. Slicing (`ex[a:b]`), `split` and `concat` build train/eval splits
+    and join chunks.
+    """
+
+    labels: np.ndarray  # f32[n] (or [n, ...])
+    dense: np.ndarray  # f32[n, num_dense]
+    sparse: Mapping[str, Ragged]  # name -> Ragged over all n examples
+    _offsets: dict[str, np.ndarray | None] = dataclasses.field(
+        init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        labels = np.asarray(self.labels, np.float32)
+        n = labels.shape[0]
+        dense = np.asarray(self.dense, np.float32)
+        if dense.ndim == 1 and dense.size == 0:
+            dense = dense.reshape(n, 0)
+        if dense.ndim != 2 or dense.shape[0] != n:
+            raise ValueError(f"Examples: dense must have shape ({n}, num_dense), got "
+                             f"{dense.shape}")
+        sparse, offsets = {}, {}
+        for name, col in self.sparse.items():
+            lengths = np.asarray(col.lengths)
+            values = np.asarray(col.values)
+            if lengths.shape != (n,):
+                raise ValueError(f"Examples: feature {name!r} has lengths of shape "
+                                 f"{lengths.shape}, expected ({n},)")
+            off = _offsets(lengths)
+            if values.shape != (off[-1],):
+                raise ValueError(f"Examples: feature {name!r} has {values.shape[0]} values "
+                                 f"but its lengths sum to {off[-1]}")
+            weights = col.weights
+            if weights is not None:
+                weights = np.asarray(weights, np.float32)
+                if weights.shape != values.shape:
+                    raise ValueError(f"Examples: feature {name!r} has {weights.shape[0]} "
+                                     f"weights for {values.shape[0]} values")
+            sparse[name] = Ragged(lengths=lengths, values=values, weights=weights)
+            # One id per example (the common case): a batch is a plain gather.
+            offsets[name] = None if off[-1] == n and np.all(lengths == 1) else off
+        object.__setattr__(self, "labels", labels)
+        object.__setattr__(self, "dense", dense)
+        object.__setattr__(self, "sparse", sparse)
+        object.__setattr__(self, "_offsets", offsets)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def num_dense(self) -> int:
+        return int(self.dense.shape[1])
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return tuple(self.sparse)
+
+    def take(self, indices: np.ndarray | Sequence[int]) -> HostBatch:
+        """Examples at `indices` (any order, repeats allowed), as host arrays of a batch."""
+        idx = np.asarray(indices, np.int64)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"Examples.take: index out of range for {n} examples")
+        idx = np.where(idx < 0, idx + n, idx)
+        return self._take_sparse(idx), self.labels[idx], self.dense[idx]
+
+    def _take_sparse(self, idx: np.ndarray) -> dict[str, Ragged]:
+        out = {}
+        for name, col in self.sparse.items():
+            off = self._offsets[name]
+            if off is None:
+                w = None if col.weights is None else col.weights[idx]
+                out[name] = Ragged(lengths=col.lengths[idx], values=col.values[idx], weights=w)
+                continue
+            lengths = col.lengths[idx]
+            starts = off[idx]
+            ends = np.cumsum(lengths)
+            # Flat source index of every value: its example's start + its position in it.
+            src = np.arange(ends[-1] if ends.size else 0) + np.repeat(starts - (ends - lengths),
+                                                                       lengths)
+            w = None if col.weights is None else col.weights[src]
+            out[name] = Ragged(lengths=lengths, values=col.values[src], weights=w)
+        return out
+
+    def __getitem__(self, key: slice) -> Examples:
+        """A contiguous slice (step 1) as a new store sharing memory with this one."""
+        if not isinstance(key, slice):
+            raise TypeError("Examples supports slices (ex[a:b]); use take() for indices")
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("Examples slices must have step 1; use take() otherwise")
+        stop = max(start, stop)
+        sparse = {}
+        for name, col in self.sparse.items():
+            off = self._offsets[name]
+            lo, hi = (start, stop) if off is None else (int(off[start]), int(off[stop]))
+            sparse[name] = Ragged(lengths=col.lengths[start:stop], values=col.values[lo:hi],
+                                  weights=None if col.weights is None else col.weights[lo:hi])
+        return Examples(labels=self.labels[start:stop], dense=self.dense[start:stop],
+                        sparse=sparse)
+
+    def split(self, n_first: int) -> tuple[Examples, Examples]:
+        """`(self[:n_first], self[n_first:])`: e.g. the first days for train, the rest eval."""
+        if not 0 <= n_first <= len(self):
+            raise ValueError(f"split({n_first}) outside [0, {len(self)}]")
+        return self[:n_first], self[n_first:]
+
+    @classmethod
+    def concat(cls, chunks: Sequence[Examples]) -> Examples:
+        """Join chunks (e.g. from `iter_criteo_chunks`) with the same features, in order."""
+        chunks = list(chunks)
+        if not chunks:
+            raise ValueError("Examples.concat needs at least one chunk")
+        names = chunks[0].feature_names
+        for c in chunks[1:]:
+            if c.feature_names != names or c.num_dense != chunks[0].num_dense:
+                raise ValueError(f"Examples.concat: chunks differ in features ({names} vs "
+                                 f"{c.feature_names}) or dense width")
+        sparse = {}
+        for name in names:
+            cols = [c.sparse[name] for c in chunks]
+            has_w = {col.weights is not None for col in cols}
+            if len(has_w) > 1:
+                raise ValueError(f"Examples.concat: feature {name!r} is weighted in some "
+                                 "chunks only")
+            sparse[name] = Ragged(
+                lengths=np.concatenate([col.lengths for col in cols]),
+                values=np.concatenate([col.values for col in cols]),
+                weights=np.concatenate([col.weights for col in cols]) if has_w == {True}
+                else None)
+        return cls(labels=np.concatenate([c.labels for c in chunks]),
+                   dense=np.concatenate([c.dense for c in chunks]), sparse=sparse)
+
+    def map_ids(self, mappings: Mapping[str, Callable[[np.ndarray], np.ndarray]]) -> Examples:
+        """Apply an id mapping per feature (e.g. `HashMapping`, a fitted `VocabMapping`);
+        features without a mapping keep their values. Fit on train, apply to both splits."""
+        unknown = set(mappings) - set(self.sparse)
+        if unknown:
+            raise ValueError(f"map_ids: unknown features {sorted(unknown)}; the examples have "
+                             f"{list(self.sparse)}")
+        sparse = {name: dataclasses.replace(col, values=mappings[name](col.values))
+                  if name in mappings else col for name, col in self.sparse.items()}
+        return Examples(labels=self.labels, dense=self.dense, sparse=sparse)
+
+
+# ---------------------------------------------------------------------------------------
+# Loader
+
+
+class BatchSource(Protocol):
+    """A generator of batches by number (e.g. `SyntheticCriteo`): batch `i` must depend
+    only on `i` and the generator's config, so a run can resume at any batch."""
+
+    def batch(self, index: int, batch_size: int) -> HostBatch: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderPosition:
+    """Where a `Loader` stands: the next batch it yields is batch `batch` of epoch `epoch`.
+
+    Store it in a checkpoint (`to_dict`) and pass it back as `Loader(position=...)` to
+    continue with exactly the batches an uninterrupted run would have seen next.
+    """
+
+    epoch: int = 0
+    """Epoch of the next batch (always 0 for an endless generator)."""
+    batch: int = 0
+    """Batches of that epoch already yielded (for a generator: batches yielded so far)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, int]) -> LoaderPosition:
+        return cls(epoch=int(d["epoch"]), batch=int(d["batch"]))
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+_END = object()
+
+
+def _shutdown(stop: threading.Event, q: queue.Queue, thread: threading.Thread) -> None:
+    stop.set()
+    while thread.is_alive():
+        try:  # drain so a producer blocked on put() wakes up and sees `stop`
+            while True:
+                q.get_nowait()
+        except queue.Empty:
+            pass
+        thread.join(timeout=0.05)
+
+
+def _epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The order of the examples in `epoch`: a permutation seeded by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+
+
+def _schedule(start: LoaderPosition, epochs: int | None, per_epoch: int | None
+              ) -> Iterator[tuple[int, int]]:
+    """(epoch, batch) of every batch from `start` on."""
+    epoch, b = start.epoch, start.batch
+    while epochs is None or epoch < epochs:
+        yield epoch, b
+        b += 1
+        if per_epoch is not None and b == per_epoch:
+            epoch, b = epoch + 1, 0
+
+
+def _produce(make: Callable[[int, int], Any], schedule: Iterator[tuple[int, int]],
+             q: queue.Queue, stop: threading.Event) -> None:
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for epoch, b in schedule:
+            if stop.is_set() or not put(((epoch, b), make(epoch, b))):
+                return
+        put(_END)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
+        put(_Failure(exc))
+
+
+class Loader:
+    """Iterates `SparseBatch`es, parsing and packing ahead in a background thread.
+
+    The thread keeps up to `prefetch` finished batches (optionally already on device) in
+    a bounded queue, so host work overlaps the device step. An exception in the thread is
+    re-raised in the consumer (same exception, its traceback reaching into the thread).
+    `close()` (or leaving a `with` block, or dropping the loader) stops and joins the
+    thread.
+
+    Sources:
+      * `Examples`: epochs over the store, shuffled per epoch with a permutation seeded
+        by `(seed, epoch)`; the last partial batch is dropped (`drop_remainder=True`) or
+        padded with mask-0 rows. Packer errors name the example by its position in the
+        epoch's order (its index in the store when `shuffle=False`).
+      * a generator with `batch(index, batch_size)` (e.g. `SyntheticCriteo`): endless.
+
+    Resuming: `position` is the next batch to be yielded (`LoaderPosition`); a loader
+    constructed with that position yields bit-identical batches to the ones the
+    uninterrupted loader would have yielded next.
+
+    Example::
+
+        with Loader(train, packer, seed=0, epochs=None) as loader:
+            for batch in loader:
+                state = step(state, batch)
+                if want_checkpoint: save(state, loader.position.to_dict())
+    """
+
+    def __init__(self, source: Examples | BatchSource, packer: BatchPacker, *,
+                 shuffle: bool = True, seed: int = 0, epochs: int | None = 1,
+                 drop_remainder: bool = False, prefetch: int = 2,
+                 device_put: bool | jax.Device | jax.sharding.Sharding = False,
+                 position: LoaderPosition | Mapping[str, int] | None = None):
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if epochs is not None and epochs < 0:
+            raise ValueError(f"epochs must be >= 0 or None, got {epochs}")
+        if isinstance(position, Mapping):
+            position = LoaderPosition.from_dict(position)
+        self.source = source
+        self.packer = packer
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epochs = epochs
+        self.drop_remainder = drop_remainder
+        self.prefetch = prefetch
+        self.device_put = device_put
+        b = packer.batch_size
+        if isinstance(source, Examples):
+            n = len(source)
+            self.batches_per_epoch = n // b if drop_remainder else math.ceil(n / b)
+            if self.batches_per_epoch == 0 and epochs != 0:
+                raise ValueError(f"{n} examples make no batch of {b}"
+                                 + (" with drop_remainder" if drop_remainder else ""))
+        elif callable(getattr(source, "batch", None)):
+            self.batches_per_epoch = None
+        else:
+            raise TypeError("Loader source must be Examples or have batch(index, batch_size), "
+                            f"got {type(source).__name__}")
+        self._position = position or LoaderPosition()
+        self._normalize()
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._finalizer = None
+        self._done = False
+
+    # -- position and schedule ------------------------------------------------------
+    @property
+    def position(self) -> LoaderPosition:
+        """The next batch to be yielded; store it in checkpoints."""
+        return self._position
+
+    def _normalize(self) -> None:
+        p = self._position
+        if self.batches_per_epoch and p.batch >= self.batches_per_epoch:
+            extra, b = divmod(p.batch, self.batches_per_epoch)
+            self._position = LoaderPosition(epoch=p.epoch + extra, batch=b)
+
+    def _make(self) -> Callable[[int, int], Any]:
+        # Refers to no `self`, so the thread does not keep the loader alive.
+        source, packer, target = self.source, self.packer, self.device_put
+        shuffle, seed, bs = self.shuffle, self.seed, packer.batch_size
+        endless = self.batches_per_epoch is None
+        cache: dict[int, np.ndarray] = {}
+
+        def make(epoch: int, index: int):
+            if endless:
+                sparse, labels, dense = source.batch(index, bs)
+            else:
+                if epoch not in cache:
+                    cache.clear()
+                    cache[epoch] = _epoch_order(len(source), shuffle, seed, epoch)
+                sparse, labels, dense = source.take(cache[epoch][index * bs:(index + 1) * bs])
+            batch = packer.pack(sparse, labels=labels, dense=dense, first_example=index * bs)
+            if target is True:
+                batch = jax.device_put(batch)
+            elif target is not False and target is not None:
+                batch = jax.device_put(batch, target)
+            return batch
+
+        return make
+
+    # -- iteration ------------------------------------------------------------------
+    def _start(self) -> None:
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        # The thread gets no reference to `self`, so dropping the loader shuts it down.
+        self._thread = threading.Thread(
+            target=_produce, args=(self._make(), _schedule(self._position, self.epochs,
+                                                    self.batches_per_epoch), self._queue,
+                                   stop), name="sparsejax-loader", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, stop, self._queue, self._thread)
+
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> SparseBatch:
+        if self._done:
+            raise StopIteration
+        if self._thread is None:
+            self._start()
+        item = self._queue.get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.exc
+        (epoch, b), batch = item
+        self._position = LoaderPosition(epoch=epoch, batch=b + 1)
+        self._normalize()
+        return batch
+
+    def close(self) -> None:
+        """Stop and join the background thread; the loader yields nothing more."""
+        self._done = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def measure_throughput(loader: Loader, *, num_batches: int = 50, warmup: int = 2) -> float:
+    """Host throughput of `loader` in batches per second (nothing else running).
+
+    Consumes `warmup + num_batches` batches from it (fewer if it ends first); when the
+    loader device-puts, each batch is waited for, so the time includes the transfer.
+    """
+    it = iter(loader)
+    for _ in range(warmup):
+        if next(it, None) is None:
+            raise ValueError("loader ended during warm-up")
+    count, t0 = 0, time.perf_counter()
+    for batch in it:
+        if loader.device_put is not False:
+            jax.block_until_ready(batch)
+        count += 1
+        if count == num_batches:
+            break
+    elapsed = time.perf_counter() - t0
+    if count == 0:
+        raise ValueError("loader ended before any batch was timed")
+    return count / elapsed

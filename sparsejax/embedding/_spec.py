@@ -1,0 +1,143 @@
+"""Table and feature specs: what a user declares; everything else is derived from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ..ops import COMBINERS
+from ..ops.optimizers import RowWiseAdagrad, SparseOptimizer
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+DTYPES = ("float32", "bfloat16")
+PLACEMENTS = ("device",)
+
+
+@dataclasses.dataclass(frozen=True)
+class uniform_init:  # noqa: N801 - used like a function: uniform_init(0.01)
+    """U(-scale, scale); scale=None gives TorchRec's default sqrt(1 / vocab_size).
+
+    A frozen dataclass rather than a closure, so equal specs compare (and hash) equal.
+    """
+
+    scale: float | None = None
+
+    def __call__(self, key, shape, dtype):
+        s = math.sqrt(1.0 / shape[0]) if self.scale is None else self.scale
+        return jax.random.uniform(key, shape, jnp.float32, -s, s).astype(dtype)
+
+
+def _positive_int(owner: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One embedding table. Several features may share it (`FeatureSpec.table`)."""
+
+    name: str
+    """Unique name; checkpoints store the table under it."""
+    vocab_size: int
+    """Rows. Ids of its features must lie in `[0, vocab_size)`."""
+    dim: int
+    """Row width."""
+    dtype: str = "float32"
+    """Storage dtype of the weights, "float32" or "bfloat16" (slots are always f32)."""
+    initializer: Initializer = dataclasses.field(default_factory=uniform_init)
+    """`init(key, shape, dtype)`; default U(+-sqrt(1/vocab_size)) as in TorchRec."""
+    optimizer: SparseOptimizer = dataclasses.field(
+        default_factory=lambda: RowWiseAdagrad(learning_rate=0.01))
+    """Sparse optimizer for this table's touched rows."""
+    placement: str = "device"
+    """Where the table lives; "device" for now (sharded and host-offloaded come later)."""
+
+    def __post_init__(self):
+        owner = f"TableSpec {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TableSpec: `name` must be a non-empty str, got {self.name!r}")
+        _positive_int(owner, "vocab_size", self.vocab_size)
+        _positive_int(owner, "dim", self.dim)
+        if self.vocab_size >= 2**31:
+            raise ValueError(f"{owner}: vocab_size {self.vocab_size} exceeds the int32 row "
+                             f"ids of the kernels (< 2**31); shard the table")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"{owner}: `dtype` must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.optimizer, SparseOptimizer):
+            raise TypeError(f"{owner}: `optimizer` must be a sparsejax SparseOptimizer, "
+                            f"got {type(self.optimizer).__name__}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"{owner}: `placement` must be one of {PLACEMENTS}, "
+                             f"got {self.placement!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeatureSpec:
+    """One sparse input feature: which table it reads and how its ids are pooled."""
+
+    name: str
+    """Key of the feature in `SparseBatch.features` and in the layer's output."""
+    table: str
+    """Name of the `TableSpec` it looks up."""
+    combiner: str | None = "sum"
+    """"sum", "mean", "sqrtn" or "max" pool an example's ids into one `[D]` row; None
+    keeps them as a sequence `[max_ids, D]` (zero rows past the example's length)."""
+    max_ids: int = 1
+    """Ids per example at most: 1 for one-hot, the longest bag for multi-hot, the window
+    length for sequences (longer sequences keep their last `max_ids` ids)."""
+    capacity: int | None = None
+    """Ids per batch the compiled step holds (padding fills the rest). None means
+    `batch_size * max_ids`, which never overflows; a smaller value saves memory for
+    multi-hot features whose bags are mostly short, and a batch that needs more is an
+    error naming the feature and the capacity it needs."""
+    weighted: bool = False
+    """Whether each id carries a weight (e.g. a multi-hot strength)."""
+
+    def __post_init__(self):
+        owner = f"FeatureSpec {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"FeatureSpec: `name` must be a non-empty str, got {self.name!r}")
+        if self.combiner is not None and self.combiner not in COMBINERS:
+            raise ValueError(f"{owner}: `combiner` must be one of {COMBINERS} or None "
+                             f"(sequence), got {self.combiner!r}")
+        _positive_int(owner, "max_ids", self.max_ids)
+        if self.capacity is not None:
+            _positive_int(owner, "capacity", self.capacity)
+
+    @property
+    def is_sequence(self) -> bool:
+        return self.combiner is None
+
+    def capacity_for(self, batch_size: int) -> int:
+        """Ids per batch of this feature at `batch_size`."""
+        return self.capacity if self.capacity is not None else batch_size * self.max_ids
+
+    def bags_per_example(self) -> int:
+        """Output rows per example: `max_ids` positions for a sequence, else one bag."""
+        return self.max_ids if self.is_sequence else 1
+
+
+def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec]) -> None:
+    """Names unique, every feature's table declared, every table used."""
+    for kind, specs in (("table", tables), ("feature", features)):
+        seen = set()
+        for s in specs:
+            if s.name in seen:
+                raise ValueError(f"duplicate {kind} name {s.name!r}")
+            seen.add(s.name)
+    names = {t.name for t in tables}
+    for f in features:
+        if f.table not in names:
+            import difflib
+
+            close = difflib.get_close_matches(f.table, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"feature {f.name!r} reads table {f.table!r}, which is not "
+                             f"declared (tables: {sorted(names)}){hint}")
+    unused = names - {f.table for f in features}
+    if unused:
+        raise ValueError(f"tables {sorted(unused)} are declared but no feature reads them")

@@ -1,0 +1,99 @@
+"""Dense building blocks of recommendation models: MLP and feature interactions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+default_kernel_init = nn.initializers.glorot_uniform()
+
+
+class MLP(nn.Module):
+    """Dense layers with ReLU between them (and after the last if `final_activation`)."""
+
+    features: Sequence[int]
+    final_activation: bool = False
+    dropout: float = 0.0
+    dtype: jnp.dtype | None = None
+    """Computation dtype (e.g. bfloat16 for mixed precision); params stay f32."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        for i, width in enumerate(self.features):
+            x = nn.Dense(width, dtype=self.dtype, kernel_init=default_kernel_init,
+                         name=f"dense_{i}")(x)
+            if i < len(self.features) - 1 or self.final_activation:
+                x = nn.relu(x)
+                if self.dropout > 0:
+                    x = nn.Dropout(self.dropout, deterministic=not train)(x)
+        return x
+
+
+class DotInteraction(nn.Module):
+    """DLRM's interaction: all pairwise dot products of the F input vectors (i < j, row
+    major), `[B, F, D] -> [B, F(F-1)/2]`."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        f = x.shape[1]
+        gram = jnp.einsum("bfd,bgd->bfg", x, x)
+        i, j = jnp.triu_indices(f, k=1)
+        return gram[:, i, j]
+
+
+class CrossNetwork(nn.Module):
+    """DCNv2 cross layers: x_{l+1} = x0 * (W_l x_l + b_l) + x_l, with an optional
+    low-rank W = U V^T (`rank`)."""
+
+    num_layers: int = 3
+    rank: int | None = None
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x0: jax.Array) -> jax.Array:
+        x, d = x0, x0.shape[-1]
+        for i in range(self.num_layers):
+            if self.rank is None:
+                wx = nn.Dense(d, dtype=self.dtype, kernel_init=default_kernel_init,
+                              name=f"cross_{i}")(x)
+            else:
+                v = nn.Dense(self.rank, use_bias=False, dtype=self.dtype,
+                             kernel_init=default_kernel_init, name=f"cross_{i}_v")(x)
+                wx = nn.Dense(d, dtype=self.dtype, kernel_init=default_kernel_init,
+                              name=f"cross_{i}_u")(v)
+            x = x0 * wx + x
+        return x
+
+
+class FactorizationMachine(nn.Module):
+    """Second-order FM term: 0.5 * sum_d((sum_f e)^2 - sum_f e^2), `[B, F, D] -> [B]`."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        s = x.sum(axis=1)
+        return 0.5 * (s * s - (x * x).sum(axis=1)).sum(axis=-1)
+
+
+class TargetAttention(nn.Module):
+    """DIN's activation unit: weights each behavior by an MLP of (behavior, target,
+    difference, product) and sums them (no softmax, as in DIN), masking padding.
+
+    `keys [B, L, D]`, `query [B, D]`, `mask [B, L]` -> `[B, D]`.
+    """
+
+    hidden: Sequence[int] = (36,)
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, keys: jax.Array, query: jax.Array, mask: jax.Array) -> jax.Array:
+        q = jnp.broadcast_to(query[:, None, :], keys.shape)
+        feats = jnp.concatenate([keys, q, keys - q, keys * q], axis=-1)
+        h = feats
+        for i, width in enumerate(self.hidden):
+            h = nn.sigmoid(nn.Dense(width, dtype=self.dtype, name=f"att_{i}")(h))
+        score = nn.Dense(1, dtype=self.dtype, name="att_out")(h)[..., 0]
+        score = jnp.where(mask, score, 0.0)
+        return jnp.einsum("bl,bld->bd", score, keys)

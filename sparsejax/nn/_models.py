@@ -1,0 +1,230 @@
+"""Recommendation models as Flax modules: each maps a `SparseBatch` to its outputs.
+
+CTR models (`task = "binary"`) return one logit per example. The two-tower model
+(`task = "retrieval"`) returns the `[B, B]` in-batch score matrix whose diagonal holds
+the positive pairs. Every model trains sparsely through `EmbeddingBagCollection`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ..embedding._spec import FeatureSpec, TableSpec
+from ._embedding import EmbeddingBagCollection
+from ._layers import MLP, CrossNetwork, DotInteraction, FactorizationMachine, TargetAttention
+
+
+def sequence_mask(jagged, batch_size: int, max_len: int) -> jax.Array:
+    """bool[B, max_len]: which positions of a sequence feature hold an id."""
+    filled = jnp.zeros(batch_size * max_len, jnp.bool_).at[jagged.segments].max(jagged.ids >= 0)
+    return filled.reshape(batch_size, max_len)
+
+
+def linear_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec]):
+    """1-dim "first-order" tables mirroring `tables` (for FM / wide parts); sequence
+    features are left out."""
+    pooled = [f for f in features if not f.is_sequence]
+    used = {f.table for f in pooled}
+    lin_tables = [dataclasses.replace(t, name=f"{t.name}_linear", dim=1)
+                  for t in tables if t.name in used]
+    lin_features = [dataclasses.replace(f, table=f"{f.table}_linear") for f in pooled]
+    return lin_tables, lin_features
+
+
+class _CTRModel(nn.Module):
+    tables: Sequence[TableSpec]
+    features: Sequence[FeatureSpec]
+    dtype: jnp.dtype | None = None
+    """Computation dtype of the dense layers (bfloat16 for mixed precision)."""
+    implementation: str | None = None
+
+    task: ClassVar[str] = "binary"
+
+    def embed(self, batch, name="embedding"):
+        out = EmbeddingBagCollection(self.tables, self.features, self.implementation,
+                                     name=name)(batch.features, batch.batch_size)
+        return {k: v.astype(self.dtype or jnp.float32) for k, v in out.items()}
+
+    def pooled_stack(self, emb) -> jax.Array:
+        """[B, F, D] of the pooled features, in spec order."""
+        return jnp.stack([emb[f.name] for f in self.features if not f.is_sequence], axis=1)
+
+    def first_order(self, batch) -> jax.Array:
+        lin_tables, lin_features = linear_specs(self.tables, self.features)
+        lin = EmbeddingBagCollection(lin_tables, lin_features, self.implementation,
+                                     name="linear")(batch.features, batch.batch_size)
+        total = sum(v[:, 0].astype(jnp.float32) for v in lin.values())
+        if batch.dense.shape[1]:
+            total = total + nn.Dense(1, use_bias=False, name="dense_linear")(batch.dense)[:, 0]
+        return total
+
+
+class DLRM(_CTRModel):
+    """DLRM: bottom MLP on dense features, pairwise dot products of it with every
+    pooled embedding, top MLP. The bottom MLP's last width must equal the tables' dim."""
+
+    bottom: Sequence[int] = (64, 16)
+    top: Sequence[int] = (64, 32, 1)
+
+    @nn.compact
+    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+        emb = self.embed(batch)
+        vecs = self.pooled_stack(emb)
+        parts = []
+        if batch.dense.shape[1]:
+            x = MLP(self.bottom, final_activation=True, dtype=self.dtype,
+                    name="bottom")(batch.dense.astype(self.dtype or jnp.float32))
+            if x.shape[-1] != vecs.shape[-1]:
+                raise ValueError(f"DLRM: the bottom MLP ends at width {x.shape[-1]}, the "
+                                 f"embeddings have dim {vecs.shape[-1]}; they must match")
+            vecs = jnp.concatenate([x[:, None, :], vecs], axis=1)
+            parts.append(x)
+        parts.append(DotInteraction()(vecs))
+        return MLP(self.top, dtype=self.dtype, name="top")(
+            jnp.concatenate(parts, axis=1), train=train)[:, 0].astype(jnp.float32)
+
+
+class DeepFM(_CTRModel):
+    """DeepFM: bias + first-order (1-dim tables, linear on dense) + FM over the
+    embeddings + an MLP on the concatenated embeddings and dense features."""
+
+    hidden: Sequence[int] = (200, 200)
+
+    @nn.compact
+    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+        emb = self.embed(batch)
+        vecs = self.pooled_stack(emb)
+        deep_in = jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
+                                   batch.dense.astype(vecs.dtype)], axis=1)
+        deep = MLP((*self.hidden, 1), dtype=self.dtype, name="deep")(deep_in, train=train)
+        bias = self.param("bias", nn.initializers.zeros, ())
+        return (bias + self.first_order(batch) + FactorizationMachine()(vecs).astype(jnp.float32)
+                + deep[:, 0].astype(jnp.float32))
+
+
+class WideAndDeep(_CTRModel):
+    """Wide & Deep: a linear model over ids (1-dim tables) and dense features, plus an
+    MLP over the embeddings and dense features."""
+
+    hidden: Sequence[int] = (256, 128)
+
+    @nn.compact
+    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+        emb = self.embed(batch)
+        vecs = self.pooled_stack(emb)
+        deep_in = jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
+                                   batch.dense.astype(vecs.dtype)], axis=1)
+        deep = MLP((*self.hidden, 1), dtype=self.dtype, name="deep")(deep_in, train=train)
+        bias = self.param("bias", nn.initializers.zeros, ())
+        return bias + self.first_order(batch) + deep[:, 0].astype(jnp.float32)
+
+
+class DCNv2(_CTRModel):
+    """DCN-V2: cross network on [embeddings, dense] and an MLP, stacked (MLP after the
+    cross layers) or parallel (side by side), then one output unit."""
+
+    cross_layers: int = 3
+    rank: int | None = None
+    """Low-rank cross layers (DCN-Mix style) when set."""
+    hidden: Sequence[int] = (256, 128)
+    structure: str = "stacked"
+
+    @nn.compact
+    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+        if self.structure not in ("stacked", "parallel"):
+            raise ValueError(f"DCNv2: structure must be 'stacked' or 'parallel', "
+                             f"got {self.structure!r}")
+        vecs = self.pooled_stack(self.embed(batch))
+        x0 = jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
+                              batch.dense.astype(vecs.dtype)], axis=1)
+        cross = CrossNetwork(self.cross_layers, self.rank, dtype=self.dtype, name="cross")(x0)
+        mlp = MLP(self.hidden, final_activation=True, dtype=self.dtype, name="deep")
+        h = (mlp(cross, train=train) if self.structure == "stacked"
+             else jnp.concatenate([cross, mlp(x0, train=train)], axis=1))
+        return nn.Dense(1, dtype=self.dtype, name="out")(h)[:, 0].astype(jnp.float32)
+
+
+class DIN(_CTRModel):
+    """DIN-style sequence model: target attention of the candidate item over the user's
+    behavior sequence (its last `max_ids` items), then an MLP over [attended history,
+    candidate, other pooled features, dense]."""
+
+    target: str = "item"
+    """Pooled feature holding the candidate item."""
+    history: str = "history"
+    """Sequence feature holding the behavior history; share the candidate's table."""
+    attention_hidden: Sequence[int] = (36,)
+    hidden: Sequence[int] = (200, 80)
+
+    @nn.compact
+    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+        specs = {f.name: f for f in self.features}
+        for name, want_seq in ((self.target, False), (self.history, True)):
+            if name not in specs or specs[name].is_sequence != want_seq:
+                raise ValueError(f"DIN: feature {name!r} must be a "
+                                 f"{'sequence' if want_seq else 'pooled'} feature")
+        emb = self.embed(batch)
+        hist = specs[self.history]
+        mask = sequence_mask(batch.features[self.history], batch.batch_size, hist.max_ids)
+        attended = TargetAttention(self.attention_hidden, dtype=self.dtype, name="attention")(
+            emb[self.history], emb[self.target], mask)
+        others = [emb[f.name] for f in self.features
+                  if not f.is_sequence and f.name != self.target]
+        x = jnp.concatenate([attended, emb[self.target], *others,
+                             batch.dense.astype(attended.dtype)], axis=1)
+        return MLP((*self.hidden, 1), dtype=self.dtype, name="mlp")(
+            x, train=train)[:, 0].astype(jnp.float32)
+
+
+class TwoTower(nn.Module):
+    """Two-tower (DSSM) retrieval: user and item towers over their own features, L2-
+    normalized outputs, in-batch scores `u @ i.T / temperature` (`[B, B]`). Padded
+    examples (mask 0) are excluded as negatives by the loss."""
+
+    tables: Sequence[TableSpec]
+    features: Sequence[FeatureSpec]
+    user_features: Sequence[str] = ()
+    """Features of the user tower (sequences enter as their mean)."""
+    item_features: Sequence[str] = ()
+    tower: Sequence[int] = (128, 64)
+    temperature: float = 0.05
+    dtype: jnp.dtype | None = None
+    implementation: str | None = None
+
+    task: ClassVar[str] = "retrieval"
+
+    def towers(self, batch) -> tuple[jax.Array, jax.Array]:
+        emb = EmbeddingBagCollection(self.tables, self.features, self.implementation,
+                                     name="embedding")(batch.features, batch.batch_size)
+        names = {f.name for f in self.features}
+        for side, feats in (("user", self.user_features), ("item", self.item_features)):
+            if not feats or set(feats) - names:
+                raise ValueError(f"TwoTower: {side}_features {list(feats)} must be non-empty "
+                                 f"and among the features {sorted(names)}")
+        specs = {f.name: f for f in self.features}
+        for f in self.user_features + self.item_features:
+            if specs[f].is_sequence:  # a history enters a tower as its mean
+                mask = sequence_mask(batch.features[f], batch.batch_size, specs[f].max_ids)
+                emb[f] = (jnp.einsum("bl,bld->bd", mask.astype(emb[f].dtype), emb[f])
+                          / jnp.maximum(mask.sum(1, keepdims=True), 1).astype(emb[f].dtype))
+        out = []
+        for side, feats in (("user", self.user_features), ("item", self.item_features)):
+            x = jnp.concatenate([emb[f].astype(self.dtype or jnp.float32) for f in feats], 1)
+            x = MLP(self.tower, dtype=self.dtype, name=f"{side}_tower")(x).astype(jnp.float32)
+            out.append(x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6))
+        return out[0], out[1]
+
+    @nn.compact
+    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+        user, item = self.towers(batch)
+        return user @ item.T / self.temperature
+
+
+MODELS = {"dlrm": DLRM, "deepfm": DeepFM, "wide_deep": WideAndDeep, "dcnv2": DCNv2,
+          "din": DIN, "two_tower": TwoTower}

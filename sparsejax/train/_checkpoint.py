@@ -1,0 +1,153 @@
+"""Orbax checkpoints of a `TrainState`, with tables stored by name (not by stack).
+
+A checkpoint holds the dense parameters and their optimizer state, every table's
+weights and sparse optimizer slots under the table's name, the step, the RNG, and a
+JSON record (table specs, data position, the run's config). Restoring checks the specs
+first and names any table whose name or shape changed; an unreadable checkpoint (e.g.
+truncated) raises `CheckpointError` naming it and leaves the others usable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from ._trainer import TrainState
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be restored into the current model."""
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree: dict, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _layer_key(path) -> str:
+    return "/".join(path) or "<root>"
+
+
+class Checkpointer:
+    """Saves and restores `TrainState`s under `directory/<step>/`.
+
+    Args:
+      directory: where checkpoints live (created).
+      layouts: `Trainer.embedding_layouts(state, batch)`: how each embedding layer
+        stacks its tables.
+      max_to_keep: older checkpoints are deleted beyond this many.
+    """
+
+    def __init__(self, directory: str | os.PathLike, layouts: Mapping, *, max_to_keep: int = 3):
+        self.directory = os.path.abspath(directory)
+        self.layouts = dict(layouts)
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+    def _specs(self) -> dict:
+        return {_layer_key(p): {name: {"vocab_size": t.vocab_size, "dim": t.dim,
+                                       "dtype": t.dtype, "optimizer": repr(t.optimizer)}
+                                for name, t in ec.tables.items()}
+                for p, ec in self.layouts.items()}
+
+    def _payload(self, state: TrainState) -> dict:
+        tables = {_layer_key(p): ec.tables_by_name(_get(state.tables, p))
+                  for p, ec in self.layouts.items()}
+        return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
+                "rng": state.rng, "tables": tables}
+
+    def save(self, state: TrainState, *, data_position: Any = None,
+             extra: Mapping | None = None) -> int:
+        """Write a checkpoint at `state.step` and wait until it is on disk."""
+        step = int(state.step)
+        meta = {"step": step, "tables": self._specs(), "data_position": data_position,
+                "extra": dict(extra or {})}
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(self._payload(state)), meta=ocp.args.JsonSave(meta)),
+            force=True)
+        self.manager.wait_until_finished()
+        return step
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def read_meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+
+    def restore(self, template: TrainState, step: int | None = None
+                ) -> tuple[TrainState, dict]:
+        """State at `step` (default: latest) shaped like `template`, and its JSON record.
+
+        Raises:
+          CheckpointError: no checkpoint, a table added/removed/reshaped since the
+            save, or unreadable files (naming the step and the other checkpoints).
+        """
+        steps = self.steps()
+        step = steps[-1] if step is None and steps else step
+        if step is None or step not in steps:
+            raise CheckpointError(f"no checkpoint {'' if step is None else step} in "
+                                  f"{self.directory} (available: {steps})")
+        others = [s for s in steps if s != step]
+        try:
+            meta = self.read_meta(step)
+        except Exception as e:  # noqa: BLE001 - any read failure means the same to the user
+            raise CheckpointError(f"checkpoint {step} in {self.directory} is unreadable "
+                                  f"({type(e).__name__}: {e}); other checkpoints: {others}"
+                                  ) from e
+        self._check_specs(meta["tables"], step)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._payload(template))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be restored "
+                                  f"({type(e).__name__}: {e}); other checkpoints: {others}"
+                                  ) from e
+        tables: dict = {}
+        for p, ec in self.layouts.items():
+            layer = ec.state_from_tables(restored["tables"][_layer_key(p)])
+            if p:
+                _set(tables, p, layer)
+            else:
+                tables.update(layer)
+        state = TrainState(step=restored["step"], params=restored["params"],
+                           opt_state=restored["opt_state"], tables=tables, rng=restored["rng"])
+        return state, meta
+
+    def _check_specs(self, saved: Mapping, step: int) -> None:
+        current = self._specs()
+        for layer in sorted(set(saved) | set(current)):
+            s, c = saved.get(layer, {}), current.get(layer, {})
+            for name in sorted(set(s) | set(c)):
+                if name not in s:
+                    raise CheckpointError(f"checkpoint {step}: table {name!r} (layer {layer}) "
+                                          f"is not in the checkpoint (saved: {sorted(s)})")
+                if name not in c:
+                    raise CheckpointError(f"checkpoint {step}: table {name!r} (layer {layer}) "
+                                          f"was saved but the model has no such table "
+                                          f"(model: {sorted(c)})")
+                for key in ("vocab_size", "dim", "dtype", "optimizer"):
+                    if s[name][key] != c[name][key]:
+                        raise CheckpointError(
+                            f"checkpoint {step}: table {name!r} was saved with {key}="
+                            f"{s[name][key]!r}, the model has {key}={c[name][key]!r}")
+
+    def close(self) -> None:
+        self.manager.close()

@@ -1,0 +1,163 @@
+"""Train state and the jitted train / eval steps of any model with sparse embeddings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..embedding._collection import EmbeddingCollection
+from ..nn._embedding import (
+    EMBEDDING,
+    EMBEDDING_GRADS,
+    EMBEDDING_LOOKUPS,
+    EmbeddingBagCollection,
+    apply_embedding_gradients,
+)
+from . import _metrics
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step changes; donated to the step so tables update in place."""
+
+    step: jax.Array  # i32[], optimizer steps taken
+    params: Any  # dense parameters ("params" collection)
+    opt_state: Any  # optax state of `params`
+    tables: Any  # "embedding" collection: stacked weights and sparse optimizer slots
+    rng: jax.Array  # u32[2] key data; step k uses fold_in(rng, k) for dropout
+
+
+def binary_loss(logits: jax.Array, batch) -> jax.Array:
+    """Mean sigmoid cross-entropy over the real (mask 1) examples."""
+    per = optax.sigmoid_binary_cross_entropy(logits, batch.labels.astype(logits.dtype))
+    return (per * batch.mask).sum() / jnp.maximum(batch.mask.sum(), 1.0)
+
+
+def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
+    """In-batch softmax: row i's positive is column i; padded columns are not negatives."""
+    scores = jnp.where(batch.mask[None, :] > 0, scores, -1e9)
+    per = -jnp.diagonal(jax.nn.log_softmax(scores, axis=-1))
+    return (per * batch.mask).sum() / jnp.maximum(batch.mask.sum(), 1.0)
+
+
+LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
+
+
+class Trainer:
+    """Builds the train and eval steps of `model` (a Flax module taking a `SparseBatch`;
+    its `task` class attribute picks the loss: "binary" or "retrieval").
+
+    Dense parameters are updated by `tx` (optax); every `EmbeddingBagCollection` in the
+    model by its tables' sparse optimizers, on touched rows only.
+    """
+
+    def __init__(self, model: nn.Module, tx: optax.GradientTransformation):
+        self.model = model
+        self.tx = tx
+        self.task = getattr(model, "task", "binary")
+        if self.task not in LOSSES:
+            raise ValueError(f"model task {self.task!r} is not one of {sorted(LOSSES)}")
+        self.loss_fn = LOSSES[self.task]
+        self.train_step = jax.jit(self._train_step, donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step)
+
+    def init(self, key: jax.Array, batch) -> TrainState:
+        """Fresh state; `batch` fixes the shapes (any batch of the run's capacities)."""
+        k_init, k_rng = jax.random.split(key)
+        variables = jax.jit(lambda k: self.model.init(k, batch))(k_init)
+        unknown = set(variables) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
+        if unknown:
+            raise ValueError(f"the model has variable collections {sorted(unknown)} that the "
+                             f"trainer does not know how to update")
+        params = variables.get("params", {})
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=self.tx.init(params), tables=variables.get(EMBEDDING, {}),
+                          rng=jax.random.key_data(k_rng))
+
+    def _apply(self, state, params, probe, batch, train, rng=None):
+        variables = {"params": params, EMBEDDING: state.tables}
+        if probe is not None:
+            variables[EMBEDDING_GRADS] = probe
+        out, aux = self.model.apply(variables, batch, train=train,
+                                    mutable=[EMBEDDING_LOOKUPS],
+                                    rngs=None if rng is None else {"dropout": rng})
+        return out, aux.get(EMBEDDING_LOOKUPS, {})
+
+    def _zeros_probe(self, batch):
+        """Zeros shaped like the pooled rows of every embedding layer at this batch size."""
+        shapes = jax.eval_shape(lambda: self.model.init(jax.random.key(0), batch))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                            shapes.get(EMBEDDING_GRADS, {}))
+
+    def _train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def loss_fn(params, probe):
+            out, lookups = self._apply(state, params, probe, batch, True, rng)
+            return self.loss_fn(out, batch), lookups
+
+        (loss, lookups), (g_params, g_rows) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True)(state.params, self._zeros_probe(batch))
+        step = state.step + 1
+        tables = apply_embedding_gradients(state.tables, lookups, g_rows, step=step)
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int counts and floats
+            updates, opt_state = self.tx.update(g_params, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = state.replace(step=step, params=params, opt_state=opt_state, tables=tables)
+        return new, {"loss": loss}
+
+    def _eval_step(self, state: TrainState, batch) -> jax.Array:
+        out, _ = self._apply(state, state.params, None, batch, False)
+        return out
+
+    def evaluate(self, state: TrainState, batches, *, recall_k: tuple[int, ...] = (1, 10)
+                 ) -> dict[str, float]:
+        """Metrics over all `batches` (padded rows excluded): loss, and AUC, logloss and
+        calibration for "binary", recall@k for "retrieval" (in-batch)."""
+        outs, labels, masks, losses, recalls = [], [], [], [], {k: [] for k in recall_k}
+        for batch in batches:
+            out = self.eval_step(state, batch)
+            mask = np.asarray(batch.mask)
+            losses.append((float(self.loss_fn(out, batch)), mask.sum()))
+            if self.task == "binary":
+                outs.append(np.asarray(out))
+                labels.append(np.asarray(batch.labels))
+                masks.append(mask)
+            else:
+                for k in recall_k:
+                    recalls[k].append((_metrics.recall_at_k(np.asarray(out), k, mask), mask.sum()))
+        if not losses:
+            raise ValueError("evaluate: no eval batches")
+        total = sum(n for _, n in losses)
+        result = {"loss": sum(v * n for v, n in losses) / total, "examples": int(total)}
+        if self.task == "binary":
+            y, z, m = np.concatenate(labels), np.concatenate(outs), np.concatenate(masks)
+            result |= {"auc": _metrics.auc(y, z, m), "logloss": _metrics.logloss(y, z, m),
+                       "calibration": _metrics.calibration(y, z, m)}
+        else:
+            for k, vals in recalls.items():
+                result[f"recall@{k}"] = sum(v * n for v, n in vals) / total
+        return result
+
+    def embedding_layouts(self, state: TrainState, batch) -> dict[tuple[str, ...],
+                                                                  EmbeddingCollection]:
+        """The `EmbeddingCollection` of every embedding layer, by module path (used to
+        store tables by name in checkpoints)."""
+        found = {}
+
+        def interceptor(next_fun, args, kwargs, context):
+            if isinstance(context.module, EmbeddingBagCollection) and \
+                    context.method_name == "__call__":
+                found[tuple(context.module.path)] = context.module.collection
+            return next_fun(*args, **kwargs)
+
+        with nn.intercept_methods(interceptor):
+            jax.eval_shape(lambda s, b: self._apply(s, s.params, None, b, False), state, batch)
+        return found
