@@ -96,6 +96,14 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _number(text: str):
+    try:
+        x = float(text)
+    except ValueError:
+        return text
+    return int(x) if x.is_integer() and "." not in text and "e" not in text.lower() else x
+
+
 def convert(tp, value, key: str):
     """Check / convert `value` to the annotated type `tp`; errors name `key`."""
     origin = typing.get_origin(tp)
@@ -137,6 +145,8 @@ def convert(tp, value, key: str):
         if not isinstance(value, bool):
             raise ConfigError(f"config key {key!r}: expected true/false, got {value!r}")
         return value
+    if isinstance(value, str) and tp in (int, float):
+        value = _number(value)  # YAML 1.1 reads 1e-3 as a string
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():

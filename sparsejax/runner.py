@@ -141,6 +141,7 @@ def load_config(files: Sequence[str | os.PathLike] = (), overrides: Sequence[str
 def config_from_dict(data: dict) -> RunConfig:
     cfg = _config.from_dict(RunConfig, data)
     _check_model_options(cfg.model)
+    sparse_optimizer(cfg.optimizer)  # validates sparse_options
     return cfg
 
 
@@ -193,15 +194,6 @@ def sparse_optimizer(cfg: OptimizerConfig) -> sparse_optimizers.SparseOptimizer:
 
 def dense_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return _DENSE[cfg.dense](cfg.dense_learning_rate)
-
-
-def _pack_all(source: Examples, packer: BatchPacker) -> list[SparseBatch]:
-    """Every example of `source` in order, in batches (the last one padded)."""
-    b, out = packer.batch_size, []
-    for start in range(0, len(source), b):
-        sparse, labels, dense = source.take(np.arange(start, min(start + b, len(source))))
-        out.append(packer.pack(sparse, labels=labels, dense=dense, first_example=start))
-    return out
 
 
 def _named(host):
@@ -257,7 +249,7 @@ def build_data(cfg: RunConfig) -> DataBundle:
         num_dense = train.num_dense
         train_source = train
         eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
-        eval_batches = _pack_all(held, eval_packer)
+        eval_batches = sd.pack_examples(held, eval_packer)
     packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
     return DataBundle(tuple(tables), tuple(features), packer, train_source, eval_batches,
                       report)
@@ -381,7 +373,7 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     first = _first_train_batch(data)
     state = trainer.init(jax.random.key(cfg.seed), first)
     ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
-                        trainer.embedding_layouts(state, first),
+                        trainer.layouts,
                         max_to_keep=cfg.keep_checkpoints)
     position: dict = {"epoch": 0, "batch": 0}
     if cfg.resume and ckpt.latest_step() is not None:
@@ -405,9 +397,18 @@ def train(cfg: RunConfig, *, log: Callable[[str], None] = print) -> dict:
     directory keeps the last good checkpoint.
     """
     run = build_run(cfg, log=log)
+    existing = run.checkpointer.latest_step()
+    if not cfg.resume and existing is not None:
+        run.checkpointer.close()
+        raise _config.ConfigError(
+            f"{cfg.run_dir} already holds checkpoints (latest step {existing}) and resume=false;"
+            f" choose another name= or out_dir=, or resume=true to continue that run")
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(_config.to_dict(cfg), f, sort_keys=False)
-    return fit(run, log=log)
+    try:
+        return fit(run, log=log)
+    finally:
+        run.checkpointer.close()
 
 
 def fit(run: Run, *, log: Callable[[str], None] = print) -> dict:
@@ -540,8 +541,11 @@ def evaluate_run(run_dir: str, *, step: int | None = None, overrides: Sequence[s
     trainer = Trainer(model, dense_optimizer(cfg.optimizer))
     template = trainer.init(jax.random.key(cfg.seed), data.eval_batches[0])
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"),
-                        trainer.embedding_layouts(template, data.eval_batches[0]))
-    state, _ = ckpt.restore(template, step)
+                        trainer.layouts)
+    try:
+        state, _ = ckpt.restore(template, step)
+    finally:
+        ckpt.close()
     result = trainer.evaluate(state, data.eval_batches)
     log(f"eval of {run_dir} @ step {int(state.step)}: " + ", ".join(
         f"{k} {v:.4f}" for k, v in result.items() if k != "examples"))

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsejax import ops
 from sparsejax import nn as snn
+from sparsejax import ops
 from sparsejax.data import BatchPacker, Ragged
 from sparsejax.embedding import EmbeddingCollection, FeatureSpec, TableSpec
 

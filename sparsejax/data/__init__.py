@@ -27,5 +27,6 @@ from ._loader import HostBatch as HostBatch
 from ._loader import Loader as Loader
 from ._loader import LoaderPosition as LoaderPosition
 from ._loader import measure_throughput as measure_throughput
+from ._loader import pack_examples as pack_examples
 from ._synthetic import KAGGLE_CARDINALITIES as KAGGLE_CARDINALITIES
 from ._synthetic import SyntheticCriteo as SyntheticCriteo

@@ -432,3 +432,13 @@ def measure_throughput(loader: Loader, *, num_batches: int = 50, warmup: int = 2
     if count == 0:
         raise ValueError("loader ended before any batch was timed")
     return count / elapsed
+
+
+def pack_examples(examples: Examples, packer: BatchPacker) -> list[SparseBatch]:
+    """Every example of `examples` in order, as batches (the last one padded with mask-0
+    rows): an eval set that counts each example exactly once."""
+    b, out = packer.batch_size, []
+    for start in range(0, len(examples), b):
+        sparse, labels, dense = examples.take(np.arange(start, min(start + b, len(examples))))
+        out.append(packer.pack(sparse, labels=labels, dense=dense, first_example=start))
+    return out

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import ops
 from ..ops._checks import check_lookups
@@ -70,9 +71,13 @@ jax.tree_util.register_dataclass(GroupLookups, data_fields=["ids", "segments", "
                                  meta_fields=["stack", "combiner", "optimizer"])
 
 
+def _name_hash(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
 def _table_key(key: jax.Array, name: str) -> jax.Array:
     """A table's init key depends on its name only, not on its stack or position."""
-    return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+    return jax.random.fold_in(key, _name_hash(name))
 
 
 class EmbeddingCollection:
@@ -120,12 +125,23 @@ class EmbeddingCollection:
 
     # ---- state ----------------------------------------------------------------------
     def init_stack(self, key: jax.Array, stack_name: str) -> dict:
+        """Weights and slots of one stack; each table's values depend on `key` and the
+        table's name only. Initializers with a `host` method (the default one) draw on
+        the host with numpy when `key` is concrete, to skip a compile per table shape."""
         stack = self.stacks[stack_name]
         dtype = jnp.dtype(stack.dtype)
-        weights = jnp.concatenate([
-            t.initializer(_table_key(key, t.name), (t.vocab_size, t.dim), dtype)
-            for t in stack.tables
-        ])
+        on_host = not isinstance(key, jax.core.Tracer)
+        parts = []
+        for t in stack.tables:
+            shape = (t.vocab_size, t.dim)
+            if on_host and hasattr(t.initializer, "host"):
+                seed = [*np.asarray(jax.random.key_data(key)).ravel().tolist(), _name_hash(t.name)]
+                parts.append(t.initializer.host(np.random.default_rng(seed), shape, dtype))
+            else:
+                parts.append(t.initializer(_table_key(key, t.name), shape, dtype))
+        weights = (jnp.asarray(np.concatenate(parts)) if all(isinstance(p, np.ndarray)
+                                                                 for p in parts)
+                   else jnp.concatenate([jnp.asarray(p, dtype) for p in parts]))
         return {"weights": weights, "slots": stack.optimizer.init_slots(stack.rows, stack.dim)}
 
     def init(self, key: jax.Array) -> dict:

@@ -2,6 +2,7 @@
 
 from ._checkpoint import Checkpointer as Checkpointer
 from ._checkpoint import CheckpointError as CheckpointError
+from ._checkpoint import NonFiniteStateError as NonFiniteStateError
 from ._metrics import auc as auc
 from ._metrics import calibration as calibration
 from ._metrics import logloss as logloss

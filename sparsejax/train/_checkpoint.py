@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from ._trainer import TrainState
@@ -21,6 +22,22 @@ from ._trainer import TrainState
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be restored into the current model."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """The state holds NaN or inf; it is not saved, so the last checkpoint stays good."""
+
+
+def _first_non_finite(tree) -> str | None:
+    """Path of the first float leaf holding NaN/inf (one fused pass per leaf), or None."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    flags = [jnp.isfinite(x).all() for _, x in leaves
+             if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    paths = [p for p, x in leaves if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    for path, ok in zip(paths, jax.device_get(flags), strict=True):
+        if not ok:
+            return jax.tree_util.keystr(path)
+    return None
 
 
 def _get(tree, path):
@@ -44,7 +61,7 @@ class Checkpointer:
 
     Args:
       directory: where checkpoints live (created).
-      layouts: `Trainer.embedding_layouts(state, batch)`: how each embedding layer
+      layouts: `Trainer.layouts` (set by `Trainer.init`): how each embedding layer
         stacks its tables.
       max_to_keep: older checkpoints are deleted beyond this many.
     """
@@ -58,7 +75,9 @@ class Checkpointer:
 
     def _specs(self) -> dict:
         return {_layer_key(p): {name: {"vocab_size": t.vocab_size, "dim": t.dim,
-                                       "dtype": t.dtype, "optimizer": repr(t.optimizer)}
+                                       "dtype": t.dtype,
+                                       # the slots depend on the kind, not on the rates
+                                       "optimizer": type(t.optimizer).__name__}
                                 for name, t in ec.tables.items()}
                 for p, ec in self.layouts.items()}
 
@@ -70,12 +89,22 @@ class Checkpointer:
 
     def save(self, state: TrainState, *, data_position: Any = None,
              extra: Mapping | None = None) -> int:
-        """Write a checkpoint at `state.step` and wait until it is on disk."""
+        """Write a checkpoint at `state.step` and wait until it is on disk.
+
+        Raises:
+          NonFiniteStateError: a parameter, table or slot holds NaN/inf (named); nothing
+            is written.
+        """
         step = int(state.step)
+        payload = self._payload(state)
+        bad = _first_non_finite(payload)
+        if bad is not None:
+            raise NonFiniteStateError(f"not saving step {step}: {bad} holds NaN or inf; the "
+                                      f"last checkpoint ({self.latest_step()}) is kept")
         meta = {"step": step, "tables": self._specs(), "data_position": data_position,
                 "extra": dict(extra or {})}
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(self._payload(state)), meta=ocp.args.JsonSave(meta)),
+            state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)),
             force=True)
         self.manager.wait_until_finished()
         return step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -65,21 +66,47 @@ class Trainer:
         if self.task not in LOSSES:
             raise ValueError(f"model task {self.task!r} is not one of {sorted(LOSSES)}")
         self.loss_fn = LOSSES[self.task]
+        self.layouts: dict[tuple[str, ...], EmbeddingCollection] = {}
+        """Set by `init`: each embedding layer's `EmbeddingCollection`, by module path."""
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
 
     def init(self, key: jax.Array, batch) -> TrainState:
-        """Fresh state; `batch` fixes the shapes (any batch of the run's capacities)."""
-        k_init, k_rng = jax.random.split(key)
-        variables = jax.jit(lambda k: self.model.init(k, batch))(k_init)
-        unknown = set(variables) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
+        """Fresh state; `batch` fixes the shapes (any batch of the run's capacities).
+
+        Dense parameters come from the model's (jitted) init; tables from each layer's
+        `EmbeddingCollection.init` outside `jit`, which draws default-initialized
+        tables with numpy instead of compiling one random op per table shape.
+        """
+        k_init, k_tables, k_rng = jax.random.split(key, 3)
+        self.layouts = self._find_layouts(batch)
+        names = set(jax.eval_shape(lambda: self.model.init(k_init, batch)))
+        unknown = names - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
         if unknown:
             raise ValueError(f"the model has variable collections {sorted(unknown)} that the "
                              f"trainer does not know how to update")
-        params = variables.get("params", {})
+        # tables are dropped inside the jit, so XLA never compiles their initializers
+        params = jax.jit(lambda k: self.model.init(k, batch).get("params", {}))(k_init)
+        tables: dict = {}
+        for path, ec in self.layouts.items():
+            layer = ec.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
+            node = tables
+            for p in path:
+                node = node.setdefault(p, {})
+            node.update(layer)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=self.tx.init(params), tables=variables.get(EMBEDDING, {}),
+                          opt_state=self.tx.init(params), tables=tables,
                           rng=jax.random.key_data(k_rng))
+
+    def tables_by_name(self, state: TrainState) -> dict:
+        """`{layer path: {table: {"weights", "slots"}}}`, unstacked (e.g. to inspect)."""
+        out = {}
+        for path, ec in self.layouts.items():
+            node = state.tables
+            for p in path:
+                node = node[p]
+            out["/".join(path)] = ec.tables_by_name(node)
+        return out
 
     def _apply(self, state, params, probe, batch, train, rng=None):
         variables = {"params": params, EMBEDDING: state.tables}
@@ -146,10 +173,9 @@ class Trainer:
                 result[f"recall@{k}"] = sum(v * n for v, n in vals) / total
         return result
 
-    def embedding_layouts(self, state: TrainState, batch) -> dict[tuple[str, ...],
-                                                                  EmbeddingCollection]:
-        """The `EmbeddingCollection` of every embedding layer, by module path (used to
-        store tables by name in checkpoints)."""
+    def _find_layouts(self, batch) -> dict[tuple[str, ...], EmbeddingCollection]:
+        """The `EmbeddingCollection` of every embedding layer, by module path (how the
+        state's tables are stacked; checkpoints store them by name through it)."""
         found = {}
 
         def interceptor(next_fun, args, kwargs, context):
@@ -159,5 +185,5 @@ class Trainer:
             return next_fun(*args, **kwargs)
 
         with nn.intercept_methods(interceptor):
-            jax.eval_shape(lambda s, b: self._apply(s, s.params, None, b, False), state, batch)
+            jax.eval_shape(lambda: self.model.init(jax.random.key(0), batch))
         return found

@@ -1,0 +1,68 @@
+"""Layered configs: every shipped config validates; unknown or mistyped keys are errors
+naming the key and the closest valid one; layering and overrides compose."""
+
+import pathlib
+
+import pytest
+
+from sparsejax import _config, runner
+from sparsejax._config import ConfigError
+
+CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = runner.load_config([path])
+    assert cfg.model.name in runner.MODELS
+    runner.sparse_optimizer(cfg.optimizer)
+
+
+def test_default_config_is_the_no_argument_run():
+    root = CONFIGS[0].parent
+    assert runner.load_config([root / "default.yaml"]) == runner.RunConfig()
+
+
+def test_layering_and_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("steps: 10\ndata: {batch_size: 32, zipf: 1.3}\n")
+    (tmp_path / "exp.yaml").write_text("base: base.yaml\ndata: {batch_size: 64}\n")
+    cfg = runner.load_config([tmp_path / "exp.yaml"],
+                             ["data.prefetch=7", "optimizer.dense_learning_rate=1e-4",
+                              "model.options={bottom: [8, 16]}"])
+    assert (cfg.steps, cfg.data.batch_size, cfg.data.zipf, cfg.data.prefetch) == (10, 64, 1.3, 7)
+    assert cfg.optimizer.dense_learning_rate == pytest.approx(1e-4)
+    assert cfg.model.options == {"bottom": [8, 16]}
+    assert runner.config_from_dict(_config.to_dict(cfg)) == cfg  # round trip
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.batch_sise=3", "unknown config key 'data.batch_sise'; did you mean 'batch_size'"),
+    ("stesp=3", "unknown config key 'stesp'; did you mean 'steps'"),
+    ("model.options={botom: [1]}", "'model.options.botom'; did you mean 'bottom'"),
+    ("optimizer.sparse_options={epz: 1}", "'optimizer.sparse_options.epz'; did you mean 'eps'"),
+    ("data.batch_size=many", "'data.batch_size': expected an int, got 'many'"),
+    ("data.shuffle=3", "'data.shuffle': expected true/false, got 3"),
+    ("model.name=dlrn", "'model.name': 'dlrn' is not one of"),
+    ("steps=0", "`steps` must be >= 1"),
+    ("epochs=2", "set exactly one of `steps` and `epochs`"),
+    ("data", "must look like key.sub=value"),
+])
+def test_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=__import__("re").escape(message)):
+        runner.load_config([], [override])
+
+
+def test_base_cycles_and_bad_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        runner.load_config([tmp_path / "a.yaml"])
+    (tmp_path / "bad.yaml").write_text("steps: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        runner.load_config([tmp_path / "bad.yaml"])
+
+
+def test_file_data_needs_a_path(tmp_path):
+    cfg = runner.load_config([], ["data.kind=criteo"])
+    with pytest.raises(ConfigError, match="needs data.path"):
+        runner.build_data(cfg)
