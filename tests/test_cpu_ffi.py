@@ -147,6 +147,66 @@ def test_spmm_threads_bit_identical(monkeypatch):
             np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("sorted_segments", [True, False], ids=["sorted", "unsorted"])
+def test_spmm_unit_values(dtype, sorted_segments):
+    """values=None (an f32[0] operand): every value is 1, bit-identical to explicit ones."""
+    rng = np.random.default_rng(5 + sorted_segments)
+    k, s, n, d = 37, 11, 300, 64
+    _, col, seg = _entries(rng, n, k, s, sorted_segments=sorted_segments)
+    dense = _dense(rng, k, d, dtype)
+    out = _cpu_ffi.spmm(None, col, seg, dense, s)
+    _check_spmm(out, np.ones(n, np.float32), col, seg, dense, s)
+    ones = _cpu_ffi.spmm(np.ones(n, np.float32), col, seg, dense, s)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16 if dtype == BF16 else np.uint32),
+                                  np.asarray(ones).view(np.uint16 if dtype == BF16 else np.uint32))
+
+
+@pytest.mark.parametrize("case", ["one_inversion", "halves_swapped", "last_entry_low"])
+def test_spmm_nearly_sorted_falls_back(monkeypatch, case):
+    """Sortedness is checked inside each parallel chunk; any out-of-order valid entry,
+    within a chunk or across chunks, must still give the exact unsorted result."""
+    rng = np.random.default_rng(6)
+    k, d, s, n = 500, 16, 400, 9000
+    values, col, seg = _entries(rng, n, k, s, sorted_segments=True)
+    valid = np.nonzero(_valid(col, seg, k, s))[0]
+    if case == "one_inversion":
+        i = valid[len(valid) // 3]
+        seg[i] = max(int(seg[i]) - 3, 0)
+    elif case == "halves_swapped":
+        h = n // 2
+        values, col, seg = (np.concatenate([x[h:], x[:h]]) for x in (values, col, seg))
+    else:
+        seg[valid[-1]] = 0
+    dense = _dense(rng, k, d, np.float32)
+    outs = []
+    for threads in ["1", "2", "7"]:
+        monkeypatch.setenv("SPARSEJAX_CPU_THREADS", threads)
+        monkeypatch.setenv("SPARSEJAX_CPU_MIN_PARALLEL", "1")
+        outs.append(np.asarray(_cpu_ffi.spmm(values, col, seg, dense, s)))
+    _check_spmm(outs[0], values, col, seg, dense, s)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+
+
+def test_embedding_bag_sum_passes_no_coefficients():
+    """Unweighted sum pooling hands the kernel no values array (f32[0]), so XLA computes
+    no coefficients; weighted sum still passes them."""
+    from sparsejax import ops
+
+    table, ids = jnp.zeros((10, 4)), jnp.zeros(6, jnp.int32)
+    seg = jnp.array([0, 0, 1, 1, 2, 2], jnp.int32)
+
+    def spmm_operands(**kw):
+        f = jax.jit(lambda t, i: ops.embedding_bag(t, i, seg, 3, implementation="cpu_ffi", **kw))
+        text = f.lower(table, ids).compile().as_text()
+        (line,) = [ln for ln in text.splitlines() if 'custom_call_target="sparsejax_spmm"' in ln]
+        return line.split("operand_layout_constraints={")[1]
+
+    assert spmm_operands().startswith("f32[0]")
+    assert spmm_operands(weights=jnp.ones(6)).startswith("f32[6]")
+
+
 # ---------------------------------------------------------------------------
 # segment_max
 # ---------------------------------------------------------------------------

@@ -106,13 +106,18 @@ def spmm(values, col_ids, segment_ids, dense, num_segments: int) -> jax.Array:
     """out[s] = sum over valid k with segment_ids[k] == s of values[k] * dense[col_ids[k]].
 
     Args:
-      values: f32[N] weights. col_ids: i32[N] rows of `dense`. segment_ids: i32[N].
+      values: f32[N] weights, or None for all ones (the kernel then reads no values).
+      col_ids: i32[N] rows of `dense`. segment_ids: i32[N].
       dense: f32 or bf16 [K, D].
       num_segments: S (static).
     Returns: dense.dtype [S, D]; empty segments are 0.
     """
     _require()
-    values, col_ids, segment_ids = _entries(values, col_ids, segment_ids)
+    if values is None:  # f32[0] tells the kernel that every value is 1
+        _, col_ids, segment_ids = _entries(jnp.zeros(jnp.shape(col_ids)), col_ids, segment_ids)
+        values = jnp.zeros((0,), jnp.float32)
+    else:
+        values, col_ids, segment_ids = _entries(values, col_ids, segment_ids)
     dense = _float_dense(dense, "dense")
     if dense.ndim != 2:
         raise ValueError(f"dense must be [K, D], got {dense.shape}")

@@ -118,7 +118,10 @@ def embedding_bag(
     params = dict(num_segments=num_segments, implementation=implementation)
     if combiner == "max":
         return segment_max_p.bind(coef, ids, segment_ids, table, **params)[0]
-    return segment_spmm_p.bind(coef, ids, segment_ids, table, sorted_segments=True, **params)
+    # Unweighted sum: coef is 1 on every valid lookup, which kernels may assume.
+    unit = combiner == "sum" and weights is None
+    return segment_spmm_p.bind(coef, ids, segment_ids, table, sorted_segments=True,
+                               unit_values=unit, **params)
 
 
 def embedding_bag_ref(table, ids, segment_ids, num_segments, *, weights=None, combiner="sum",
@@ -154,7 +157,8 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, *, implementation: str | 
     n = flat.shape[0]
     coef = ((flat >= 0) & (flat < table.shape[0])).astype(jnp.float32)
     out = segment_spmm_p.bind(coef, flat, jnp.arange(n, dtype=jnp.int32), table, num_segments=n,
-                              implementation=implementation, sorted_segments=True)
+                              implementation=implementation, sorted_segments=True,
+                              unit_values=True)
     return out.reshape(*ids.shape, table.shape[1])
 
 

@@ -90,6 +90,7 @@ def segment_spmm(
         num_segments=num_segments,
         implementation=implementation,
         sorted_segments=True,
+        unit_values=False,
     )
 
 
@@ -103,10 +104,11 @@ def _static_count(op: str, name: str, n) -> int:
     return n
 
 
-def _bind(values, col_ids, segment_ids, dense, *, num_segments, implementation, sorted_segments):
+def _bind(values, col_ids, segment_ids, dense, *, num_segments, implementation, sorted_segments,
+          unit_values=False):
     return segment_spmm_p.bind(
         values, col_ids, segment_ids, dense, num_segments=num_segments,
-        implementation=implementation, sorted_segments=sorted_segments,
+        implementation=implementation, sorted_segments=sorted_segments, unit_values=unit_values,
     )
 
 
@@ -140,13 +142,16 @@ def xla_segment_spmm(values, col_ids, segment_ids, dense, *, num_segments,
     return out.astype(dense.dtype)
 
 
-def _impl_fn(impl: str, platform: str, sorted_segments: bool):
+def _impl_fn(impl: str, platform: str, sorted_segments: bool, unit_values: bool):
     if impl == "xla":
         return functools.partial(xla_segment_spmm, sorted_segments=sorted_segments)
     if impl == "cpu_ffi":
         from . import _cpu_ffi
 
-        return lambda v, c, s, d, *, num_segments: _cpu_ffi.spmm(v, c, s, d, num_segments)
+        # With unit values the kernel gets no values array, so XLA drops the
+        # computation of `v` (embedding_bag's coefficients) altogether.
+        return lambda v, c, s, d, *, num_segments: _cpu_ffi.spmm(
+            None if unit_values else v, c, s, d, num_segments)
     from . import _pallas
 
     if not sorted_segments:  # the Pallas kernel needs CSR order; transposes are unsorted
@@ -155,6 +160,9 @@ def _impl_fn(impl: str, platform: str, sorted_segments: bool):
 
 
 # ---------------------------------------------------------------- primitive rules
+# Params: num_segments, implementation, sorted_segments (CSR order over valid entries)
+# and unit_values (values[k] == 1 for every valid entry: implementations may ignore
+# `values`, as embedding_bag's unweighted sum does).
 segment_spmm_p = Primitive("sparsejax_segment_spmm")
 
 
@@ -163,10 +171,10 @@ def _abstract_eval(values, col_ids, segment_ids, dense, *, num_segments, **_):
 
 
 def _lowering(platform):
-    def rule(ctx, *args, num_segments, implementation, sorted_segments):
+    def rule(ctx, *args, num_segments, implementation, sorted_segments, unit_values):
         impl = _dispatch.resolve_implementation(implementation, platform)
         _dispatch.log_choice("segment_spmm", platform, implementation, impl)
-        fn = _impl_fn(impl, platform, sorted_segments)
+        fn = _impl_fn(impl, platform, sorted_segments, unit_values)
         return mlir.lower_fun(functools.partial(fn, num_segments=num_segments),
                               multiple_results=False)(ctx, *args)
 
@@ -210,10 +218,10 @@ def fold_vmapped_lookups(args, dims, num_segments):
     return flat, size, nnz
 
 
-def _batch_rule(args, dims, *, num_segments, implementation, sorted_segments):
+def _batch_rule(args, dims, *, num_segments, implementation, sorted_segments, unit_values):
     flat, size, _ = fold_vmapped_lookups(args, dims, num_segments)
     out = _bind(*flat, num_segments=size * num_segments, implementation=implementation,
-                sorted_segments=sorted_segments)
+                sorted_segments=sorted_segments, unit_values=unit_values)
     return out.reshape(size, num_segments, out.shape[-1]), 0
 
 
@@ -223,7 +231,8 @@ def _jvp(primals, tangents, **params):
     out = _bind(*primals, **params)
     terms = []
     if type(d_values) is not ad.Zero:
-        terms.append(_bind(d_values, col_ids, segment_ids, dense, **params))
+        terms.append(_bind(d_values, col_ids, segment_ids, dense,
+                           **dict(params, unit_values=False)))
     if type(d_dense) is not ad.Zero:
         terms.append(_bind(values, col_ids, segment_ids, d_dense, **params))
     if not terms:
@@ -232,7 +241,8 @@ def _jvp(primals, tangents, **params):
 
 
 def _transpose(ct, values, col_ids, segment_ids, dense, *, num_segments, implementation,
-               sorted_segments):
+               sorted_segments, unit_values):
+    del unit_values  # the transposed products take `values` as computed
     if type(ct) is ad.Zero:
         return None, None, None, None
     k = (dense.aval if ad.is_undefined_primal(dense) else dense).shape[0]
