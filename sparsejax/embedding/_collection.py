@@ -61,7 +61,7 @@ class GroupLookups:
 
     ids: jax.Array  # i32[N], -1 for padding and for ids outside their table
     segments: jax.Array  # i32[N], non-decreasing
-    coefficients: jax.Array  # f32[N], pooling factor of each id
+    coefficients: jax.Array | None  # f32[N] pooling factor of each id; None: all 1
     stack: str
     combiner: str
     optimizer: SparseOptimizer
@@ -224,9 +224,12 @@ class EmbeddingCollection:
                 segs.append(s + offset)
                 coefs.append(c)
                 offset += bags
+            # unweighted sum pooling needs no coefficients: the kernels then skip them
+            plain = group.combiner == "sum" and all(
+                f.combiner in ("sum", None) and not f.weighted for f in group.features)
             lk = GroupLookups(jnp.concatenate(ids), jnp.concatenate(segs),
-                              jnp.concatenate(coefs), group.stack, group.combiner,
-                              stack.optimizer)
+                              None if plain else jnp.concatenate(coefs), group.stack,
+                              group.combiner, stack.optimizer)
             outputs[gname] = ops.embedding_bag(
                 state[group.stack]["weights"], lk.ids, lk.segments, offset,
                 weights=lk.coefficients, combiner=group.combiner,
