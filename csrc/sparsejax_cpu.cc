@@ -13,6 +13,7 @@
 //   sparsejax_sparse_apply  lazy row-sparse optimizer update, outputs aliased to
 //                           (table, slots...); mirrors `update_rows` in
 //                           sparsejax/ops/optimizers.py line by line.
+//   sparsejax_pairwise_dots[_bwd]  DLRM dot interaction, in sparsejax_interaction.cc.
 //
 // Entry k is valid iff 0 <= col[k] < K (ids in [0, V) for sparse_apply) and
 // 0 <= seg[k] < S. Invalid entries contribute nothing and are never dereferenced.
@@ -48,6 +49,7 @@
 #include <thread>
 #include <vector>
 
+#include "sparsejax_cpu_internal.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -1216,6 +1218,31 @@ ffi::Error SparseApplyHandler(ffi::RemainingArgs args, ffi::RemainingRets rets,
 
 }  // namespace
 
+namespace sparsejax {
+
+void ParallelRange(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  if (grain < 1) grain = 1;
+  const int64_t max_chunks = (n + grain - 1) / grain;
+  const int nt = static_cast<int>(std::min<int64_t>(MaxThreads(), max_chunks));
+  const int64_t nchunks = std::min<int64_t>(max_chunks, int64_t{nt} * kChunksPerThread);
+  const int64_t per = (n + nchunks - 1) / nchunks;
+  ParallelChunks(nt, nchunks, [&](int64_t c) {
+    const int64_t b = c * per, e = std::min(n, b + per);
+    if (b < e) fn(b, e);
+  });
+}
+
+bool CpuHasAvx2Fma() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return HasAvx2Fma();
+#else
+  return false;
+#endif
+}
+
+}  // namespace sparsejax
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxSpmm, SpmmHandler,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()   // values f32[N]
@@ -1261,7 +1288,11 @@ PyObject* Registrations(PyObject*, PyObject*) {
   if (AddCapsule(d, "sparsejax_spmm", reinterpret_cast<void*>(&SparsejaxSpmm)) < 0 ||
       AddCapsule(d, "sparsejax_segment_max", reinterpret_cast<void*>(&SparsejaxSegmentMax)) < 0 ||
       AddCapsule(d, "sparsejax_sparse_apply", reinterpret_cast<void*>(&SparsejaxSparseApply)) <
-          0) {
+          0 ||
+      AddCapsule(d, "sparsejax_pairwise_dots", reinterpret_cast<void*>(&SparsejaxPairwiseDots)) <
+          0 ||
+      AddCapsule(d, "sparsejax_pairwise_dots_bwd",
+                 reinterpret_cast<void*>(&SparsejaxPairwiseDotsBwd)) < 0) {
     Py_DECREF(d);
     return nullptr;
   }
@@ -1276,7 +1307,7 @@ PyMethodDef kMethods[] = {
 
 PyModuleDef kModule = {
     PyModuleDef_HEAD_INIT, "_cpu_ext",
-    "sparsejax XLA FFI CPU kernels (spmm, segment_max, sparse_apply).", -1, kMethods,
+    "sparsejax XLA FFI CPU kernels (spmm, segment_max, sparse_apply, pairwise_dots).", -1, kMethods,
     nullptr, nullptr, nullptr, nullptr,
 };
 

@@ -13,6 +13,7 @@ from sparsejax import ops
 def test_public_names():
     for name in ["embedding_bag", "embedding_bag_ref", "embedding_lookup", "embedding_lookup_ref",
                  "segment_spmm", "segment_spmm_ref", "sparse_apply", "sparse_apply_ref",
+                 "pairwise_dots", "pairwise_dots_ref",
                  "SGD", "Adagrad", "RowWiseAdagrad", "LazyAdam", "FTRL", "AdagradDecay",
                  "default_implementation", "resolve_implementation", "cpu_ffi_available",
                  "checks", "set_checks"]:
@@ -25,6 +26,7 @@ def test_public_names():
     (ops.embedding_lookup, ops.embedding_lookup_ref),
     (ops.segment_spmm, ops.segment_spmm_ref),
     (ops.sparse_apply, ops.sparse_apply_ref),
+    (ops.pairwise_dots, ops.pairwise_dots_ref),
 ])
 def test_reference_shares_the_signature(fn, ref):
     assert list(inspect.signature(fn).parameters) == list(inspect.signature(ref).parameters)

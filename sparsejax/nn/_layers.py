@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .. import ops
+
 default_kernel_init = nn.initializers.glorot_uniform()
 
 
@@ -38,10 +40,7 @@ class DotInteraction(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        f = x.shape[1]
-        gram = jnp.einsum("bfd,bgd->bfg", x, x)
-        i, j = jnp.triu_indices(f, k=1)
-        return gram[:, i, j]
+        return ops.pairwise_dots(x)
 
 
 class CrossNetwork(nn.Module):

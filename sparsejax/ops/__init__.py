@@ -1,4 +1,5 @@
-"""Sparse embedding primitives: lookups, segmented SpMM and fused sparse optimizers.
+"""Sparse embedding primitives: lookups, segmented SpMM, fused sparse optimizers and
+DLRM's pairwise-dot interaction.
 
 Every op has a pure-jnp reference exported beside it (`*_ref`, same signature) and
 an `implementation=` switch ("xla", "cpu_ffi", "pallas", or None for the platform's
@@ -19,6 +20,8 @@ from ._embedding_bag import embedding_bag_ref as embedding_bag_ref
 from ._embedding_bag import embedding_lookup as embedding_lookup
 from ._embedding_bag import embedding_lookup_ref as embedding_lookup_ref
 from ._embedding_bag import pooling_coefficients as pooling_coefficients
+from ._interaction import pairwise_dots as pairwise_dots
+from ._interaction import pairwise_dots_ref as pairwise_dots_ref
 from ._segment_spmm import segment_spmm as segment_spmm
 from ._segment_spmm import segment_spmm_ref as segment_spmm_ref
 from ._sparse_apply import dedup_ids as dedup_ids

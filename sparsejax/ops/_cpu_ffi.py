@@ -28,12 +28,16 @@ __all__ = [
     "spmm",
     "segment_max",
     "sparse_apply",
+    "pairwise_dots",
+    "pairwise_dots_bwd",
     "NUM_SLOTS",
 ]
 
 SPMM_TARGET = "sparsejax_spmm"
 SEGMENT_MAX_TARGET = "sparsejax_segment_max"
 SPARSE_APPLY_TARGET = "sparsejax_sparse_apply"
+PAIRWISE_DOTS_TARGET = "sparsejax_pairwise_dots"
+PAIRWISE_DOTS_BWD_TARGET = "sparsejax_pairwise_dots_bwd"
 
 NUM_SLOTS = {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 2}
 """Slot count per optimizer code (SGD, Adagrad, RowWiseAdagrad, LazyAdam, FTRL, AdagradDecay)."""
@@ -190,3 +194,38 @@ def sparse_apply(table, slots: Sequence[jax.Array], ids, segment_ids, coef, grad
         vmap_method="sequential",
     )(*state, ids, segment_ids, coef, grad, hparams, step, optimizer=np.int32(code))
     return outs[0], tuple(outs[1:])
+
+
+def pairwise_dots(x) -> jax.Array:
+    """out[b, p] = <x[b, i], x[b, j]> for the p-th pair i < j in `np.triu_indices(F, 1)` order.
+
+    Args:
+      x: f32 or bf16 [B, F, D].
+    Returns: x.dtype [B, F(F-1)/2] (accumulated in f32).
+    """
+    _require()
+    x = _float_dense(x, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x must be [B, F, D], got {x.shape}")
+    b, f, _ = x.shape
+    out = jax.ShapeDtypeStruct((b, f * (f - 1) // 2), x.dtype)
+    return jax.ffi.ffi_call(PAIRWISE_DOTS_TARGET, out, vmap_method="broadcast_all")(x)
+
+
+def pairwise_dots_bwd(g, x) -> jax.Array:
+    """The vjp of `pairwise_dots`: dx[b, i] = sum_{j != i} g[b, pair(i, j)] * x[b, j].
+
+    Args:
+      g: [B, F(F-1)/2] cotangent (cast to x.dtype). x: f32 or bf16 [B, F, D].
+    Returns: x.dtype [B, F, D].
+    """
+    _require()
+    x = _float_dense(x, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x must be [B, F, D], got {x.shape}")
+    b, f, _ = x.shape
+    g = jnp.asarray(g).astype(x.dtype)
+    if g.shape != (b, f * (f - 1) // 2):
+        raise ValueError(f"g must be [{b}, {f * (f - 1) // 2}], got {g.shape}")
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ffi.ffi_call(PAIRWISE_DOTS_BWD_TARGET, out, vmap_method="broadcast_all")(g, x)
