@@ -63,29 +63,11 @@ namespace {
 #define SJ_RESTRICT __restrict__
 #define SJ_INLINE inline __attribute__((always_inline))
 
-using bf16_t = uint16_t;
-
-SJ_INLINE float Bf16ToF32(bf16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-SJ_INLINE bf16_t F32ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep sign, force quiet bit
-    return static_cast<bf16_t>((u >> 16) | 0x40u);
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<bf16_t>(u >> 16);
-}
-
-SJ_INLINE float Load(const float* p, int64_t i) { return p[i]; }
-SJ_INLINE float Load(const bf16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
-SJ_INLINE void Store(float* p, int64_t i, float v) { p[i] = v; }
-SJ_INLINE void Store(bf16_t* p, int64_t i, float v) { p[i] = F32ToBf16(v); }
+using sparsejax::Bf16ToF32;
+using sparsejax::bf16_t;
+using sparsejax::F32ToBf16;
+using sparsejax::Load;
+using sparsejax::Store;
 
 // Prefetch every cache line of [p, p + bytes).
 template <int RW>

@@ -40,27 +40,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using bf16_t = uint16_t;
-
-inline float Bf16ToF32(bf16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline bf16_t F32ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((u >> 16) | 0x40u);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<bf16_t>(u >> 16);
-}
-
-inline float LoadF(const float* p, int64_t i) { return p[i]; }
-inline float LoadF(const bf16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
-inline void StoreF(float* p, int64_t i, float v) { p[i] = v; }
-inline void StoreF(bf16_t* p, int64_t i, float v) { p[i] = F32ToBf16(v); }
+using sparsejax::bf16_t;
+using sparsejax::Load;
+using sparsejax::Store;
 
 // Examples per work item handed to the pool (each example is ~F*F*D flops).
 constexpr int64_t kGrainFlops = int64_t{1} << 20;
@@ -233,7 +215,7 @@ const float* Rows(const T* x, int64_t b, int64_t f, int64_t d, int64_t dp, float
     if (d == dp) return xb;
   }
   for (int64_t r = 0; r < f; ++r) {
-    for (int64_t c = 0; c < d; ++c) scratch[r * dp + c] = LoadF(xb, r * d + c);
+    for (int64_t c = 0; c < d; ++c) scratch[r * dp + c] = Load(xb, r * d + c);
     for (int64_t c = d; c < dp; ++c) scratch[r * dp + c] = 0.0f;
   }
   return scratch;
@@ -252,7 +234,7 @@ void ForwardImpl(const T* x, T* out, int64_t nb, int64_t f, int64_t d) {
         Dots(avx2, xr, dp, f, dp, out + b * np);
       } else {
         Dots(avx2, xr, dp, f, dp, dots.data());
-        for (int64_t p = 0; p < np; ++p) StoreF(out, b * np + p, dots[p]);
+        for (int64_t p = 0; p < np; ++p) Store(out, b * np + p, dots[p]);
       }
     }
   });
@@ -271,7 +253,7 @@ void BackwardImpl(const T* g, const T* x, T* dx, int64_t nb, int64_t f, int64_t 
       const T* gb = g + b * np;
       for (int64_t i = 0, p = 0; i < f; ++i) {  // the diagonal stays 0
         for (int64_t j = i + 1; j < f; ++j, ++p) {
-          const float v = LoadF(gb, p);
+          const float v = Load(gb, p);
           gs[i * f + j] = v;
           gs[j * f + i] = v;
         }
@@ -285,7 +267,7 @@ void BackwardImpl(const T* g, const T* x, T* dx, int64_t nb, int64_t f, int64_t 
       }
       Bwd(avx2, gs.data(), xr, dp, f, dp, out.data(), dp);
       for (int64_t r = 0; r < f; ++r) {
-        for (int64_t c = 0; c < d; ++c) StoreF(dxb, r * d + c, out[r * dp + c]);
+        for (int64_t c = 0; c < d; ++c) Store(dxb, r * d + c, out[r * dp + c]);
       }
     }
   });
