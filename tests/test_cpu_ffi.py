@@ -136,15 +136,20 @@ def test_spmm_threads_bit_identical(monkeypatch):
     k, d = 500, 16
     for s, n in [(1, 6000), (3, 6000), (400, 9000)]:
         values, col, seg = _entries(rng, n, k, s, sorted_segments=True)
-        dense = _dense(rng, k, d, np.float32)
-        outs = []
-        for threads in ["1", "2", "7"]:
-            monkeypatch.setenv("SPARSEJAX_CPU_THREADS", threads)
-            monkeypatch.setenv("SPARSEJAX_CPU_MIN_PARALLEL", "1")
-            outs.append(np.asarray(_cpu_ffi.spmm(values, col, seg, dense, s)))
-        _check_spmm(outs[0], values, col, seg, dense, s)
-        for o in outs[1:]:
-            np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+        _check_spmm_same_on_1_2_7_threads(monkeypatch, values, col, seg,
+                                          _dense(rng, k, d, np.float32), s)
+
+
+def _check_spmm_same_on_1_2_7_threads(monkeypatch, values, col, seg, dense, s):
+    """Right on one thread, and bit-identical on 2 and 7 (every split point tried)."""
+    outs = []
+    for threads in ["1", "2", "7"]:
+        monkeypatch.setenv("SPARSEJAX_CPU_THREADS", threads)
+        monkeypatch.setenv("SPARSEJAX_CPU_MIN_PARALLEL", "1")
+        outs.append(np.asarray(_cpu_ffi.spmm(values, col, seg, dense, s)))
+    _check_spmm(outs[0], values, col, seg, dense, s)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
@@ -178,15 +183,8 @@ def test_spmm_nearly_sorted_falls_back(monkeypatch, case):
         values, col, seg = (np.concatenate([x[h:], x[:h]]) for x in (values, col, seg))
     else:
         seg[valid[-1]] = 0
-    dense = _dense(rng, k, d, np.float32)
-    outs = []
-    for threads in ["1", "2", "7"]:
-        monkeypatch.setenv("SPARSEJAX_CPU_THREADS", threads)
-        monkeypatch.setenv("SPARSEJAX_CPU_MIN_PARALLEL", "1")
-        outs.append(np.asarray(_cpu_ffi.spmm(values, col, seg, dense, s)))
-    _check_spmm(outs[0], values, col, seg, dense, s)
-    for o in outs[1:]:
-        np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+    _check_spmm_same_on_1_2_7_threads(monkeypatch, values, col, seg,
+                                      _dense(rng, k, d, np.float32), s)
 
 
 def test_embedding_bag_sum_passes_no_coefficients():
