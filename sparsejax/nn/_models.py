@@ -55,6 +55,17 @@ class _CTRModel(nn.Module):
         """[B, F, D] of the pooled features, in spec order."""
         return jnp.stack([emb[f.name] for f in self.features if not f.is_sequence], axis=1)
 
+    def flat_with_dense(self, vecs, batch) -> jax.Array:
+        """[B, F*D + num_dense]: the embeddings side by side, then the dense features."""
+        return jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
+                                batch.dense.astype(vecs.dtype)], axis=1)
+
+    def deep_logit(self, hidden, vecs, batch, train) -> jax.Array:
+        """[B] f32: the "deep" MLP (hidden widths, then 1) on `flat_with_dense`."""
+        out = MLP((*hidden, 1), dtype=self.dtype, name="deep")(
+            self.flat_with_dense(vecs, batch), train=train)
+        return out[:, 0].astype(jnp.float32)
+
     def first_order(self, batch) -> jax.Array:
         lin_tables, lin_features = linear_specs(self.tables, self.features)
         lin = EmbeddingBagCollection(lin_tables, lin_features, self.implementation,
@@ -98,14 +109,10 @@ class DeepFM(_CTRModel):
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
-        emb = self.embed(batch)
-        vecs = self.pooled_stack(emb)
-        deep_in = jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
-                                   batch.dense.astype(vecs.dtype)], axis=1)
-        deep = MLP((*self.hidden, 1), dtype=self.dtype, name="deep")(deep_in, train=train)
+        vecs = self.pooled_stack(self.embed(batch))
         bias = self.param("bias", nn.initializers.zeros, ())
         return (bias + self.first_order(batch) + FactorizationMachine()(vecs).astype(jnp.float32)
-                + deep[:, 0].astype(jnp.float32))
+                + self.deep_logit(self.hidden, vecs, batch, train))
 
 
 class WideAndDeep(_CTRModel):
@@ -116,13 +123,9 @@ class WideAndDeep(_CTRModel):
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
-        emb = self.embed(batch)
-        vecs = self.pooled_stack(emb)
-        deep_in = jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
-                                   batch.dense.astype(vecs.dtype)], axis=1)
-        deep = MLP((*self.hidden, 1), dtype=self.dtype, name="deep")(deep_in, train=train)
+        vecs = self.pooled_stack(self.embed(batch))
         bias = self.param("bias", nn.initializers.zeros, ())
-        return bias + self.first_order(batch) + deep[:, 0].astype(jnp.float32)
+        return bias + self.first_order(batch) + self.deep_logit(self.hidden, vecs, batch, train)
 
 
 class DCNv2(_CTRModel):
@@ -140,9 +143,7 @@ class DCNv2(_CTRModel):
         if self.structure not in ("stacked", "parallel"):
             raise ValueError(f"DCNv2: structure must be 'stacked' or 'parallel', "
                              f"got {self.structure!r}")
-        vecs = self.pooled_stack(self.embed(batch))
-        x0 = jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
-                              batch.dense.astype(vecs.dtype)], axis=1)
+        x0 = self.flat_with_dense(self.pooled_stack(self.embed(batch)), batch)
         cross = CrossNetwork(self.cross_layers, self.rank, dtype=self.dtype, name="cross")(x0)
         mlp = MLP(self.hidden, final_activation=True, dtype=self.dtype, name="deep")
         h = (mlp(cross, train=train) if self.structure == "stacked"
