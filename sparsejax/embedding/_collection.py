@@ -53,6 +53,12 @@ class Group:
     features: tuple[FeatureSpec, ...]
     combiner: str
 
+    @property
+    def needs_coefficients(self) -> bool:
+        """False for plain unweighted sum/max/sequence pooling: every valid id counts 1,
+        so no per-id coefficients are passed (the C++ kernel then skips them)."""
+        return any(f.weighted or f.combiner in ("mean", "sqrtn") for f in self.features)
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupLookups:
@@ -214,21 +220,17 @@ class EmbeddingCollection:
                 w = None if jag.weights is None else jnp.asarray(jag.weights, jnp.float32)
                 check_lookups(f"EmbeddingCollection.lookup of feature {f.name!r}", f.table,
                               table.vocab_size, bags, i, s, w)
-                if group.combiner == "sum":
-                    c = ops.pooling_coefficients(i, s, bags, table.vocab_size, w,
-                                                 f.combiner or "sum")
-                else:
-                    c = jnp.ones(i.shape, jnp.float32) if w is None else w
+                if group.needs_coefficients and group.combiner == "sum":
+                    coefs.append(ops.pooling_coefficients(i, s, bags, table.vocab_size, w,
+                                                          f.combiner or "sum"))
+                elif group.needs_coefficients:  # max: the weights scale the rows
+                    coefs.append(jnp.ones(i.shape, jnp.float32) if w is None else w)
                 inside = (i >= 0) & (i < table.vocab_size)
                 ids.append(jnp.where(inside, i + start, -1))
                 segs.append(s + offset)
-                coefs.append(c)
                 offset += bags
-            # unweighted sum pooling needs no coefficients: the kernels then skip them
-            plain = group.combiner == "sum" and all(
-                f.combiner in ("sum", None) and not f.weighted for f in group.features)
             lk = GroupLookups(jnp.concatenate(ids), jnp.concatenate(segs),
-                              None if plain else jnp.concatenate(coefs), group.stack,
+                              jnp.concatenate(coefs) if coefs else None, group.stack,
                               group.combiner, stack.optimizer)
             outputs[gname] = ops.embedding_bag(
                 state[group.stack]["weights"], lk.ids, lk.segments, offset,
