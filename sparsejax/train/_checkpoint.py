@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from ._trainer import TrainState
+from ._trainer import TrainState, layer_key, tables_by_name, tables_from_layers
 
 
 class CheckpointError(RuntimeError):
@@ -30,30 +30,13 @@ class NonFiniteStateError(FloatingPointError):
 
 def _first_non_finite(tree) -> str | None:
     """Path of the first float leaf holding NaN/inf (one fused pass per leaf), or None."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    flags = [jnp.isfinite(x).all() for _, x in leaves
-             if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-    paths = [p for p, x in leaves if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-    for path, ok in zip(paths, jax.device_get(flags), strict=True):
+    floats = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    flags = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
+    for (path, _), ok in zip(floats, flags, strict=True):
         if not ok:
             return jax.tree_util.keystr(path)
     return None
-
-
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _set(tree: dict, path, value):
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
-
-
-def _layer_key(path) -> str:
-    return "/".join(path) or "<root>"
 
 
 class Checkpointer:
@@ -74,7 +57,7 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
     def _specs(self) -> dict:
-        return {_layer_key(p): {name: {"vocab_size": t.vocab_size, "dim": t.dim,
+        return {layer_key(p): {name: {"vocab_size": t.vocab_size, "dim": t.dim,
                                        "dtype": t.dtype,
                                        # the slots depend on the kind, not on the rates
                                        "optimizer": type(t.optimizer).__name__}
@@ -82,8 +65,7 @@ class Checkpointer:
                 for p, ec in self.layouts.items()}
 
     def _payload(self, state: TrainState) -> dict:
-        tables = {_layer_key(p): ec.tables_by_name(_get(state.tables, p))
-                  for p, ec in self.layouts.items()}
+        tables = tables_by_name(self.layouts, state.tables)
         return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
                 "rng": state.rng, "tables": tables}
 
@@ -149,13 +131,9 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be restored "
                                   f"({type(e).__name__}: {e}); other checkpoints: {others}"
                                   ) from e
-        tables: dict = {}
-        for p, ec in self.layouts.items():
-            layer = ec.state_from_tables(restored["tables"][_layer_key(p)])
-            if p:
-                _set(tables, p, layer)
-            else:
-                tables.update(layer)
+        tables = tables_from_layers(self.layouts, {
+            p: ec.state_from_tables(restored["tables"][layer_key(p)])
+            for p, ec in self.layouts.items()})
         state = TrainState(step=restored["step"], params=restored["params"],
                            opt_state=restored["opt_state"], tables=tables, rng=restored["rng"])
         return state, meta

@@ -50,6 +50,36 @@ def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
 
 LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
 
+Layouts = dict[tuple[str, ...], EmbeddingCollection]
+"""Each embedding layer's `EmbeddingCollection`, by module path."""
+
+
+def layer_key(path: tuple[str, ...]) -> str:
+    """A layer's module path as one string ("embedding", "tower/embedding", "<root>")."""
+    return "/".join(path) or "<root>"
+
+
+def tables_by_name(layouts: Layouts, tables) -> dict:
+    """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection."""
+    out = {}
+    for path, ec in layouts.items():
+        node = tables
+        for k in path:
+            node = node[k]
+        out[layer_key(path)] = ec.tables_by_name(node)
+    return out
+
+
+def tables_from_layers(layouts: Layouts, layers: dict) -> dict:
+    """The nested "embedding" collection from `{path: stacked state of that layer}`."""
+    tables: dict = {}
+    for path, layer in layers.items():
+        node = tables
+        for k in path:
+            node = node.setdefault(k, {})
+        node.update(layer)
+    return tables
+
 
 class Trainer:
     """Builds the train and eval steps of `model` (a Flax module taking a `SparseBatch`;
@@ -66,7 +96,7 @@ class Trainer:
         if self.task not in LOSSES:
             raise ValueError(f"model task {self.task!r} is not one of {sorted(LOSSES)}")
         self.loss_fn = LOSSES[self.task]
-        self.layouts: dict[tuple[str, ...], EmbeddingCollection] = {}
+        self.layouts: Layouts = {}
         """Set by `init`: each embedding layer's `EmbeddingCollection`, by module path."""
         self.train_step = jax.jit(self._train_step, donate_argnums=0)
         self.eval_step = jax.jit(self._eval_step)
@@ -79,34 +109,23 @@ class Trainer:
         tables with numpy instead of compiling one random op per table shape.
         """
         k_init, k_tables, k_rng = jax.random.split(key, 3)
-        self.layouts = self._find_layouts(batch)
-        names = set(jax.eval_shape(lambda: self.model.init(k_init, batch)))
-        unknown = names - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
+        self.layouts, shapes = self._find_layouts(batch)
+        unknown = set(shapes) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
         if unknown:
             raise ValueError(f"the model has variable collections {sorted(unknown)} that the "
                              f"trainer does not know how to update")
         # tables are dropped inside the jit, so XLA never compiles their initializers
         params = jax.jit(lambda k: self.model.init(k, batch).get("params", {}))(k_init)
-        tables: dict = {}
-        for path, ec in self.layouts.items():
-            layer = ec.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
-            node = tables
-            for p in path:
-                node = node.setdefault(p, {})
-            node.update(layer)
+        tables = tables_from_layers(self.layouts, {
+            path: ec.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
+            for path, ec in self.layouts.items()})
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=self.tx.init(params), tables=tables,
                           rng=jax.random.key_data(k_rng))
 
     def tables_by_name(self, state: TrainState) -> dict:
         """`{layer path: {table: {"weights", "slots"}}}`, unstacked (e.g. to inspect)."""
-        out = {}
-        for path, ec in self.layouts.items():
-            node = state.tables
-            for p in path:
-                node = node[p]
-            out["/".join(path)] = ec.tables_by_name(node)
-        return out
+        return tables_by_name(self.layouts, state.tables)
 
     def _apply(self, state, params, probe, batch, train, rng=None):
         variables = {"params": params, EMBEDDING: state.tables}
@@ -173,9 +192,10 @@ class Trainer:
                 result[f"recall@{k}"] = sum(v * n for v, n in vals) / total
         return result
 
-    def _find_layouts(self, batch) -> dict[tuple[str, ...], EmbeddingCollection]:
+    def _find_layouts(self, batch) -> tuple[Layouts, dict]:
         """The `EmbeddingCollection` of every embedding layer, by module path (how the
-        state's tables are stacked; checkpoints store them by name through it)."""
+        state's tables are stacked; checkpoints store them by name through it), and the
+        shapes of the model's variables."""
         found = {}
 
         def interceptor(next_fun, args, kwargs, context):
@@ -185,5 +205,5 @@ class Trainer:
             return next_fun(*args, **kwargs)
 
         with nn.intercept_methods(interceptor):
-            jax.eval_shape(lambda: self.model.init(jax.random.key(0), batch))
-        return found
+            shapes = jax.eval_shape(lambda: self.model.init(jax.random.key(0), batch))
+        return found, shapes
