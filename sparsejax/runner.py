@@ -196,11 +196,6 @@ def dense_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return _DENSE[cfg.dense](cfg.dense_learning_rate)
 
 
-def _named(host):
-    sparse, labels, dense = host
-    return sparse, {"labels": labels, "dense": dense}
-
-
 def build_data(cfg: RunConfig) -> DataBundle:
     """Read or generate the data and derive the table and feature specs from it."""
     from . import data as sd
@@ -220,9 +215,10 @@ def build_data(cfg: RunConfig) -> DataBundle:
         tables, features = gen.specs(dim=dim, **table_kw)
         train_source = gen
         eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
-        eval_batches = [eval_packer.pack(s, **kw) for s, kw in
-                        (_named(gen.batch(-(i + 1) & 0x7FFFFFFF, eval_b))
-                         for i in range(d.eval_batches))]
+        eval_batches = []
+        for i in range(d.eval_batches):  # numbered from 2**31 - 1 down: never trained on
+            sparse, labels, dense = gen.batch(0x7FFFFFFF - i, eval_b)
+            eval_batches.append(eval_packer.pack(sparse, labels=labels, dense=dense))
     else:
         if d.path is None:
             raise _config.ConfigError(f"data.kind={d.kind!r} needs data.path")
