@@ -1,10 +1,18 @@
 """The host input pipeline: readers (Criteo TSV, delimited text with a schema), a synthetic
 Zipf generator, id mappings, an in-memory columnar store, and the prefetching, resumable
-`Loader` that packs everything into fixed-shape `SparseBatch`es."""
+`Loader` that packs everything into fixed-shape `SparseBatch`es.
+
+Two forms of a feature's ids: `JaggedIds` on the host (lengths + values, as TorchRec's
+`JaggedTensor`), and `PaddedIds` on the device (ids + segments padded to a fixed
+capacity, what `SparseBatch.features` holds). The old names `Ragged` (= `JaggedIds`) and
+`Jagged` (= `PaddedIds`) still work for one release and warn.
+"""
+
+import warnings as _warnings
 
 from ._batch import BatchPacker as BatchPacker
-from ._batch import Jagged as Jagged
-from ._batch import Ragged as Ragged
+from ._batch import JaggedIds as JaggedIds
+from ._batch import PaddedIds as PaddedIds
 from ._batch import SparseBatch as SparseBatch
 from ._behavior import SyntheticBehavior as SyntheticBehavior
 from ._criteo import CATEGORICAL_NAMES as CATEGORICAL_NAMES
@@ -30,3 +38,15 @@ from ._loader import measure_throughput as measure_throughput
 from ._loader import pack_examples as pack_examples
 from ._synthetic import KAGGLE_CARDINALITIES as KAGGLE_CARDINALITIES
 from ._synthetic import SyntheticCriteo as SyntheticCriteo
+
+_DEPRECATED = {"Jagged": PaddedIds, "Ragged": JaggedIds}
+
+
+def __getattr__(name: str):
+    """Deprecated aliases: `Jagged` read backwards to a TorchRec user (it held padded ids)."""
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        _warnings.warn(f"sparsejax.data.{name} is deprecated; use sparsejax.data.{new.__name__}",
+                       DeprecationWarning, stacklevel=2)
+        return new
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
-"""`SparseBatch`: one batch of keyed jagged ids, dense features and labels, with fixed
-capacities so a training run compiles once; and the host-side packer that builds it."""
+"""`SparseBatch`: one batch of keyed padded ids, dense features and labels, with fixed
+capacities so a training run compiles once; `JaggedIds`, the host-side ragged ids; and
+`BatchPacker`, which turns the one into the other."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from ..embedding._spec import FeatureSpec, TableSpec, check_specs
 
 
 @dataclasses.dataclass(frozen=True)
-class Jagged:
-    """One feature's ids in a batch, flat and padded to the feature's capacity.
+class PaddedIds:
+    """One feature's ids in a device batch: flat, padded to the feature's fixed capacity.
 
-    Ids of one example are contiguous and `segments` is non-decreasing (CSR order), so
-    the lookup primitives can take them as they are. Padding: id -1, weight 0, segment
-    equal to the last bag (keeps the order).
+    The device form of a feature (what `BatchPacker` builds from `JaggedIds`): fixed
+    shapes so a run compiles once. `ids[k]` belongs to bag `segments[k]`; ids of one
+    example are contiguous and `segments` is non-decreasing (CSR order), so the lookup
+    primitives take them as they are. Padding: id -1, weight 0, segment equal to the
+    last bag (keeps the order). Named for what it is, padded ids, so it does not read as
+    TorchRec's `JaggedTensor` (lengths + values), which is `JaggedIds` here.
     """
 
     ids: jax.Array | np.ndarray  # i32[capacity], -1 = padding
@@ -26,7 +30,7 @@ class Jagged:
     weights: jax.Array | np.ndarray | None = None  # f32[capacity] or None
 
 
-jax.tree_util.register_dataclass(Jagged, data_fields=["ids", "segments", "weights"],
+jax.tree_util.register_dataclass(PaddedIds, data_fields=["ids", "segments", "weights"],
                                  meta_fields=[])
 
 
@@ -39,7 +43,7 @@ class SparseBatch:
     counted twice).
     """
 
-    features: Mapping[str, Jagged]
+    features: Mapping[str, PaddedIds]
     dense: jax.Array | np.ndarray  # f32[B, num_dense]
     labels: jax.Array | np.ndarray  # f32[B] (or [B, ...] for other tasks)
     mask: jax.Array | np.ndarray  # f32[B]
@@ -54,15 +58,20 @@ jax.tree_util.register_dataclass(SparseBatch, data_fields=["features", "dense", 
 
 
 @dataclasses.dataclass(frozen=True)
-class Ragged:
-    """Host-side ids of one feature for a batch: `lengths[i]` ids per example, flat."""
+class JaggedIds:
+    """Host-side ids of one feature: `lengths[i]` ids for example i, all ids flat in `values`.
+
+    The ragged form, as TorchRec's `JaggedTensor` (lengths + values, optional weights):
+    what readers and generators produce, of any length. `BatchPacker` turns it into the
+    fixed-capacity device form, `PaddedIds`.
+    """
 
     lengths: np.ndarray  # int[B]
     values: np.ndarray  # int[sum(lengths)]
     weights: np.ndarray | None = None  # float[sum(lengths)]
 
     @classmethod
-    def from_dense(cls, ids: np.ndarray, weights: np.ndarray | None = None) -> Ragged:
+    def from_dense(cls, ids: np.ndarray, weights: np.ndarray | None = None) -> JaggedIds:
         """`ids[B]` (one id each) or `ids[B, k]` with negative entries meaning absent."""
         ids = np.asarray(ids)
         if ids.ndim == 1:
@@ -92,7 +101,7 @@ class BatchPacker:
         self.batch_size = batch_size
         self.num_dense = num_dense
 
-    def pack(self, sparse: Mapping[str, Ragged | np.ndarray], *, labels: np.ndarray,
+    def pack(self, sparse: Mapping[str, JaggedIds | np.ndarray], *, labels: np.ndarray,
              dense: np.ndarray | None = None, mask: np.ndarray | None = None,
              first_example: int = 0) -> SparseBatch:
         """Build a batch; fewer than `batch_size` examples are padded (mask 0).
@@ -114,7 +123,7 @@ class BatchPacker:
             if spec.name not in sparse:
                 raise ValueError(f"feature {spec.name!r} is missing from the batch")
             col = sparse[spec.name]
-            col = col if isinstance(col, Ragged) else Ragged.from_dense(col)
+            col = col if isinstance(col, JaggedIds) else JaggedIds.from_dense(col)
             out[spec.name] = self._pack_feature(spec, col, n, first_example)
         dense_out = np.zeros((b, self.num_dense), np.float32)
         if not self.num_dense and dense is not None and np.size(dense):
@@ -131,7 +140,8 @@ class BatchPacker:
         mask_out[:n] = 1.0 if mask is None else mask
         return SparseBatch(features=out, dense=dense_out, labels=labels_out, mask=mask_out)
 
-    def _pack_feature(self, spec: FeatureSpec, col: Ragged, n: int, first: int) -> Jagged:
+    def _pack_feature(self, spec: FeatureSpec, col: JaggedIds, n: int,
+                      first: int) -> PaddedIds:
         lengths = np.asarray(col.lengths, np.int64)
         values = np.asarray(col.values)
         name = f"feature {spec.name!r}"
@@ -184,4 +194,4 @@ class BatchPacker:
         if spec.weighted:
             w_out = np.zeros(cap, np.float32)
             w_out[: values.shape[0]] = weights
-        return Jagged(ids=ids_out, segments=seg_out, weights=w_out)
+        return PaddedIds(ids=ids_out, segments=seg_out, weights=w_out)

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from ..embedding._spec import FeatureSpec, TableSpec
-from ._batch import Ragged
+from ._batch import JaggedIds
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,8 +69,8 @@ class SyntheticBehavior:
             labels = (rng.random(batch_size) < np.where(liked, 0.8, 0.1)).astype(np.float32)
         cand = self._items_in(rng, cand_cat)
         one = np.ones(batch_size, np.int64)
-        sparse = {"user": Ragged(one, users), "item": Ragged(one, cand),
-                  "category": Ragged(one, cand_cat), "history": Ragged(lengths, hist)}
+        sparse = {"user": JaggedIds(one, users), "item": JaggedIds(one, cand),
+                  "category": JaggedIds(one, cand_cat), "history": JaggedIds(lengths, hist)}
         return sparse, labels, np.zeros((batch_size, 0), np.float32)
 
     @functools.cached_property

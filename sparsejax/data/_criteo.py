@@ -24,7 +24,7 @@ from os import PathLike
 import numpy as np
 
 from ..embedding._spec import FeatureSpec, TableSpec
-from ._batch import Ragged
+from ._batch import JaggedIds
 from ._csv import MISSING, ParseReport, _Errors, open_text
 from ._loader import Examples
 
@@ -164,7 +164,7 @@ def _parse_chunk(data: bytes, first_line: int, labeled: bool, errs: _Errors):
 def _examples(labels: np.ndarray, dense: np.ndarray, raw: np.ndarray) -> Examples:
     n = labels.shape[0]
     ones = np.ones(n, np.int32)
-    sparse = {name: Ragged(lengths=ones, values=np.ascontiguousarray(raw[:, j]))
+    sparse = {name: JaggedIds(lengths=ones, values=np.ascontiguousarray(raw[:, j]))
               for j, name in enumerate(CATEGORICAL_NAMES)}
     return Examples(labels=labels, dense=dense, sparse=sparse)
 

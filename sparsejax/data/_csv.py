@@ -13,7 +13,7 @@ from os import PathLike
 
 import numpy as np
 
-from ._batch import Ragged
+from ._batch import JaggedIds
 from ._loader import Examples
 
 MISSING = -1
@@ -323,9 +323,9 @@ def read_delimited(path: str | PathLike, schema: TableSchema | Mapping, *,
     dense = np.asarray(dense_rows, np.float64).reshape(n, nd)
     if schema.dense_log1p:
         dense = np.log1p(np.maximum(dense, 0.0))
-    sparse = {c: Ragged(lengths=np.asarray(lengths[c], np.int32),
-                        values=np.asarray(values[c], np.int64),
-                        weights=np.asarray(weights[c], np.float32) if c in weights else None)
+    sparse = {c: JaggedIds(lengths=np.asarray(lengths[c], np.int32),
+                           values=np.asarray(values[c], np.int64),
+                           weights=np.asarray(weights[c], np.float32) if c in weights else None)
               for c in schema.sparse_columns}
     examples = Examples(labels=np.asarray(labels, np.float32), dense=dense.astype(np.float32),
                         sparse=sparse)

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from ._batch import BatchPacker, Ragged, SparseBatch
+from ._batch import BatchPacker, JaggedIds, SparseBatch
 
-HostBatch = tuple[dict[str, Ragged], np.ndarray, np.ndarray]
+HostBatch = tuple[dict[str, JaggedIds], np.ndarray, np.ndarray]
 """`(sparse by feature name, labels f32[n, ...], dense f32[n, num_dense])`: host arrays of
 one batch before packing; what `Examples.take` and a generator's `batch` return."""
 
@@ -31,8 +31,8 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 class Examples:
     """A columnar in-memory store of examples: labels, dense features, ragged sparse ids.
 
-    Each sparse feature is one `Ragged` over all `n` examples (`lengths[n]`, flat `values`,
-    optional flat `weights`), so taking a batch is a handful of vectorized gathers. A
+    Each sparse feature is one `JaggedIds` over all `n` examples (`lengths[n]`, flat
+    `values`, optional flat `weights`), so taking a batch is a handful of vectorized gathers. A
     reader fills it with raw ids (e.g. Criteo hex values, missing = -1); `map_ids` turns
     them into table rows. Slicing (`ex[a:b]`), `split` and `concat` build train/eval splits
     and join chunks.
@@ -40,7 +40,7 @@ class Examples:
 
     labels: np.ndarray  # f32[n] (or [n, ...])
     dense: np.ndarray  # f32[n, num_dense]
-    sparse: Mapping[str, Ragged]  # name -> Ragged over all n examples
+    sparse: Mapping[str, JaggedIds]  # name -> JaggedIds over all n examples
     _offsets: dict[str, np.ndarray | None] = dataclasses.field(
         init=False, repr=False, compare=False)
 
@@ -70,7 +70,7 @@ class Examples:
                 if weights.shape != values.shape:
                     raise ValueError(f"Examples: feature {name!r} has {weights.shape[0]} "
                                      f"weights for {values.shape[0]} values")
-            sparse[name] = Ragged(lengths=lengths, values=values, weights=weights)
+            sparse[name] = JaggedIds(lengths=lengths, values=values, weights=weights)
             # One id per example (the common case): a batch is a plain gather.
             offsets[name] = None if off[-1] == n and np.all(lengths == 1) else off
         object.__setattr__(self, "labels", labels)
@@ -98,13 +98,14 @@ class Examples:
         idx = np.where(idx < 0, idx + n, idx)
         return self._take_sparse(idx), self.labels[idx], self.dense[idx]
 
-    def _take_sparse(self, idx: np.ndarray) -> dict[str, Ragged]:
+    def _take_sparse(self, idx: np.ndarray) -> dict[str, JaggedIds]:
         out = {}
         for name, col in self.sparse.items():
             off = self._offsets[name]
             if off is None:
                 w = None if col.weights is None else col.weights[idx]
-                out[name] = Ragged(lengths=col.lengths[idx], values=col.values[idx], weights=w)
+                out[name] = JaggedIds(lengths=col.lengths[idx], values=col.values[idx],
+                                      weights=w)
                 continue
             lengths = col.lengths[idx]
             starts = off[idx]
@@ -113,7 +114,7 @@ class Examples:
             src = np.arange(ends[-1] if ends.size else 0) + np.repeat(starts - (ends - lengths),
                                                                        lengths)
             w = None if col.weights is None else col.weights[src]
-            out[name] = Ragged(lengths=lengths, values=col.values[src], weights=w)
+            out[name] = JaggedIds(lengths=lengths, values=col.values[src], weights=w)
         return out
 
     def __getitem__(self, key: slice) -> Examples:
@@ -128,8 +129,9 @@ class Examples:
         for name, col in self.sparse.items():
             off = self._offsets[name]
             lo, hi = (start, stop) if off is None else (int(off[start]), int(off[stop]))
-            sparse[name] = Ragged(lengths=col.lengths[start:stop], values=col.values[lo:hi],
-                                  weights=None if col.weights is None else col.weights[lo:hi])
+            sparse[name] = JaggedIds(lengths=col.lengths[start:stop],
+                                     values=col.values[lo:hi],
+                                     weights=None if col.weights is None else col.weights[lo:hi])
         return Examples(labels=self.labels[start:stop], dense=self.dense[start:stop],
                         sparse=sparse)
 
@@ -157,7 +159,7 @@ class Examples:
             if len(has_w) > 1:
                 raise ValueError(f"Examples.concat: feature {name!r} is weighted in some "
                                  "chunks only")
-            sparse[name] = Ragged(
+            sparse[name] = JaggedIds(
                 lengths=np.concatenate([col.lengths for col in cols]),
                 values=np.concatenate([col.values for col in cols]),
                 weights=np.concatenate([col.weights for col in cols]) if has_w == {True}

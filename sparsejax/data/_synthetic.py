@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from ..embedding._spec import FeatureSpec, TableSpec
-from ._batch import Ragged
+from ._batch import JaggedIds
 from ._criteo import specs_for_vocab
 from ._loader import HostBatch
 
@@ -138,6 +138,6 @@ class SyntheticCriteo:
         labels = (rng.random(batch_size, np.float32) * (1 + np.exp(-logit)) < 1).astype(
             np.float32)
         ones = np.ones(batch_size, np.int32)
-        sparse = {name: Ragged(lengths=ones, values=ids[:, j])
+        sparse = {name: JaggedIds(lengths=ones, values=ids[:, j])
                   for j, name in enumerate(self.feature_names)}
         return sparse, labels, dense
