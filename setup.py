@@ -43,8 +43,9 @@ _include_dirs = _ffi_include_dirs()
 ext_modules = [
     Extension(
         "sparsejax._cpu_ext",
-        sources=["csrc/sparsejax_cpu.cc", "csrc/sparsejax_interaction.cc"],
-        depends=["csrc/sparsejax_cpu_internal.h"],
+        sources=[f"csrc/{name}.cc" for name in
+                 ("module", "common", "worker_pool", "spmm", "sparse_apply", "interaction")],
+        depends=["csrc/common.h", "csrc/worker_pool.h", "csrc/optimizers.h"],
         include_dirs=_include_dirs + ["csrc"] if _include_dirs else [],
         language="c++",
         # No -march/-mavx*: the wheel must run on any x86-64 (or aarch64) machine.

@@ -1,0 +1,36 @@
+// The shared worker pool of `sparsejax._cpu_ext` and the parallel loops built on it.
+//
+// Thread count: $SPARSEJAX_CPU_THREADS, or by default every hardware thread. Work below
+// $SPARSEJAX_CPU_MIN_PARALLEL items per thread (default 4096) runs on fewer threads (one
+// for tiny inputs). Results never depend on the thread count: every loop below hands
+// out disjoint chunks, and each chunk is computed the same way on whichever thread.
+
+#ifndef SPARSEJAX_CSRC_WORKER_POOL_H_
+#define SPARSEJAX_CSRC_WORKER_POOL_H_
+
+#include <cstdint>
+#include <functional>
+
+namespace sparsejax {
+
+// Chunks per thread for dynamic scheduling.
+constexpr int kChunksPerThread = 8;
+
+// The most threads a kernel may use.
+int MaxThreads();
+
+// Number of threads for `work` items: one per $SPARSEJAX_CPU_MIN_PARALLEL items.
+int ThreadsFor(int64_t work);
+
+// Runs fn(c) for every chunk c in [0, nchunks) on up to `nthreads` threads (the caller
+// among them) that grab chunks dynamically, so a thread that is slow to run (its core
+// busy with other work) only delays the chunk it holds. Exceptions propagate.
+void ParallelChunks(int nthreads, int64_t nchunks, const std::function<void(int64_t)>& fn);
+
+// Runs fn(begin, end) over disjoint ranges covering [0, n), on up to MaxThreads()
+// threads (dynamic chunks, each of at least `grain` items; one thread when n <= grain).
+void ParallelRange(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+}  // namespace sparsejax
+
+#endif  // SPARSEJAX_CSRC_WORKER_POOL_H_
