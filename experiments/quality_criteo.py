@@ -4,15 +4,19 @@ Kaggle head-10k sample (first 8,000 rows train, last 2,000 eval), several seeds 
 
 The sparsejax side runs the shipped configs (configs/{dlrm,deepfm}_criteo.yaml) through
 the same library functions as `sparsejax train`. The PyTorch side runs in a venv with
-torch (`--peer-python`). Prints eval AUC per seed and the mean of each side.
+torch (`--peer-python`, default `$PEER_PYTHON`; see experiments/RESULTS.md for the
+recipe). Both read the same file: `--data`, default
+`$SPARSEJAX_DATA_DIR/criteo_kaggle_head10k/train_head10k.txt`. Prints eval AUC per seed
+and the mean of each side.
 
-    PYTHONPATH=. python experiments/quality_criteo.py --peer-python /work/peer-venv/bin/python
+    PYTHONPATH=. python experiments/quality_criteo.py --peer-python "$PEER_PYTHON"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,23 +29,38 @@ sys.path.insert(0, str(ROOT))
 
 from sparsejax import runner  # noqa: E402
 
+SAMPLE = "criteo_kaggle_head10k/train_head10k.txt"
+"""The shipped sample, relative to `$SPARSEJAX_DATA_DIR`."""
 
-def sparsejax_auc(model: str, seed: int, epochs: int, out_dir: str) -> float:
+
+def default_data() -> str | None:
+    data_dir = os.environ.get("SPARSEJAX_DATA_DIR")
+    return os.path.join(data_dir, SAMPLE) if data_dir else None
+
+
+def sparsejax_auc(model: str, seed: int, epochs: int, out_dir: str, data: str) -> float:
     cfg = runner.load_config([ROOT / f"configs/{model}_criteo.yaml"], [
         f"seed={seed}", f"epochs={epochs}", "progress=false", "resume=false",
-        f"out_dir={out_dir}", f"name={model}_{seed}",
-        f"data.path={ROOT.parent / 'shared/data/criteo_kaggle_head10k/train_head10k.txt'}"])
+        f"out_dir={out_dir}", f"name={model}_{seed}", f"data.path={data}"])
     return runner.train(cfg, log=lambda *_: None)["eval"]["auc"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peer-python", default=None, help="python with torch (skip if absent)")
+    ap.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON"),
+                    help="python of a venv with torch (default $PEER_PYTHON; the PyTorch "
+                         "side is skipped without one)")
+    ap.add_argument("--data", default=default_data(),
+                    help=f"the Criteo head-10k file (default $SPARSEJAX_DATA_DIR/{SAMPLE})")
     ap.add_argument("--models", default="dlrm,deepfm")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--epochs", type=int, default=1)
     args = ap.parse_args()
+    if not args.data or not os.path.isfile(args.data):
+        ap.error(f"--data={args.data!r}: no such file; pass --data or set "
+                 f"SPARSEJAX_DATA_DIR to the directory holding {SAMPLE}")
+    data = os.path.abspath(args.data)
     models = args.models.split(",")
     seeds = list(range(args.seeds))
     torch_aucs: dict[str, list[float]] = {}
@@ -49,7 +68,8 @@ def main() -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             subprocess.run([args.peer_python, str(ROOT / "experiments/torch_reference.py"),
                             "--models", args.models, "--seeds", ",".join(map(str, seeds)),
-                            "--epochs", str(args.epochs), "--json", f.name],
+                            "--epochs", str(args.epochs), "--json", f.name,
+                            "--data", data],
                            check=True, stdout=subprocess.DEVNULL)
             res = json.loads(Path(f.name).read_text())
         for r in res["runs"]:
@@ -57,7 +77,7 @@ def main() -> None:
     ours: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in models:
-            ours[m] = [sparsejax_auc(m, s, args.epochs, tmp) for s in seeds]
+            ours[m] = [sparsejax_auc(m, s, args.epochs, tmp, data) for s in seeds]
     print(f"eval AUC, Criteo head-10k (8,000 train / 2,000 eval), {args.epochs} epoch(s), "
           f"seeds 0..{args.seeds - 1}")
     print("| model | sparsejax mean ± std | PyTorch mean ± std | difference |")

@@ -2,43 +2,42 @@
 
 Self-contained (does not import sparsejax); parses the data itself.
 
-Data: shared/data/criteo_kaggle_head10k/train_head10k.txt (tab-separated: label, I1..I13, C1..C26).
-Split: first 8,000 lines train, last 2,000 eval (file order).
+Data: `--data`, default `$SPARSEJAX_DATA_DIR/criteo_kaggle_head10k/train_head10k.txt`
+(tab-separated: label, I1..I13, C1..C26). Split: first 8,000 lines train, last 2,000
+eval (file order).
 
 Preprocessing:
   dense: empty -> 0, else log1p(max(x, 0)) as float32.
-  categorical (per column): raw = int(hex, 16), or "missing" if empty. Vocabulary fitted on TRAIN:
-    values (excluding missing) seen >= min_count (default 2) times get ids 1..n in increasing order
-      of
-    raw integer value; missing, rare and unseen values -> 0. Table size n + 1.
+  categorical (per column): raw = int(hex, 16), or "missing" if empty. Vocabulary fitted
+    on TRAIN: values (excluding missing) seen >= min_count (default 2) times get ids
+    1..n in increasing order of raw integer value; missing, rare and unseen values -> 0.
+    Table size n + 1.
 
 Models (embedding dim 16):
-  DLRM: bottom MLP 13 -> 64 -> 16, ReLU after each layer (incl. the last). Interaction: stack
-    [bottom_out, emb_C1..emb_C26] (27 x 16), pairwise dots i < j in row-major order (351),
-      concatenated
-    after bottom_out -> 367. Top MLP 367 -> 64 -> 32 -> 1, ReLU between layers, raw logit output.
-  DeepFM: logit = bias + first_order + fm + deep. first_order = sum of 26 1-dim embeddings (one
-    table per
-    feature) + Linear(13 -> 1, no bias) on dense. fm = 0.5 * sum_d((sum_f e_fd)^2 - sum_f e_fd^2)
-      over the
-    26 16-dim embeddings. deep: concat(26*16 embeddings, 13 dense) = 429 -> 200 -> 200 -> 1, ReLU
-      between
+  DLRM: bottom MLP 13 -> 64 -> 16, ReLU after each layer (incl. the last). Interaction:
+    stack [bottom_out, emb_C1..emb_C26] (27 x 16), pairwise dots i < j in row-major
+    order (351), concatenated after bottom_out -> 367. Top MLP 367 -> 64 -> 32 -> 1, ReLU
+    between layers, raw logit output.
+  DeepFM: logit = bias + first_order + fm + deep. first_order = sum of 26 1-dim
+    embeddings (one table per feature) + Linear(13 -> 1, no bias) on dense.
+    fm = 0.5 * sum_d((sum_f e_fd)^2 - sum_f e_fd^2) over the 26 16-dim embeddings.
+    deep: concat(26*16 embeddings, 13 dense) = 429 -> 200 -> 200 -> 1, ReLU between
     layers. bias: scalar parameter, init 0.
-Init: Linear weight xavier_uniform, bias 0. Embedding tables: U(-sqrt(1/V), sqrt(1/V)), V = rows.
+Init: Linear weight xavier_uniform, bias 0. Embedding tables: U(-sqrt(1/V), sqrt(1/V)),
+  V = rows.
 Training: BCE-with-logits (batch mean). Embeddings sparse=True with Adagrad(lr=0.05,
-  initial_accumulator_value=0, eps=1e-10); dense params Adam(lr=1e-3). Batch 256, seeded permutation
-    each
-  epoch, last partial batch kept. Eval AUC (rank-based Mann-Whitney, ties averaged) and logloss
-    after
-  each epoch.
+  initial_accumulator_value=0, eps=1e-10); dense params Adam(lr=1e-3). Batch 256, seeded
+  permutation each epoch, last partial batch kept. Eval AUC (rank-based Mann-Whitney,
+  ties averaged) and logloss after each epoch.
 
-Run:
-  /work/peer-venv/bin/python experiments/torch_reference.py --models dlrm,deepfm --seeds 0,1,2 \
-      --epochs 2 [--json results.json]
+Run (in a venv with torch, e.g. `$PEER_PYTHON`, see experiments/RESULTS.md):
+  "$PEER_PYTHON" experiments/torch_reference.py --models dlrm,deepfm --seeds 0,1,2 \
+      --epochs 2 [--data FILE] [--json results.json]
 """
 import argparse
 import json
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -49,8 +48,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 N_DENSE, N_CAT, N_TRAIN = 13, 26, 8000
-DEFAULT_DATA = (Path(__file__).resolve().parents[2]
-                / "shared/data/criteo_kaggle_head10k/train_head10k.txt")
+SAMPLE = "criteo_kaggle_head10k/train_head10k.txt"
+DEFAULT_DATA = (Path(os.environ["SPARSEJAX_DATA_DIR"]) / SAMPLE
+                if os.environ.get("SPARSEJAX_DATA_DIR") else None)
 
 
 def load(path, min_count):
@@ -187,7 +187,8 @@ def run(model_name, seed, data, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                    help=f"the Criteo file (default $SPARSEJAX_DATA_DIR/{SAMPLE})")
     ap.add_argument("--models", default="dlrm,deepfm")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=int, default=2)
@@ -198,6 +199,9 @@ def main():
     ap.add_argument("--lr-dense", type=float, default=1e-3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.data is None or not args.data.is_file():
+        ap.error(f"--data={args.data}: no such file; pass --data or set SPARSEJAX_DATA_DIR "
+                 f"to the directory holding {SAMPLE}")
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     t0 = time.time()
