@@ -66,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="versions, devices and kernel availability")
     info.set_defaults(fn=_info)
     args = parser.parse_args(argv)
-    from ._config import ConfigError
-
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except Exception as e:
+        from .runner import ConfigError
+
+        if not isinstance(e, ConfigError):
+            raise
         print(f"sparsejax: config error: {e}", file=sys.stderr)
         return 2
 

@@ -5,8 +5,8 @@ import pathlib
 
 import pytest
 
-from sparsejax import _config, runner
-from sparsejax._config import ConfigError
+from sparsejax import runner
+from sparsejax.runner import ConfigError, _config
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

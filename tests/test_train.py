@@ -1,6 +1,7 @@
 """Trainer, metrics, checkpoints and the runner's guarantees: exact resume across a
 process restart, clear errors for truncated or mismatched checkpoints, NaN stops."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+import sparsejax.checkpoint
 from sparsejax import runner, train
 from sparsejax.train import CheckpointError
 
@@ -118,5 +122,133 @@ def test_bfloat16_mixed_precision_trains(tmp_path):
     assert all(x.dtype == np.dtype("bfloat16") for x in jax.tree.leaves(run.state.tables)
                if x.ndim == 2)
     first = run.trainer.evaluate(run.state, run.data.eval_batches)["loss"]
-    summary = runner.fit(run, log=lambda *_: None)
+    summary = runner.train_run(run, log=lambda *_: None)
     assert summary["eval"]["loss"] < first - 0.05
+
+
+def _small(tmp_path, *overrides):
+    """Model, data and first batch of a tiny synthetic run (no run directory)."""
+    cfg = _cfg(tmp_path, "steps=10", *overrides)
+    data = runner.build_data(cfg)
+    model = runner.build_model(cfg, data.tables, data.features)
+    return cfg, data, model, runner.first_train_batch(data)
+
+
+def _batches(data, n):
+    """Training batches 0..n-1 of a synthetic source, packed on the host."""
+    b = data.packer.batch_size
+    return [data.packer.pack(s, labels=y, dense=d)
+            for s, y, d in (data.train_source.batch(i, b) for i in range(n))]
+
+
+class _Recorder(train.Hook):
+    """Sees every step; stops training after `stop_at`."""
+
+    def __init__(self, stop_at=None):
+        self.stop_at, self.before, self.after, self.logs, self.evals = stop_at, [], [], [], []
+        self.ended = None
+
+    def before_step(self, step, batch):
+        self.before.append(step)
+
+    def after_step(self, step, state, metrics):
+        assert int(state.step) == step
+        self.after.append((step, float(metrics["loss"])))
+        return step == self.stop_at
+
+    def on_log(self, step, record):
+        self.logs.append(record["step"])
+
+    def on_eval(self, step, result):
+        self.evals.append(step)
+
+    def on_end(self, step, state):
+        self.ended = (step, int(state.step))
+
+
+def test_fit_calls_hooks_every_step_and_a_hook_stops_training(tmp_path):
+    _, data, model, first = _small(tmp_path)
+    trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer))
+    state = trainer.init(jax.random.key(0), first)
+    hook = _Recorder()
+    result = train.fit(trainer, state, _batches(data, 7), steps=7, log_every=3,
+                       eval_batches=data.eval_batches, eval_every=2, hooks=[hook])
+    assert hook.before == [s for s, _ in hook.after] == [1, 2, 3, 4, 5, 6, 7]
+    assert all(np.isfinite(loss) for _, loss in hook.after)
+    assert hook.logs == [3, 6, 7] and hook.evals == [2, 4, 6, 7]
+    assert hook.ended == (7, 7) and int(result.state.step) == 7
+    assert result.eval["examples"] == sum(int(b.mask.sum()) for b in data.eval_batches)
+
+    stopper = _Recorder(stop_at=10)
+    result = train.fit(trainer, result.state, _batches(data, 20), steps=20, log_every=5,
+                       hooks=[stopper])
+    assert stopper.before == [8, 9, 10] and stopper.ended == (10, 10)
+    assert int(result.state.step) == 10 and stopper.logs == [10]  # the partial window
+
+
+def test_fit_stops_on_a_nan_loss_naming_the_step(tmp_path):
+    _, data, model, first = _small(tmp_path)
+    trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer))
+    state = trainer.init(jax.random.key(0), first)
+    batches = _batches(data, 6)
+    batches[3] = dataclasses.replace(batches[3], dense=np.full_like(batches[3].dense, np.nan))
+    hook = _Recorder()
+    with pytest.raises(train.NonFiniteLossError, match=r"training loss is nan at step 4; "
+                                                       r"stopped \(no checkpoint"):
+        train.fit(trainer, state, batches, steps=6, hooks=[hook])
+    assert hook.before[-1] in (4, 5)  # checked while the next step runs
+
+
+def test_checkpointer_needs_the_layouts_and_serving_restores_tables_alone(tmp_path):
+    _, _, model, first = _small(tmp_path)
+    layouts = train.embedding_layouts(model, first)
+    assert [sparsejax.checkpoint.layer_key(p) for p in layouts] == ["embedding"]
+    trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer))
+    with pytest.raises(RuntimeError, match="call Trainer.init first"):
+        trainer.layouts  # noqa: B018
+    # built before the trainer's init: the layouts come from the model and a batch
+    ckpt = train.Checkpointer(tmp_path / "ok", layouts)
+    empty = train.Checkpointer(tmp_path / "empty", {})
+    state = trainer.init(jax.random.key(0), first)
+    with pytest.raises(CheckpointError, match=r"table state 'embedding/.*' of an embedding "
+                                              r"layer this checkpointer has no layout for"):
+        empty.save(state)
+    assert empty.steps() == []
+    ckpt.save(state)
+    tables, meta = ckpt.restore_tables()  # no trainer, no template
+    assert meta["step"] == 0 and sorted(meta["tables"]["embedding"]) == sorted(
+        t.name for t in model.tables)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, tables),
+                 jax.tree.map(np.asarray, state.tables))
+    by_name = trainer.tables_by_name(state)["embedding"]
+    assert set(by_name) == {t.name for t in model.tables}
+    ckpt.close()
+    empty.close()
+
+
+@pytest.mark.parametrize("implementation", ["xla", None])
+def test_data_parallel_step_on_4_devices_matches_one_device(tmp_path, implementation):
+    devices = jax.devices()
+    assert len(devices) >= 4, "conftest provides 4 CPU devices"
+    _, data, model, first = _small(tmp_path)
+    model = model.clone(implementation=implementation)
+    tx = runner.dense_optimizer(runner.RunConfig().optimizer)
+    one = train.Trainer(model, tx)
+    four = train.Trainer(model, tx, mesh=Mesh(np.array(devices[:4]), ("data",)))
+    s1, s4 = one.init(jax.random.key(0), first), four.init(jax.random.key(0), first)
+    assert all(len(x.sharding.device_set) == 4 and x.sharding.is_fully_replicated
+               for x in jax.tree.leaves(s4))
+    batches = _batches(data, 3)
+    assert four.batch_sharding(64).dense.spec == P("data")
+    assert four.batch_sharding(63).dense.spec == P()  # does not divide: replicated
+    for batch in batches:
+        placed = four.put_batch(batch)
+        assert placed.dense.sharding.shard_shape(placed.dense.shape)[0] == 16
+        s1, m1 = one.train_step(s1, batch)
+        s4, m4 = four.train_step(s4, placed)
+        np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-5)
+    assert int(s4.step) == 3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=1e-4, atol=1e-6), s4, s1)
+    e1, e4 = one.evaluate(s1, data.eval_batches), four.evaluate(s4, data.eval_batches)
+    assert e4["auc"] == pytest.approx(e1["auc"], abs=1e-5)

@@ -1,8 +1,15 @@
-"""Training: state, jitted steps, metrics, checkpoints and the training loop."""
+"""Training: state, jitted steps, metrics and the training loop (`fit`, `Hook`).
 
-from ._checkpoint import Checkpointer as Checkpointer
-from ._checkpoint import CheckpointError as CheckpointError
-from ._checkpoint import NonFiniteStateError as NonFiniteStateError
+Checkpoints live in `sparsejax.checkpoint` (re-exported here)."""
+
+from ..checkpoint import Checkpointer as Checkpointer
+from ..checkpoint import CheckpointError as CheckpointError
+from ..checkpoint import NonFiniteStateError as NonFiniteStateError
+from ..checkpoint import embedding_layouts as embedding_layouts
+from ._loop import FitResult as FitResult
+from ._loop import Hook as Hook
+from ._loop import NonFiniteLossError as NonFiniteLossError
+from ._loop import fit as fit
 from ._metrics import auc as auc
 from ._metrics import calibration as calibration
 from ._metrics import logloss as logloss
@@ -11,4 +18,5 @@ from ._trainer import LOSSES as LOSSES
 from ._trainer import Trainer as Trainer
 from ._trainer import TrainState as TrainState
 from ._trainer import binary_loss as binary_loss
+from ._trainer import default_mesh as default_mesh
 from ._trainer import retrieval_loss as retrieval_loss

@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..embedding._collection import EmbeddingCollection
+from ..checkpoint._layout import Layouts, tables_by_name, tables_from_layers, trace_layouts
+from ..data import SparseBatch
 from ..nn._embedding import (
     EMBEDDING,
     EMBEDDING_GRADS,
     EMBEDDING_LOOKUPS,
-    EmbeddingBagCollection,
     apply_embedding_gradients,
 )
 from . import _metrics
@@ -50,35 +51,9 @@ def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
 
 LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
 
-Layouts = dict[tuple[str, ...], EmbeddingCollection]
-"""Each embedding layer's `EmbeddingCollection`, by module path."""
-
-
-def layer_key(path: tuple[str, ...]) -> str:
-    """A layer's module path as one string ("embedding", "tower/embedding", "<root>")."""
-    return "/".join(path) or "<root>"
-
-
-def tables_by_name(layouts: Layouts, tables) -> dict:
-    """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection."""
-    out = {}
-    for path, ec in layouts.items():
-        node = tables
-        for k in path:
-            node = node[k]
-        out[layer_key(path)] = ec.tables_by_name(node)
-    return out
-
-
-def tables_from_layers(layouts: Layouts, layers: dict) -> dict:
-    """The nested "embedding" collection from `{path: stacked state of that layer}`."""
-    tables: dict = {}
-    for path, layer in layers.items():
-        node = tables
-        for k in path:
-            node = node.setdefault(k, {})
-        node.update(layer)
-    return tables
+def default_mesh() -> Mesh:
+    """One device (the default one) on a "data" axis: what `Trainer` uses without a mesh."""
+    return Mesh(np.array(jax.devices()[:1]), ("data",))
 
 
 class Trainer:
@@ -87,41 +62,114 @@ class Trainer:
 
     Dense parameters are updated by `tx` (optax); every `EmbeddingBagCollection` in the
     model by its tables' sparse optimizers, on touched rows only.
+
+    Args:
+      model: the Flax model.
+      tx: the optax optimizer of the dense parameters.
+      mesh: the devices the state and the steps live on (default: one device). Dense
+        parameters and tables are replicated on it; a batch is split along the mesh's
+        "data" axis when it has one and the batch size divides by it (data parallel),
+        and replicated otherwise.
     """
 
-    def __init__(self, model: nn.Module, tx: optax.GradientTransformation):
+    def __init__(self, model: nn.Module, tx: optax.GradientTransformation, *,
+                 mesh: Mesh | None = None):
         self.model = model
         self.tx = tx
+        self.mesh = default_mesh() if mesh is None else mesh
         self.task = getattr(model, "task", "binary")
         if self.task not in LOSSES:
             raise ValueError(f"model task {self.task!r} is not one of {sorted(LOSSES)}")
         self.loss_fn = LOSSES[self.task]
-        self.layouts: Layouts = {}
-        """Set by `init`: each embedding layer's `EmbeddingCollection`, by module path."""
-        self.train_step = jax.jit(self._train_step, donate_argnums=0)
-        self.eval_step = jax.jit(self._eval_step)
+        self._layouts: Layouts | None = None
+        self._steps: dict[tuple[str, int], Callable] = {}
+
+    # ---- placement ------------------------------------------------------------------
+    def _replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def state_sharding(self) -> TrainState:
+        """The `NamedSharding`s of the state, as a `TrainState` prefix tree (one per field):
+        everything replicated on the mesh."""
+        r = self._replicated()
+        return TrainState(step=r, params=r, opt_state=r, tables=r, rng=r)
+
+    def batch_sharding(self, batch_size: int):
+        """The `NamedSharding`s of a `SparseBatch` of `batch_size` rows (a prefix tree):
+        dense features, labels and mask split along "data" when it divides the batch;
+        the ids replicated (the lookup reads whole tables on every device)."""
+        r = self._replicated()
+        n = dict(self.mesh.shape).get("data", 1)
+        d = NamedSharding(self.mesh, PartitionSpec("data")) if batch_size % n == 0 else r
+        return SparseBatch(features=r, dense=d, labels=d, mask=d)
+
+    def put_state(self, state: TrainState) -> TrainState:
+        """`state` placed with `state_sharding()` (e.g. after a restore)."""
+        return jax.device_put(state, self.state_sharding())
+
+    def put_batch(self, batch):
+        """`batch` placed with `batch_sharding()` (a no-op if it already is)."""
+        return jax.device_put(batch, self._batch_prefix(batch))
+
+    def _batch_prefix(self, batch):
+        if isinstance(batch, SparseBatch):
+            return self.batch_sharding(batch.batch_size)
+        return self._replicated()
+
+    def _jitted(self, kind: str, batch) -> Callable:
+        size = batch.batch_size if isinstance(batch, SparseBatch) else -1
+        fn = self._steps.get((kind, size))
+        if fn is None:
+            shardings = (self.state_sharding(), self._batch_prefix(batch))
+            if kind == "train":
+                fn = jax.jit(self._train_step, donate_argnums=0, in_shardings=shardings,
+                             out_shardings=(self.state_sharding(), self._replicated()))
+            else:
+                fn = jax.jit(self._eval_step, in_shardings=shardings)
+            self._steps[(kind, size)] = fn
+        return fn
+
+    # ---- steps ----------------------------------------------------------------------
+    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """One jitted step (`state` is donated): `(new state, {"loss": loss})`."""
+        return self._jitted("train", batch)(state, batch)
+
+    def eval_step(self, state: TrainState, batch) -> jax.Array:
+        """The model's output on `batch` (jitted, no dropout)."""
+        return self._jitted("eval", batch)(state, batch)
+
+    @property
+    def layouts(self) -> Layouts:
+        """Each embedding layer's `EmbeddingCollection`, by module path, as of `init`
+        (`sparsejax.checkpoint.embedding_layouts(model, batch)` computes it anywhere)."""
+        if self._layouts is None:
+            raise RuntimeError("Trainer.layouts: call Trainer.init first, or use "
+                               "sparsejax.checkpoint.embedding_layouts(model, batch)")
+        return self._layouts
 
     def init(self, key: jax.Array, batch) -> TrainState:
-        """Fresh state; `batch` fixes the shapes (any batch of the run's capacities).
+        """Fresh state, placed on the mesh; `batch` fixes the shapes (any batch of the
+        run's capacities).
 
         Dense parameters come from the model's (jitted) init; tables from each layer's
         `EmbeddingCollection.init` outside `jit`, which draws default-initialized
         tables with numpy instead of compiling one random op per table shape.
         """
         k_init, k_tables, k_rng = jax.random.split(key, 3)
-        self.layouts, shapes = self._find_layouts(batch)
+        layouts, shapes = trace_layouts(self.model, batch)
         unknown = set(shapes) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
         if unknown:
             raise ValueError(f"the model has variable collections {sorted(unknown)} that the "
                              f"trainer does not know how to update")
         # tables are dropped inside the jit, so XLA never compiles their initializers
         params = jax.jit(lambda k: self.model.init(k, batch).get("params", {}))(k_init)
-        tables = tables_from_layers(self.layouts, {
+        tables = tables_from_layers(layouts, {
             path: ec.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
-            for path, ec in self.layouts.items()})
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=self.tx.init(params), tables=tables,
-                          rng=jax.random.key_data(k_rng))
+            for path, ec in layouts.items()})
+        self._layouts = layouts
+        return self.put_state(TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
+            tables=tables, rng=jax.random.key_data(k_rng)))
 
     def tables_by_name(self, state: TrainState) -> dict:
         """`{layer path: {table: {"weights", "slots"}}}`, unstacked (e.g. to inspect)."""
@@ -191,19 +239,3 @@ class Trainer:
             for k, vals in recalls.items():
                 result[f"recall@{k}"] = sum(v * n for v, n in vals) / total
         return result
-
-    def _find_layouts(self, batch) -> tuple[Layouts, dict]:
-        """The `EmbeddingCollection` of every embedding layer, by module path (how the
-        state's tables are stacked; checkpoints store them by name through it), and the
-        shapes of the model's variables."""
-        found = {}
-
-        def interceptor(next_fun, args, kwargs, context):
-            if isinstance(context.module, EmbeddingBagCollection) and \
-                    context.method_name == "__call__":
-                found[tuple(context.module.path)] = context.module.collection
-            return next_fun(*args, **kwargs)
-
-        with nn.intercept_methods(interceptor):
-            shapes = jax.eval_shape(lambda: self.model.init(jax.random.key(0), batch))
-        return found, shapes

@@ -1,14 +1,17 @@
-"""Orbax checkpoints of a `TrainState`, with tables stored by name (not by stack).
+"""Orbax checkpoints of a train state, with tables stored by name (not by stack).
 
-A checkpoint holds the dense parameters and their optimizer state, every table's
-weights and sparse optimizer slots under the table's name, the step, the RNG, and a
-JSON record (table specs, data position, the run's config). Restoring checks the specs
-first and names any table whose name or shape changed; an unreadable checkpoint (e.g.
-truncated) raises `CheckpointError` naming it and leaves the others usable.
+A checkpoint holds three items: `tables` (every table's weights and sparse optimizer
+slots under its layer and name), `state` (the other fields of the state: step, dense
+parameters, their optimizer state, RNG), and `meta` (JSON: table specs, data position,
+the run's config). Restoring checks the specs first and names any table whose name or
+shape changed; an unreadable checkpoint (e.g. truncated) raises `CheckpointError`
+naming it and leaves the others usable. `restore_tables` reads the tables alone, from
+the layouts alone: serving needs no trainer and no optimizer state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -17,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from ._trainer import TrainState, layer_key, tables_by_name, tables_from_layers
+from ._layout import Layouts, layer_key, stack_tables, tables_by_name, uncovered_layer
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be restored into the current model."""
+    """A checkpoint cannot be written from, or restored into, the current model."""
 
 
 class NonFiniteStateError(FloatingPointError):
@@ -39,17 +42,27 @@ def _first_non_finite(tree) -> str | None:
     return None
 
 
+def _abstract(tree):
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
 class Checkpointer:
-    """Saves and restores `TrainState`s under `directory/<step>/`.
+    """Saves and restores train states under `directory/<step>/`.
+
+    A state is a dataclass (e.g. `sparsejax.train.TrainState`) with a `step` and a
+    `tables` field (the model's "embedding" collection); its other fields are saved as
+    they are.
 
     Args:
       directory: where checkpoints live (created).
-      layouts: `Trainer.layouts` (set by `Trainer.init`): how each embedding layer
-        stacks its tables.
+      layouts: `embedding_layouts(model, batch)`: how each embedding layer stacks its
+        tables. A state holding tables of a layer not in `layouts` is refused (no
+        checkpoint is ever written without its tables).
       max_to_keep: older checkpoints are deleted beyond this many.
     """
 
-    def __init__(self, directory: str | os.PathLike, layouts: Mapping, *, max_to_keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, layouts: Layouts, *,
+                 max_to_keep: int = 3):
         self.directory = os.path.abspath(directory)
         self.layouts = dict(layouts)
         self.manager = ocp.CheckpointManager(
@@ -64,30 +77,37 @@ class Checkpointer:
                                 for name, t in ec.tables.items()}
                 for p, ec in self.layouts.items()}
 
-    def _payload(self, state: TrainState) -> dict:
-        tables = tables_by_name(self.layouts, state.tables)
-        return {"step": state.step, "params": state.params, "opt_state": state.opt_state,
-                "rng": state.rng, "tables": tables}
+    def _split(self, state) -> tuple[dict, dict]:
+        """(tables by name, every other field) of `state`."""
+        bad = uncovered_layer(self.layouts, state.tables)
+        if bad is not None:
+            raise CheckpointError(
+                f"the state holds table state {bad!r} of an embedding layer this checkpointer "
+                f"has no layout for (layouts: {sorted(map(layer_key, self.layouts))}); build "
+                f"it with embedding_layouts(model, batch)")
+        rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+                if f.name != "tables"}
+        return tables_by_name(self.layouts, state.tables), rest
 
-    def save(self, state: TrainState, *, data_position: Any = None,
-             extra: Mapping | None = None) -> int:
+    def save(self, state, *, data_position: Any = None, extra: Mapping | None = None) -> int:
         """Write a checkpoint at `state.step` and wait until it is on disk.
 
         Raises:
+          CheckpointError: the state holds tables of a layer the layouts do not cover.
           NonFiniteStateError: a parameter, table or slot holds NaN/inf (named); nothing
             is written.
         """
         step = int(state.step)
-        payload = self._payload(state)
-        bad = _first_non_finite(payload)
+        tables, rest = self._split(state)
+        bad = _first_non_finite({"tables": tables, **rest})
         if bad is not None:
             raise NonFiniteStateError(f"not saving step {step}: {bad} holds NaN or inf; the "
                                       f"last checkpoint ({self.latest_step()}) is kept")
         meta = {"step": step, "tables": self._specs(), "data_position": data_position,
                 "extra": dict(extra or {})}
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(payload), meta=ocp.args.JsonSave(meta)),
-            force=True)
+            tables=ocp.args.StandardSave(tables), state=ocp.args.StandardSave(rest),
+            meta=ocp.args.JsonSave(meta)), force=True)
         self.manager.wait_until_finished()
         return step
 
@@ -102,14 +122,8 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))["meta"]
 
-    def restore(self, template: TrainState, step: int | None = None
-                ) -> tuple[TrainState, dict]:
-        """State at `step` (default: latest) shaped like `template`, and its JSON record.
-
-        Raises:
-          CheckpointError: no checkpoint, a table added/removed/reshaped since the
-            save, or unreadable files (naming the step and the other checkpoints).
-        """
+    def _read(self, step: int | None, **items) -> tuple[int, dict, dict]:
+        """(step, restored items, meta) after checking the table specs."""
         steps = self.steps()
         step = steps[-1] if step is None and steps else step
         if step is None or step not in steps:
@@ -123,20 +137,35 @@ class Checkpointer:
                                   f"({type(e).__name__}: {e}); other checkpoints: {others}"
                                   ) from e
         self._check_specs(meta["tables"], step)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._payload(template))
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract)))["state"]
+            restored = self.manager.restore(step, args=ocp.args.Composite(**{
+                k: ocp.args.StandardRestore(v) for k, v in items.items()}))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be restored "
                                   f"({type(e).__name__}: {e}); other checkpoints: {others}"
                                   ) from e
-        tables = tables_from_layers(self.layouts, {
-            p: ec.state_from_tables(restored["tables"][layer_key(p)])
-            for p, ec in self.layouts.items()})
-        state = TrainState(step=restored["step"], params=restored["params"],
-                           opt_state=restored["opt_state"], tables=tables, rng=restored["rng"])
+        return step, {k: restored[k] for k in items}, meta
+
+    def restore(self, template, step: int | None = None) -> tuple[Any, dict]:
+        """State at `step` (default: latest) shaped like `template`, and its JSON record.
+
+        Raises:
+          CheckpointError: no checkpoint, a table added/removed/reshaped since the
+            save, or unreadable files (naming the step and the other checkpoints).
+        """
+        tables, rest = self._split(template)
+        _, got, meta = self._read(step, tables=_abstract(tables), state=_abstract(rest))
+        state = dataclasses.replace(template, tables=stack_tables(self.layouts, got["tables"]),
+                                    **got["state"])
         return state, meta
+
+    def restore_tables(self, step: int | None = None) -> tuple[dict, dict]:
+        """The "embedding" collection at `step` (default: latest), built from the layouts
+        alone (no train state, no dense parameters), and the JSON record."""
+        shapes = {layer_key(p): jax.eval_shape(lambda ec=ec: ec.tables_by_name(
+            ec.init(jax.random.key(0)))) for p, ec in self.layouts.items()}
+        _, got, meta = self._read(step, tables=shapes)
+        return stack_tables(self.layouts, got["tables"]), meta
 
     def _check_specs(self, saved: Mapping, step: int) -> None:
         current = self._specs()

@@ -1,6 +1,6 @@
-"""Typed, layered experiment configs.
+"""Typed, layered experiment configs: the machinery (the schema is `_schema.py`).
 
-A config is a tree of frozen dataclasses (`RunConfig` in `sparsejax.runner`). It is read
+A config is a tree of frozen dataclasses (`RunConfig`). It is read
 from YAML files layered left to right (a file may name its own `base:` file, relative to
 itself), then `key.sub=value` overrides (values parsed as YAML). Validation turns the
 merged dict into the dataclasses: an unknown key is an error naming it and the closest

@@ -1,0 +1,13 @@
+"""Checkpoints of train states with tables stored by name, and the embedding-layer
+layouts they are read and written through. Depends on the embedding layer only:
+serving restores tables without a trainer (`Checkpointer.restore_tables`)."""
+
+from ._checkpointer import Checkpointer as Checkpointer
+from ._checkpointer import CheckpointError as CheckpointError
+from ._checkpointer import NonFiniteStateError as NonFiniteStateError
+from ._layout import Layouts as Layouts
+from ._layout import embedding_layouts as embedding_layouts
+from ._layout import layer_key as layer_key
+from ._layout import stack_tables as stack_tables
+from ._layout import tables_by_name as tables_by_name
+from ._layout import tables_from_layers as tables_from_layers

@@ -1,0 +1,90 @@
+"""Where a model's embedding tables live: one `EmbeddingCollection` per embedding layer,
+by the layer's module path, computed from the model and an example batch alone.
+
+The "embedding" variable collection of a model holds each layer's stacked state under
+the layer's path; these helpers convert it to and from the per-table form
+`{layer_key: {table: {"weights", "slots"}}}` that checkpoints store (so a change of
+stacking never breaks a restore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+
+from ..embedding._collection import EmbeddingCollection
+from ..nn._embedding import EmbeddingBagCollection
+
+Layouts = Mapping[tuple[str, ...], EmbeddingCollection]
+"""Each embedding layer's `EmbeddingCollection`, by module path."""
+
+
+def embedding_layouts(model: nn.Module, batch) -> dict[tuple[str, ...], EmbeddingCollection]:
+    """The `EmbeddingCollection` of every embedding layer of `model`, by module path.
+
+    A pure function of the model and an example batch (any batch of the run's shapes):
+    the model is traced abstractly (`jax.eval_shape`), nothing is allocated.
+    """
+    return trace_layouts(model, batch)[0]
+
+
+def trace_layouts(model: nn.Module, batch) -> tuple[dict, Mapping]:
+    """`embedding_layouts` and the shapes of the model's variables, from one trace."""
+    found: dict[tuple[str, ...], EmbeddingCollection] = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+        if isinstance(context.module, EmbeddingBagCollection) and \
+                context.method_name == "__call__":
+            found[tuple(context.module.path)] = context.module.collection
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), batch))
+    return found, shapes
+
+
+def layer_key(path: tuple[str, ...]) -> str:
+    """A layer's module path as one string ("embedding", "tower/embedding", "<root>")."""
+    return "/".join(path) or "<root>"
+
+
+def _subtree(tables: Mapping, path: tuple[str, ...]):
+    node = tables
+    for k in path:
+        node = node[k]
+    return node
+
+
+def tables_by_name(layouts: Layouts, tables: Mapping) -> dict:
+    """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection."""
+    return {layer_key(path): ec.tables_by_name(_subtree(tables, path))
+            for path, ec in layouts.items()}
+
+
+def tables_from_layers(layouts: Layouts, layers: Mapping) -> dict:
+    """The nested "embedding" collection from `{path: stacked state of that layer}`."""
+    tables: dict = {}
+    for path, layer in layers.items():
+        node = tables
+        for k in path:
+            node = node.setdefault(k, {})
+        node.update(layer)
+    return tables
+
+
+def stack_tables(layouts: Layouts, by_name: Mapping) -> dict:
+    """Inverse of `tables_by_name`: the nested "embedding" collection."""
+    return tables_from_layers(layouts, {
+        path: ec.state_from_tables(by_name[layer_key(path)]) for path, ec in layouts.items()})
+
+
+def uncovered_layer(layouts: Layouts, tables: Mapping) -> str | None:
+    """The path of a leaf of `tables` that no layout covers, or None."""
+    paths = set(layouts)
+    for keys, _ in jax.tree_util.tree_leaves_with_path(tables):
+        names = tuple(getattr(k, "key", getattr(k, "name", k)) for k in keys)
+        if not any(names[:n] in paths for n in range(len(names) + 1)):
+            return "/".join(map(str, names))
+    return None

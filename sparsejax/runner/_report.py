@@ -1,0 +1,114 @@
+"""A run's reporting: `metrics.jsonl` (one JSON object per logged step or eval), the
+console or progress bar, `curves.png` and `summary.json`. The first two are
+`sparsejax.train.Hook`s of the training loop."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+
+from ..train import Hook
+
+
+def plain(d: Mapping) -> dict:
+    """Metrics as JSON-able Python floats."""
+    return {k: (float(v) if isinstance(v, (np.floating, float, np.ndarray, jax.Array))
+                and not isinstance(v, int) else v) for k, v in d.items()}
+
+
+def format_metrics(result: Mapping) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
+
+
+class MetricsLog(Hook):
+    """Appends train and eval records to `metrics.jsonl`; on resume first drops the
+    records past the restored step (so the log continues without duplicates)."""
+
+    def __init__(self, path: str, resume_step: int):
+        self.path = path
+        kept = []
+        if resume_step and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+    def _write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_log(self, step: int, record: Mapping) -> None:
+        self._write({"kind": "train", **plain(record)})
+
+    def on_eval(self, step: int, result: Mapping) -> None:
+        self._write({"kind": "eval", "step": step, **plain(result)})
+
+
+class Console(Hook):
+    """Progress on the terminal: a tqdm bar (loss and samples/s as its postfix) or, with
+    `progress=False`, one line per logged step; one line per eval either way."""
+
+    def __init__(self, log: Callable[[str], None], *, progress: bool, total: int, start: int):
+        self.log = log
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def after_step(self, step, state, metrics) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, step: int, record: Mapping) -> None:
+        loss, rate = record["loss"], record["samples_per_s"]
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+        else:
+            self.log(f"step {step}: loss {loss:.4f}, {rate:,.0f} samples/s")
+
+    def on_eval(self, step: int, result: Mapping) -> None:
+        if self.bar is not None:
+            self.bar.clear()
+        self.log(f"eval @ {step}: {format_metrics(result)}")
+        if self.bar is not None:
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_curves(metrics_path: str, png_path: str) -> None:
+    """Training loss and eval metrics against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if evals:
+        axes[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="eval")
+    axes[0].set(xlabel="step", ylabel="loss", title="loss")
+    axes[0].legend()
+    key = next((k for k in ("auc", "recall@10", "recall@1") if evals and k in evals[0]), None)
+    if key:
+        axes[1].plot([r["step"] for r in evals], [r[key] for r in evals], "o-")
+        axes[1].set(xlabel="step", ylabel=key, title=f"eval {key}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def write_summary(path: str, summary: Mapping) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
