@@ -100,47 +100,36 @@ SJ_AVX2_INLINE float Reduce1(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
+// a[w] = 8 partial sums of <xi, xj + w * ld> for w in [0, W) (W running accumulators).
+template <int W>
+SJ_AVX2_INLINE void DotBlockAvx2(const float* xi, const float* xj, int64_t ld, int64_t dp,
+                                 __m256 (&a)[W]) {
+  for (int w = 0; w < W; ++w) a[w] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dp; d += 8) {
+    const __m256 v = _mm256_loadu_ps(xi + d);
+    for (int w = 0; w < W; ++w) a[w] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + w * ld + d), a[w]);
+  }
+}
+
 SJ_AVX2 void DotsAvx2(const float* x, int64_t ld, int64_t f, int64_t dp, float* out) {
   int64_t p = 0;
   for (int64_t i = 0; i < f; ++i) {
     const float* xi = x + i * ld;
     int64_t j = i + 1;
     for (; j + 8 <= f; j += 8, p += 8) {
-      const float* xj = x + j * ld;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-             a7 = a0;
-      for (int64_t d = 0; d < dp; d += 8) {
-        const __m256 v = _mm256_loadu_ps(xi + d);
-        a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + d), a0);
-        a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + ld + d), a1);
-        a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 2 * ld + d), a2);
-        a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 3 * ld + d), a3);
-        a4 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 4 * ld + d), a4);
-        a5 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 5 * ld + d), a5);
-        a6 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 6 * ld + d), a6);
-        a7 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 7 * ld + d), a7);
-      }
-      _mm256_storeu_ps(out + p, Reduce8(a0, a1, a2, a3, a4, a5, a6, a7));
+      __m256 a[8];
+      DotBlockAvx2<8>(xi, x + j * ld, ld, dp, a);
+      _mm256_storeu_ps(out + p, Reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
     }
     for (; j + 4 <= f; j += 4, p += 4) {
-      const float* xj = x + j * ld;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < dp; d += 8) {
-        const __m256 v = _mm256_loadu_ps(xi + d);
-        a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + d), a0);
-        a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + ld + d), a1);
-        a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 2 * ld + d), a2);
-        a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(xj + 3 * ld + d), a3);
-      }
-      _mm_storeu_ps(out + p, Reduce4(a0, a1, a2, a3));
+      __m256 a[4];
+      DotBlockAvx2<4>(xi, x + j * ld, ld, dp, a);
+      _mm_storeu_ps(out + p, Reduce4(a[0], a[1], a[2], a[3]));
     }
     for (; j < f; ++j, ++p) {
-      const float* xj = x + j * ld;
-      __m256 a0 = _mm256_setzero_ps();
-      for (int64_t d = 0; d < dp; d += 8) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xi + d), _mm256_loadu_ps(xj + d), a0);
-      }
-      out[p] = Reduce1(a0);
+      __m256 a[1];
+      DotBlockAvx2<1>(xi, x + j * ld, ld, dp, a);
+      out[p] = Reduce1(a[0]);
     }
   }
 }
