@@ -12,8 +12,8 @@ import pytest
 
 from sparsejax import nn as snn
 from sparsejax import ops
-from sparsejax.data import BatchPacker, Ragged
-from sparsejax.embedding import EmbeddingCollection, FeatureSpec, TableSpec
+from sparsejax.data import BatchPacker, JaggedIds
+from sparsejax.embedding import DeviceTableStore, FeatureSpec, TableSpec
 
 B = 6
 
@@ -43,7 +43,7 @@ def _host_batch(rng, tables, features):
             lengths = np.ones(B, np.int64)
         values = rng.integers(0, vocab[f.table], lengths.sum())  # duplicates likely
         weights = rng.random(lengths.sum()).astype(np.float32) if f.weighted else None
-        sparse[f.name] = Ragged(lengths, values, weights)
+        sparse[f.name] = JaggedIds(lengths, values, weights)
     return sparse
 
 
@@ -80,7 +80,7 @@ def _reference(tables_np, features, table_of, host):
 def test_lookup_matches_per_feature_reference(seed):
     rng = np.random.default_rng(seed)
     tables, features = _specs()
-    ec = EmbeddingCollection(tables, features)
+    ec = DeviceTableStore(tables, features)
     assert len(ec.stacks) == 2  # dims 8 and 4: user+item+small stacked, tag alone
     state = ec.init(jax.random.key(seed))
     host = _host_batch(rng, tables, features)
@@ -98,7 +98,7 @@ def test_sparse_sgd_step_equals_dense_gradient_step():
     rng = np.random.default_rng(3)
     lr = 0.5
     tables, features = _specs(ops.SGD(learning_rate=lr))
-    ec = EmbeddingCollection(tables, features)
+    ec = DeviceTableStore(tables, features)
     state = ec.init(jax.random.key(0))
     host = _host_batch(rng, tables, features)
     batch = BatchPacker(tables, features, batch_size=B).pack(host, labels=np.zeros(B))
@@ -139,12 +139,12 @@ def test_sparse_sgd_step_equals_dense_gradient_step():
 def test_ids_outside_their_table_never_reach_a_neighbour():
     tables = [TableSpec(name="a", vocab_size=3, dim=2), TableSpec(name="b", vocab_size=5, dim=2)]
     features = [FeatureSpec(name="fa", table="a"), FeatureSpec(name="fb", table="b")]
-    ec = EmbeddingCollection(tables, features)
+    ec = DeviceTableStore(tables, features)
     state = ec.init(jax.random.key(0))
-    from sparsejax.data import Jagged
+    from sparsejax.data import PaddedIds
 
-    feats = {"fa": Jagged(jnp.array([3, 0]), jnp.array([0, 1])),  # 3 is row 0 of b if shifted
-             "fb": Jagged(jnp.array([1, 2]), jnp.array([0, 1]))}
+    feats = {"fa": PaddedIds(jnp.array([3, 0]), jnp.array([0, 1])),  # 3 is row 0 of b if shifted
+             "fb": PaddedIds(jnp.array([1, 2]), jnp.array([0, 1]))}
     lookup = jax.jit(lambda s, f: ec.lookup(s, f, 2)[0])
     out = ec.split(lookup(state, feats), 2)
     np.testing.assert_array_equal(out["fa"][0], 0.0)  # looked up nothing, not b's row 0
@@ -156,14 +156,14 @@ def test_ids_outside_their_table_never_reach_a_neighbour():
 
 def test_tables_by_name_roundtrip_and_mismatch_errors():
     tables, features = _specs()
-    ec = EmbeddingCollection(tables, features)
+    ec = DeviceTableStore(tables, features)
     state = ec.init(jax.random.key(0))
     by_name = ec.tables_by_name(state)
     assert set(by_name) == {t.name for t in tables}
     back = ec.state_from_tables(by_name)
     jax.tree.map(np.testing.assert_array_equal, back, state)
     # a different stacking (new table order) restores the same tables
-    ec2 = EmbeddingCollection(list(reversed(tables)), features)
+    ec2 = DeviceTableStore(list(reversed(tables)), features)
     again = ec2.tables_by_name(ec2.state_from_tables(by_name))
     jax.tree.map(np.testing.assert_array_equal, again, by_name)
     with pytest.raises(KeyError, match="'item'"):
@@ -175,9 +175,9 @@ def test_tables_by_name_roundtrip_and_mismatch_errors():
 
 def test_table_init_depends_on_its_name_not_its_stack():
     tables, features = _specs()
-    a = EmbeddingCollection(tables, features).tables_by_name(
-        EmbeddingCollection(tables, features).init(jax.random.key(7)))
-    ec = EmbeddingCollection(list(reversed(tables)), features)
+    a = DeviceTableStore(tables, features).tables_by_name(
+        DeviceTableStore(tables, features).init(jax.random.key(7)))
+    ec = DeviceTableStore(list(reversed(tables)), features)
     b = ec.tables_by_name(ec.init(jax.random.key(7)))
     for name in a:
         np.testing.assert_array_equal(a[name]["weights"], b[name]["weights"])
@@ -185,13 +185,13 @@ def test_table_init_depends_on_its_name_not_its_stack():
 
 def test_spec_errors_name_the_problem():
     with pytest.raises(ValueError, match="did you mean 'item'"):
-        EmbeddingCollection([TableSpec(name="item", vocab_size=3, dim=2)],
+        DeviceTableStore([TableSpec(name="item", vocab_size=3, dim=2)],
                             [FeatureSpec(name="f", table="itme")])
     with pytest.raises(ValueError, match="duplicate feature name 'f'"):
-        EmbeddingCollection([TableSpec(name="t", vocab_size=3, dim=2)],
+        DeviceTableStore([TableSpec(name="t", vocab_size=3, dim=2)],
                             [FeatureSpec(name="f", table="t"), FeatureSpec(name="f", table="t")])
     with pytest.raises(ValueError, match=r"tables \['u'\] are declared but no feature"):
-        EmbeddingCollection([TableSpec(name="t", vocab_size=3, dim=2),
+        DeviceTableStore([TableSpec(name="t", vocab_size=3, dim=2),
                              TableSpec(name="u", vocab_size=3, dim=2)],
                             [FeatureSpec(name="f", table="t")])
     with pytest.raises(ValueError, match="combiner"):

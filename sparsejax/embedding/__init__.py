@@ -1,8 +1,39 @@
-"""Embedding tables and their lifecycle: specs, stacked state, lookup and sparse update."""
+"""Embedding tables and their lifecycle: specs, stacking, and the table stores that hold
+table state and do lookups and sparse updates.
 
-from ._collection import EmbeddingCollection as EmbeddingCollection
-from ._collection import GroupLookups as GroupLookups
-from ._collection import apply_group_gradients as apply_group_gradients
+`TableStore` is the interface every embedding layer talks to; `DeviceTableStore` is the
+first store (stacked tables in device memory, replicated on a mesh) and the functional
+layer for users without Flax. The old name `EmbeddingCollection` (= `DeviceTableStore`)
+still works for one release and warns: in TorchRec an `EmbeddingCollection` is the
+unpooled (sequence) module, which this is not.
+"""
+
+import warnings as _warnings
+
+from ._device_store import MESH_AXES as MESH_AXES
+from ._device_store import DeviceTableStore as DeviceTableStore
+from ._device_store import GroupLookups as GroupLookups
+from ._device_store import apply_group_gradients as apply_group_gradients
+from ._device_store import check_mesh as check_mesh
 from ._spec import FeatureSpec as FeatureSpec
 from ._spec import TableSpec as TableSpec
 from ._spec import uniform_init as uniform_init
+from ._stacking import MAX_STACK_ROWS as MAX_STACK_ROWS
+from ._stacking import Stack as Stack
+from ._stacking import plan_stacks as plan_stacks
+from ._stacking import stack_name as stack_name
+from ._store import TableStore as TableStore
+from ._store import default_mesh as default_mesh
+from ._store import make_store as make_store
+
+_DEPRECATED = {"EmbeddingCollection": DeviceTableStore}
+
+
+def __getattr__(name: str):
+    """Deprecated aliases: `EmbeddingCollection` read as TorchRec's unpooled module."""
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        _warnings.warn(f"sparsejax.embedding.{name} is deprecated; use "
+                       f"sparsejax.embedding.{new.__name__}", DeprecationWarning, stacklevel=2)
+        return new
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,8 @@ from ..ops.optimizers import RowWiseAdagrad, SparseOptimizer
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("device",)
+FILL_CHUNK_ELEMENTS = 1 << 18
+"""Elements drawn at a time by `uniform_init.fill` (1 MiB of float32)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +37,28 @@ class uniform_init:  # noqa: N801 - used like a function: uniform_init(0.01)
         return jax.random.uniform(key, shape, jnp.float32, -s, s).astype(dtype)
 
     def host(self, rng: np.random.Generator, shape, dtype) -> np.ndarray:
-        """The same distribution drawn by numpy: no XLA compile per table shape (which
-        costs ~0.3 s each on CPU), used by `EmbeddingCollection.init` outside `jit`."""
-        s = self._bound(shape)
-        return rng.uniform(-s, s, shape).astype(np.float32).astype(dtype)
+        """The same distribution drawn by numpy into a new array (see `fill`)."""
+        out = np.empty(shape, dtype)
+        self.fill(rng, out)
+        return out
+
+    def fill(self, rng: np.random.Generator, out: np.ndarray) -> None:
+        """Draw the same distribution with numpy into `out` (`[V, D]`, the storage
+        dtype), in place and in chunks: no XLA compile per table shape (~0.3 s each on
+        CPU) and no float64 or full-size temporary, so a table's init peaks at its own
+        size. The values depend on `rng`'s state only, not on the chunking."""
+        s = np.float32(self._bound(out.shape))
+        rows = max(1, FILL_CHUNK_ELEMENTS // max(1, out.shape[1]))
+        direct = out.dtype == np.float32
+        tmp = None if direct else np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
+        for start in range(0, out.shape[0], rows):
+            chunk = out[start:start + rows]
+            buf = chunk if direct else tmp[:len(chunk)]
+            rng.random(dtype=np.float32, out=buf)
+            buf *= 2 * s
+            buf -= s
+            if not direct:
+                chunk[...] = buf
 
 
 def _positive_int(owner: str, name: str, value) -> None:

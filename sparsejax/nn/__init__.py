@@ -4,6 +4,7 @@ from ._embedding import EMBEDDING as EMBEDDING
 from ._embedding import EMBEDDING_GRADS as EMBEDDING_GRADS
 from ._embedding import EMBEDDING_LOOKUPS as EMBEDDING_LOOKUPS
 from ._embedding import EmbeddingBagCollection as EmbeddingBagCollection
+from ._embedding import StoreLookups as StoreLookups
 from ._embedding import apply_embedding_gradients as apply_embedding_gradients
 from ._layers import MLP as MLP
 from ._layers import CrossNetwork as CrossNetwork

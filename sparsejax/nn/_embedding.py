@@ -19,93 +19,128 @@ turns it into sparse row updates using what the layer recorded in `"embedding_lo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 from flax import traverse_util
+from jax.sharding import Mesh
 
-from ..embedding._collection import EmbeddingCollection, GroupLookups, apply_group_gradients
 from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding._store import TableStore, make_store
 
 EMBEDDING = "embedding"
-"""Variable collection of the tables (weights and optimizer slots)."""
+"""Variable collection of the tables (the table store's state)."""
 EMBEDDING_GRADS = "embedding_grads"
-"""Perturbation collection: zeros added to the pooled rows, to take their gradient."""
+"""Perturbation collection: zeros added to the store's lookup outputs, to take their
+gradient."""
 EMBEDDING_LOOKUPS = "embedding_lookups"
 """Collection where each layer records its lookups for the sparse update."""
 _LOOKUPS = "lookups"
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreLookups:
+    """What one layer looked up: its store (static) and the store's residuals, so the
+    sparse update needs nothing but the collections (`apply_embedding_gradients`)."""
+
+    store: TableStore
+    residuals: Any
+
+
+jax.tree_util.register_dataclass(StoreLookups, data_fields=["residuals"],
+                                 meta_fields=["store"])
+
+
 class EmbeddingBagCollection(nn.Module):
     """Pooled (or sequence) embeddings of many sparse features over many tables.
 
-    Input: `{feature: Jagged}` (e.g. `SparseBatch.features`) and the batch size. Output:
-    `{feature: [B, D]}` for pooled features, `[B, max_ids, D]` for sequences.
+    Named after TorchRec's pooled module: each feature is pooled by its combiner
+    (`[B, D]`); a feature with `combiner=None` keeps its ids as a sequence
+    (`[B, max_ids, D]`, what TorchRec's unpooled `EmbeddingCollection` gives), so one
+    layer serves both kinds with one lookup per table stack.
+
+    Input: `{feature: PaddedIds}` (e.g. `SparseBatch.features`) and the batch size.
+    The tables live in a `TableStore` (`store`; chosen by the tables' `placement`), whose
+    state is this layer's `"embedding"` variables, one per `store.state_names` entry.
     """
 
     tables: Sequence[TableSpec]
     features: Sequence[FeatureSpec]
     implementation: str | None = None
     """Kernel choice for the sparse ops (None: the platform's best)."""
+    mesh: Mesh | None = None
+    """Devices the tables live on (None: one device); see `DeviceTableStore`."""
 
     @property
-    def collection(self) -> EmbeddingCollection:
-        return EmbeddingCollection(self.tables, self.features, implementation=self.implementation)
+    def store(self) -> TableStore:
+        """The table store behind this layer (a pure function of the fields)."""
+        return make_store(self.tables, self.features, mesh=self.mesh,
+                          implementation=self.implementation)
+
+    @property
+    def collection(self) -> TableStore:
+        """Old name of `store`."""
+        return self.store
 
     @nn.compact
     def __call__(self, features: Mapping, batch_size: int) -> dict[str, jax.Array]:
-        ec = self.collection
+        store = self.store
         state = {}
-        for name in ec.stacks:
+        for name in store.state_names:
             var = self.variable(EMBEDDING, name,
-                                lambda n=name: ec.init_stack(self.make_rng("params"), n))
+                                lambda n=name: store.init_part(self.make_rng("params"), n))
             state[name] = var.value
-        outputs, lookups = ec.lookup(state, features, batch_size)
+        outputs, residuals = store.lookup(state, features, batch_size)
         outputs = {g: self.perturb(g, out, collection=EMBEDDING_GRADS)
                    for g, out in outputs.items()}
-        self.sow(EMBEDDING_LOOKUPS, _LOOKUPS, lookups,
+        self.sow(EMBEDDING_LOOKUPS, _LOOKUPS, StoreLookups(store, residuals),
                  init_fn=lambda: None, reduce_fn=lambda _, new: new)
-        return ec.split(outputs, batch_size)
+        return store.split(outputs, batch_size)
 
 
 def apply_embedding_gradients(tables: Mapping, lookups: Mapping, grads: Mapping, *,
                               step: jax.Array | int,
                               learning_rate: jax.Array | float | None = None,
                               implementation: str | None = None) -> dict:
-    """Sparse update of every `EmbeddingBagCollection` in a model.
+    """Sparse update of every `EmbeddingBagCollection` in a model, each by its store.
 
     Args:
       tables: the model's `"embedding"` collection.
       lookups: the `"embedding_lookups"` collection returned by `apply(..., mutable=...)`.
       grads: gradient w.r.t. the `"embedding_grads"` collection.
       step: 1-based optimizer step; learning_rate: optional override (a schedule).
+      implementation: optional kernel override for the update (None: each layer's own).
 
     Returns:
       The new `"embedding"` collection (in place under donation).
     """
-    flat_tables = traverse_util.flatten_dict(_unfreeze(tables), keep_empty_nodes=True)
-    flat_grads = traverse_util.flatten_dict(_unfreeze(grads))
-    new = dict(flat_tables)
+    tables, grads = _unfreeze(tables), _unfreeze(grads)
     flat_lookups = traverse_util.flatten_dict(
-        _unfreeze(lookups), is_leaf=lambda _, v: isinstance(v, GroupLookups))
-    by_layer: dict[tuple, dict[str, GroupLookups]] = {}
+        _unfreeze(lookups), is_leaf=lambda _, v: isinstance(v, StoreLookups))
+    new = dict(tables)
     for path, lk in flat_lookups.items():
-        # path = (*layer_path, "lookups", group)
-        by_layer.setdefault(path[:-2], {})[path[-1]] = lk
-    for layer, groups in by_layer.items():
-        state = {lk.stack: {"weights": new[(*layer, lk.stack, "weights")],
-                            "slots": {k[-1]: v for k, v in new.items()
-                                      if k[:-1] == (*layer, lk.stack, "slots")}}
-                 for lk in groups.values()}
-        g = {name: flat_grads[(*layer, name)] for name in groups}
-        state = apply_group_gradients(state, groups, g, step=step, learning_rate=learning_rate,
-                                      implementation=implementation)
-        for stack, st in state.items():
-            new[(*layer, stack, "weights")] = st["weights"]
-            for k, v in st["slots"].items():
-                new[(*layer, stack, "slots", k)] = v
-    return traverse_util.unflatten_dict(new)
+        layer = path[:-1]  # path = (*layer_path, "lookups")
+        kw = {} if implementation is None else {"implementation": implementation}
+        updated = lk.store.apply_gradients(_subtree(tables, layer), lk.residuals,
+                                           _subtree(grads, layer), step=step,
+                                           learning_rate=learning_rate, **kw)
+        new = _replace_subtree(new, layer, {**_subtree(tables, layer), **updated})
+    return new
+
+
+def _subtree(tree: Mapping, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _replace_subtree(tree: Mapping, path: tuple, value) -> dict:
+    if not path:
+        return value
+    return {**tree, path[0]: _replace_subtree(tree[path[0]], path[1:], value)}
 
 
 def _unfreeze(tree):

@@ -1,0 +1,112 @@
+"""The table store: the one interface between embedding layers and table state.
+
+An embedding layer (functional or Flax) never touches table arrays itself: it asks a
+`TableStore` for the rows of a batch's ids, hands back the gradient of what it got, and
+exports or imports tables by name for checkpoints. Today's store is
+`DeviceTableStore` (stacked tables, replicated on a mesh); a dynamic (hash-keyed),
+host-cached or sharded store implements the same protocol and stands behind the same
+layers, models and trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ._spec import FeatureSpec, TableSpec
+
+State = Any
+"""A store's table state: a dict of named parts (`TableStore.state_names`), each a
+pytree of arrays."""
+
+
+def default_mesh() -> Mesh:
+    """One device (the default one) on a "data" axis: the mesh when none is given."""
+    return Mesh(np.array(jax.devices()[:1]), ("data",))
+
+
+@runtime_checkable
+class TableStore(Protocol):
+    """Where embedding tables live and how a batch reads and updates them.
+
+    A store is built from the specs, a mesh and an implementation choice, and is
+    immutable: its state is a separate pytree, passed in and returned, so it jits and
+    donates like any other state. What each method must guarantee:
+
+    - `state_names` / `init_part(key, name)` / `init(key)`: the state is
+      `{name: part}`; `init` is `{n: init_part(key, n) for n in state_names}`. Each
+      table's initial values are a deterministic function of `key` and the table's name
+      (not of the other tables, the order of the specs or the layout). Called with a
+      concrete key, `init_part` places the part with `state_shardings()[name]` and
+      refuses, before allocating, a part that cannot fit in the devices' memory (one
+      line naming the part's tables, its bytes and the memory available). A name stays
+      the same when tables of other names are added or removed.
+    - `state_shardings()`: the `NamedSharding` of every state leaf on `mesh` (same tree
+      as the state), for `jax.jit(in_shardings=..., out_shardings=...)`.
+      `abstract_state()` is the same tree of `jax.ShapeDtypeStruct`s (with shardings),
+      computed without allocating.
+    - `lookup(state, features, batch_size)`: `features` maps every feature name to its
+      `PaddedIds`; returns `(outputs, residuals)`. `outputs` is a dict of arrays whose
+      gradient the caller takes (the layer perturbs each), `residuals` a pytree of what
+      the sparse update needs besides that gradient. Ids outside their table look up
+      nothing. `split(outputs, batch_size)` turns `outputs` into
+      `{feature: [B, D] or [B, max_ids, D]}` (differentiably).
+    - `apply_gradients(state, residuals, grads, *, step, learning_rate=None)`: `grads`
+      has the structure of `outputs`; updates only the rows the lookup touched, with
+      each table's sparse optimizer, and returns the new state (in place under
+      donation). It never builds a dense table gradient.
+    - `export_tables(state)` / `import_tables(tables)`: the state as
+      `{table name: {"weights": [V, D], "slots": {slot: [V(, D)]}}}` and back (placed
+      with `state_shardings()`), independent of the store's layout: a change of
+      layout, mesh or store never breaks a restore. `import_tables` names a missing
+      table or a mismatched shape or slot set.
+    - `with_mesh(mesh)`: the same store on another mesh (an error naming the axis if
+      the store cannot use one of the mesh's axes).
+    """
+
+    tables: Mapping[str, TableSpec]
+    features: Mapping[str, FeatureSpec]
+    mesh: Mesh
+
+    @property
+    def state_names(self) -> tuple[str, ...]: ...
+
+    def init_part(self, key: jax.Array, name: str) -> Any: ...
+
+    def init(self, key: jax.Array) -> State: ...
+
+    def state_shardings(self) -> State: ...
+
+    def abstract_state(self) -> State: ...
+
+    def lookup(self, state: State, features: Mapping, batch_size: int
+               ) -> tuple[dict[str, jax.Array], Any]: ...
+
+    def split(self, outputs: Mapping[str, jax.Array], batch_size: int
+              ) -> dict[str, jax.Array]: ...
+
+    def apply_gradients(self, state: State, residuals: Any, grads: Mapping[str, jax.Array],
+                        *, step: jax.Array | int,
+                        learning_rate: jax.Array | float | None = None) -> State: ...
+
+    def export_tables(self, state: State) -> dict: ...
+
+    def import_tables(self, tables: Mapping) -> State: ...
+
+    def with_mesh(self, mesh: Mesh) -> TableStore: ...
+
+
+def make_store(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *,
+               mesh: Mesh | None = None, implementation: str | None = None) -> TableStore:
+    """The store for `tables`, chosen by their `placement` ("device" is the only one
+    today: `DeviceTableStore`)."""
+    from ._device_store import DeviceTableStore
+
+    placements = {t.placement for t in tables}
+    if placements - {"device"}:
+        raise ValueError(f"no table store for placements {sorted(placements - {'device'})}")
+    return DeviceTableStore(tables, features, mesh=mesh, implementation=implementation)
