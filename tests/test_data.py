@@ -2,8 +2,6 @@
 generator, packing errors and the prefetching, resumable loader."""
 
 import math
-import os
-import pathlib
 import threading
 import traceback
 import types
@@ -11,20 +9,20 @@ import types
 import jax
 import numpy as np
 import pytest
+from _data import CRITEO_SAMPLE, data_dir
 
 from sparsejax import data
 from sparsejax.embedding._spec import FeatureSpec, TableSpec
 
-# The Criteo samples are not in the repository: `$SPARSEJAX_DATA_DIR` names the directory
-# that holds them (README, "Data"); without them these tests skip.
-DATA_DIR = pathlib.Path(os.environ.get("SPARSEJAX_DATA_DIR", "."))
-HEAD10K = DATA_DIR / "criteo_kaggle_head10k" / "train_head10k.txt"
-HEAD10K_TEST = DATA_DIR / "criteo_kaggle_head10k" / "test_head10k_unlabeled.txt"
-RANDOM4K = DATA_DIR / "criteo_kaggle_random4k" / "train_sample_4K.txt"
+# The Criteo samples are not in the repository (README, "Data"); without them these tests
+# skip.
+DATA_DIR = data_dir()
+HEAD10K = None if DATA_DIR is None else DATA_DIR / CRITEO_SAMPLE
+HEAD10K_TEST = HEAD10K and HEAD10K.parent / "test_head10k_unlabeled.txt"
+RANDOM4K = DATA_DIR and DATA_DIR / "criteo_kaggle_random4k" / "train_sample_4K.txt"
 needs_criteo = pytest.mark.skipif(
-    not HEAD10K.exists(),
-    reason="Criteo sample absent: set SPARSEJAX_DATA_DIR to the directory holding "
-           "criteo_kaggle_head10k/")
+    HEAD10K is None, reason=f"the Criteo sample {CRITEO_SAMPLE} is not under "
+                            "$SPARSEJAX_DATA_DIR")
 
 # Distinct non-missing values of C1..C26 in train_head10k.txt, from its README.
 HEAD10K_DISTINCT = [175, 386, 5520, 4032, 56, 7, 3184, 93, 3, 2986, 2084, 5283, 1725, 24,
