@@ -2,13 +2,26 @@
 
 Layers: `ops` (primitives and sparse optimizers), `embedding` (specs, stacked tables),
 `data` (SparseBatch, readers, loader), `nn` (Flax layers and models), `train` (trainer,
-metrics, checkpoints), `runner` (the config-driven `sparsejax train`).
+metrics, the training loop `fit`), `checkpoint` (checkpoints with tables by name),
+`runner` (the config-driven `sparsejax train`).
+
+Subpackages load on first use (`sparsejax.nn` imports Flax, `sparsejax.ops` does not),
+so `import sparsejax.ops` pulls in no Flax, Orbax or matplotlib.
 """
 
-from . import data as data
-from . import embedding as embedding
-from . import nn as nn
-from . import ops as ops
-from . import train as train
+import importlib
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
+
+_SUBPACKAGES = ("checkpoint", "data", "embedding", "nn", "ops", "runner", "train")
+__all__ = ["__version__", *_SUBPACKAGES]
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBPACKAGES})

@@ -66,3 +66,32 @@ def test_file_data_needs_a_path(tmp_path):
     cfg = runner.load_config([], ["data.kind=criteo"])
     with pytest.raises(ConfigError, match="needs data.path"):
         runner.build_data(cfg)
+
+
+def test_data_path_is_found_in_the_working_dir_then_in_the_data_dir(tmp_path, monkeypatch):
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "data" / "sub" / "x.tsv").write_text("")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.delenv(runner.DATA_DIR_ENV, raising=False)
+    with pytest.raises(ConfigError) as e:
+        runner.resolve_data_path("sub/x.tsv")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("data.path='sub/x.tsv': no such file")
+    assert str(tmp_path / "cwd" / "sub" / "x.tsv") in msg and "SPARSEJAX_DATA_DIR is not set" in msg
+    monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path / "data"))
+    assert runner.resolve_data_path("sub/x.tsv") == str(tmp_path / "data" / "sub" / "x.tsv")
+    (tmp_path / "cwd" / "sub").mkdir()
+    (tmp_path / "cwd" / "sub" / "x.tsv").write_text("")  # the working directory comes first
+    assert runner.resolve_data_path("sub/x.tsv") == str(tmp_path / "cwd" / "sub" / "x.tsv")
+    with pytest.raises(ConfigError, match=r"data.path='nope.tsv': no such file \(looked for "
+                                          r".*cwd/nope.tsv, .*data/nope.tsv\)$"):
+        runner.build_data(runner.load_config([], ["data.kind=criteo", "data.path=nope.tsv"]))
+
+
+def test_no_shipped_config_names_a_path_outside_the_repository():
+    for path in CONFIGS:
+        cfg = runner.load_config([path])
+        for value in (cfg.data.path, cfg.out_dir):
+            assert value is None or not (value.startswith(("/", "..")) or "shared/" in value), \
+                (path.name, value)

@@ -8,23 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from _data import CRITEO_SAMPLE, data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "experiments" / "quickstart.ipynb"
-SAMPLE = "shared/data/criteo_kaggle_head10k/train_head10k.txt"
 MIN_AUC = 0.70  # the notebook asserts the same; one epoch reaches ~0.73
 
 
-def _find_sample() -> Path | None:
-    """Where the notebook will find the sample: searching upward from experiments/."""
-    for d in [NOTEBOOK.parent, *NOTEBOOK.parent.parents]:
-        if (d / SAMPLE).is_file():
-            return d / SAMPLE
-    return None
-
-
-def _kernel_env() -> dict[str, str]:
+def _kernel_env(data: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env["SPARSEJAX_DATA_DIR"] = str(data)  # where the notebook finds the sample
     # conftest.py fakes 4 CPU devices for mesh tests; the notebook runs as a user's would.
     if env.get("XLA_FLAGS") == "--xla_force_host_platform_device_count=4":
         del env["XLA_FLAGS"]
@@ -39,8 +32,10 @@ def _outputs_text(cell) -> str:
 
 
 def test_quickstart_notebook_runs(tmp_path):
-    if _find_sample() is None:
-        pytest.skip(f"the Criteo sample {SAMPLE} is not in any parent directory of {ROOT}")
+    data = data_dir()
+    if data is None:
+        pytest.skip(f"the Criteo sample {CRITEO_SAMPLE} is not under $SPARSEJAX_DATA_DIR "
+                    f"(nor in shared/data beside the repository)")
     try:
         import matplotlib  # noqa: F401 - the notebook plots
         import nbclient
@@ -69,7 +64,7 @@ def test_quickstart_notebook_runs(tmp_path):
     before = set(NOTEBOOK.parent.iterdir())
     # Raises CellExecutionError naming a failing cell; cleanup_kc: shut the kernel down and
     # close its channels although the client does not own `km`.
-    client.execute(env=_kernel_env(), cleanup_kc=True)
+    client.execute(env=_kernel_env(data), cleanup_kc=True)
 
     errors = [o for c in nb.cells for o in c.get("outputs", [])
               if o.get("output_type") == "error"]

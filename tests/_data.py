@@ -1,0 +1,16 @@
+"""Where tests find the shipped Criteo sample: `$SPARSEJAX_DATA_DIR` (as the library
+looks it up), else, in tests only, the `shared/data` folder beside the repository."""
+
+import os
+from pathlib import Path
+
+CRITEO_SAMPLE = "criteo_kaggle_head10k/train_head10k.txt"
+"""The sample's path relative to the data directory (as in configs/criteo_sample.yaml)."""
+
+
+def data_dir() -> Path | None:
+    """The data directory holding the Criteo sample, or None."""
+    env = os.environ.get("SPARSEJAX_DATA_DIR")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "data")
+    return next((d.resolve() for d in candidates if (d / CRITEO_SAMPLE).is_file()), None)
