@@ -1,4 +1,4 @@
-"""EmbeddingCollection and the Flax EmbeddingBagCollection: lookups of many features over
+"""DeviceTableStore and the Flax EmbeddingBagCollection: lookups of many features over
 stacked tables match a per-feature float64 reference, and one sparse SGD step equals a
 dense-gradient SGD step on the same loss (so the whole sparse path is the true gradient)."""
 
@@ -13,7 +13,7 @@ import pytest
 from sparsejax import nn as snn
 from sparsejax import ops
 from sparsejax.data import BatchPacker, JaggedIds
-from sparsejax.embedding import DeviceTableStore, FeatureSpec, TableSpec
+from sparsejax.embedding import DeviceTableStore, FeatureSpec, TableSpec, stack_name
 
 B = 6
 
@@ -87,7 +87,7 @@ def test_lookup_matches_per_feature_reference(seed):
     batch = BatchPacker(tables, features, batch_size=B).pack(host, labels=np.zeros(B))
     outputs, _ = jax.jit(lambda s, f: ec.lookup(s, f, B))(state, batch.features)
     got = ec.split(outputs, B)
-    by_name = {k: np.asarray(v["weights"]) for k, v in ec.tables_by_name(state).items()}
+    by_name = {k: np.asarray(v["weights"]) for k, v in ec.export_tables(state).items()}
     want = _reference(by_name, features, {f.name: f.table for f in features}, host)
     for f in features:
         np.testing.assert_allclose(got[f.name], want[f.name], rtol=1e-5, atol=1e-6,
@@ -112,9 +112,9 @@ def test_sparse_sgd_step_equals_dense_gradient_step():
 
     outputs, lookups = ec.lookup(state, batch.features, B)
     g = jax.grad(lambda o: loss_of_pooled(ec.split(o, B)))(outputs)
-    new = ec.tables_by_name(ec.apply_gradients(state, lookups, g, step=1))
+    new = ec.export_tables(ec.apply_gradients(state, lookups, g, step=1))
 
-    by_name = {k: v["weights"] for k, v in ec.tables_by_name(state).items()}
+    by_name = {k: v["weights"] for k, v in ec.export_tables(state).items()}
 
     def dense_loss(weights):  # plain autodiff through the jnp reference
         pooled = {}
@@ -154,31 +154,31 @@ def test_ids_outside_their_table_never_reach_a_neighbour():
         ec.lookup(state, feats, 2)
 
 
-def test_tables_by_name_roundtrip_and_mismatch_errors():
+def test_export_import_roundtrip_and_mismatch_errors():
     tables, features = _specs()
     ec = DeviceTableStore(tables, features)
     state = ec.init(jax.random.key(0))
-    by_name = ec.tables_by_name(state)
+    by_name = ec.export_tables(state)
     assert set(by_name) == {t.name for t in tables}
-    back = ec.state_from_tables(by_name)
+    back = ec.import_tables(by_name)
     jax.tree.map(np.testing.assert_array_equal, back, state)
     # a different stacking (new table order) restores the same tables
     ec2 = DeviceTableStore(list(reversed(tables)), features)
-    again = ec2.tables_by_name(ec2.state_from_tables(by_name))
+    again = ec2.export_tables(ec2.import_tables(by_name))
     jax.tree.map(np.testing.assert_array_equal, again, by_name)
     with pytest.raises(KeyError, match="'item'"):
-        ec.state_from_tables({k: v for k, v in by_name.items() if k != "item"})
+        ec.import_tables({k: v for k, v in by_name.items() if k != "item"})
     bad = dict(by_name, item={**by_name["item"], "weights": np.zeros((91, 8), np.float32)})
     with pytest.raises(ValueError, match=r"table 'item'.*\(91, 8\).*\(90, 8\)"):
-        ec.state_from_tables(bad)
+        ec.import_tables(bad)
 
 
 def test_table_init_depends_on_its_name_not_its_stack():
     tables, features = _specs()
-    a = DeviceTableStore(tables, features).tables_by_name(
+    a = DeviceTableStore(tables, features).export_tables(
         DeviceTableStore(tables, features).init(jax.random.key(7)))
     ec = DeviceTableStore(list(reversed(tables)), features)
-    b = ec.tables_by_name(ec.init(jax.random.key(7)))
+    b = ec.export_tables(ec.init(jax.random.key(7)))
     for name in a:
         np.testing.assert_array_equal(a[name]["weights"], b[name]["weights"])
 
@@ -254,4 +254,9 @@ def test_specs_are_hashable_module_fields():
     tables, features = _specs()
     assert hash(dataclasses.replace(tables[0])) == hash(tables[0])
     m = snn.EmbeddingBagCollection(tuple(tables), tuple(features))
-    assert m.collection.groups
+    assert m.store == snn.EmbeddingBagCollection(tuple(tables), tuple(features)).store
+    d8 = stack_name(8, "float32", tables[0].optimizer)
+    d4 = stack_name(4, "float32", tables[2].optimizer)
+    groups = {name: [f.name for f in g.features] for name, g in m.store.groups.items()}
+    assert groups == {f"{d4}_max": ["tag_max"], f"{d4}_sum": ["tags"],
+                      f"{d8}_sum": ["user", "item", "clicked", "recent", "only"]}
