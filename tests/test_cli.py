@@ -42,3 +42,9 @@ def test_help_lists_the_commands(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "train" in out and "eval" in out
+
+
+def test_info_names_versions_and_kernels(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sparsejax ") and "jax " in out and "default implementation: " in out

@@ -15,7 +15,9 @@ CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob(
 def test_every_shipped_config_validates(path):
     cfg = runner.load_config([path])
     assert cfg.model.name in runner.MODELS
-    runner.sparse_optimizer(cfg.optimizer)
+    opt = runner.sparse_optimizer(cfg.optimizer)
+    assert type(opt).__name__.lower() == cfg.optimizer.sparse.replace("_", "")
+    assert opt.learning_rate == cfg.optimizer.sparse_learning_rate
 
 
 def test_default_config_is_the_no_argument_run():

@@ -64,10 +64,15 @@ class Console(Hook):
         if self.bar is not None:
             self.bar.update(1)
 
+    def on_end(self, step, state) -> None:
+        self.close()
+
     def on_log(self, step: int, record: Mapping) -> None:
         loss, rate = record["loss"], record["samples_per_s"]
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+            if self.bar.n >= self.bar.total:
+                self.close()  # the final eval prints below a finished bar
         else:
             self.log(f"step {step}: loss {loss:.4f}, {rate:,.0f} samples/s")
 
@@ -81,6 +86,7 @@ class Console(Hook):
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def plot_curves(metrics_path: str, png_path: str) -> None:

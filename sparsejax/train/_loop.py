@@ -23,9 +23,10 @@ class Hook:
     """Takes part in `fit`; every method is optional (the defaults do nothing).
 
     Methods are called in this order at each step: `before_step` (before the batch is
-    fed), then, after the step, `on_log` (on logging steps), `on_eval` (on eval steps,
-    with the eval metrics) and `after_step`; `on_end` once after the last step. A hook
-    stops training by returning True from `after_step`.
+    fed), then, after the step, `after_step`, `on_log` (on logging steps) and `on_eval`
+    (on eval steps, with the eval metrics); `on_end` once after the last step and its
+    final eval. A hook stops training by returning True from `after_step`: that step
+    becomes the last one (logged, evaluated and saved as the end of training).
     """
 
     def before_step(self, step: int, batch) -> None:
@@ -54,7 +55,8 @@ class FitResult:
     eval: dict
     """The last eval metrics ({} without eval batches)."""
     samples_per_s: float | None
-    """Training throughput, compilation (the first step) excluded; None under 2 steps."""
+    """Training throughput, compilation (the first step), evals and saves excluded; None
+    under 2 steps."""
 
 
 def _check_finite(step: int, loss, checkpointer) -> float:
@@ -92,10 +94,10 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
     pending = None  # (step, loss) not yet checked
     window: list[float] = []
     eval_result: dict = {}
-    t_start, timed, batch_size = None, 0, 0
+    t_start, timed, batch_size, paused = None, 0, 0, 0.0
 
-    def every(n, step):
-        return n is not None and step % n == 0 and step != steps
+    def due(every, step):
+        return every is not None and step % every == 0
 
     def evaluate(step):
         nonlocal eval_result
@@ -107,8 +109,9 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
         checkpointer.save(state, data_position=None if data_position is None
                           else data_position(), extra=checkpoint_extra)
 
-    def rate():  # samples/s since the first step completed
-        return timed * batch_size / max(time.perf_counter() - t_start, 1e-9) if timed else 0.0
+    def rate():  # samples/s of training since the first step (evals and saves excluded)
+        elapsed = time.perf_counter() - t_start - paused
+        return timed * batch_size / max(elapsed, 1e-9) if timed else 0.0
 
     step = start
     it = iter(batches)
@@ -126,10 +129,12 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
             batch_size = batch.batch_size
         else:
             timed += 1
-        is_eval = bool(eval_batches) and every(eval_every, step)
-        is_ckpt = checkpointer is not None and every(checkpoint_every, step)
-        is_log = log_every is not None and (step % log_every == 0 or step == steps)
-        if is_log or is_eval or is_ckpt or step == steps:
+        stop = any([h.after_step(step, state, metrics) for h in hooks])  # every hook sees it
+        last = stop or step == steps  # the end evaluates and saves
+        is_eval = bool(eval_batches) and due(eval_every, step) and not last
+        is_ckpt = checkpointer is not None and due(checkpoint_every, step) and not last
+        is_log = log_every is not None and (due(log_every, step) or last)
+        if is_log or is_eval or is_ckpt or last:
             window.append(_check_finite(*pending, checkpointer))
             pending = None
         if is_log:
@@ -137,20 +142,16 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
             window = []
             for h in hooks:
                 h.on_log(step, record)
-        if is_eval:
-            evaluate(step)
-        if is_ckpt:
-            save()
-        stop = [h.after_step(step, state, metrics) for h in hooks]
-        if any(stop):
+        if is_eval or is_ckpt:
+            t = time.perf_counter()
+            if is_eval:
+                evaluate(step)
+            if is_ckpt:
+                save()
+            paused += time.perf_counter() - t
+        if stop:
             break
-    if pending is not None:
-        window.append(_check_finite(*pending, checkpointer))
     samples_per_s = rate() if timed else None
-    if log_every is not None and window:  # stopped by a hook between log steps
-        for h in hooks:
-            h.on_log(step, {"step": step, "loss": float(np.mean(window)),
-                            "samples_per_s": samples_per_s})
     trained = step > start
     if eval_batches and (trained or not eval_result):
         evaluate(step)
