@@ -154,6 +154,9 @@ def test_device_store_implements_the_protocol():
     assert jax.tree.structure(abstract) == jax.tree.structure(state)
     for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(state), strict=True):
         assert (a.shape, a.dtype, a.sharding) == (s.shape, s.dtype, s.sharding)
+    tables_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), store.abstract_tables())
+    assert tables_shapes == jax.tree.map(lambda a: (a.shape, a.dtype), store.export_tables(state))
+    assert tables_shapes["tag"] == {"weights": ((7, 4), jnp.float32), "slots": {}}
     back = store.import_tables(store.export_tables(state))
     jax.tree.map(np.testing.assert_array_equal, back, state)
     assert store == make_store(tables, features) and hash(store) == hash(make_store(tables,

@@ -187,6 +187,10 @@ class DeviceTableStore:
                          "slots": slots}
         return out
 
+    def abstract_tables(self) -> dict:
+        """`export_tables`' shapes and dtypes, without allocating (restore targets)."""
+        return jax.eval_shape(self.export_tables, self.abstract_state())
+
     def state_shardings(self) -> dict:
         """The `NamedSharding` of every state leaf (all replicated on the mesh)."""
         return jax.tree.map(lambda s: s.sharding, self.abstract_state())
@@ -200,19 +204,21 @@ class DeviceTableStore:
 
     def check_memory(self, name: str) -> None:
         """Refuse, before allocating, a stack that does not fit in the mesh's devices."""
-        avail = available_memory(list(self.mesh.devices.flat))
-        if avail is None:
-            return
+        devices = list(self.mesh.devices.flat)
         weights, slots = self.part_bytes(name)
-        if weights + slots > avail[0]:
-            stack = self.stacks[name]
-            what = (f"table {stack.tables[0].name!r}" if len(stack.tables) == 1 else
-                    f"stack {name!r} (tables {[t.name for t in stack.tables]})")
-            raise MemoryError(
-                f"{type(self).__name__}.init: {what} needs {format_bytes(weights + slots)} "
-                f"(weights {format_bytes(weights)} + optimizer slots {format_bytes(slots)}) "
-                f"but {format_bytes(avail[0])} is available ({avail[1]}); use fewer or "
-                f"smaller tables, or a sharded store")
+        checks = [(weights + slots, available_memory(devices), "")]
+        if all(d.platform != "cpu" for d in devices):  # the weights are staged on the host
+            checks.append((weights, available_memory([]), " to stage the weights"))
+        for need, avail, why in checks:
+            if avail is not None and need > avail[0]:
+                stack = self.stacks[name]
+                what = (f"table {stack.tables[0].name!r}" if len(stack.tables) == 1 else
+                        f"stack {name!r} (tables {[t.name for t in stack.tables]})")
+                raise MemoryError(
+                    f"{type(self).__name__}.init: {what} needs {format_bytes(weights + slots)} "
+                    f"(weights {format_bytes(weights)} + optimizer slots {format_bytes(slots)}) "
+                    f"but {format_bytes(avail[0])} is available ({avail[1]}{why}); use fewer "
+                    f"or smaller tables, or a sharded store")
 
     def init_part(self, key: jax.Array, name: str) -> dict:
         """Weights and slots of stack `name`; each table's values depend on `key` and the

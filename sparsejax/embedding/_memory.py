@@ -36,12 +36,14 @@ def _host_available() -> tuple[int, str] | None:
 def available_memory(devices: Sequence[jax.Device]) -> tuple[int, str] | None:
     """`(bytes, where)` that a replicated array of one copy per device may use: the
     least free memory of the devices (their memory stats), or for CPU devices the host's
-    available memory divided among them (they share it). None if unknown."""
+    available memory divided among them (they share it); no devices: the host's. None
+    if unknown."""
     cpu = [d for d in devices if d.platform == "cpu"]
-    if cpu:
+    if cpu or not devices:
         host = _host_available()
-        return None if host is None else (host[0] // len(cpu), host[1] +
-                                          (f" / {len(cpu)} devices" if len(cpu) > 1 else ""))
+        n = max(1, len(cpu))
+        return None if host is None else (host[0] // n,
+                                          host[1] + (f" / {n} devices" if n > 1 else ""))
     free = []
     for d in devices:
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None

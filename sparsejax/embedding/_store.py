@@ -48,7 +48,7 @@ class TableStore(Protocol):
     - `state_shardings()`: the `NamedSharding` of every state leaf on `mesh` (same tree
       as the state), for `jax.jit(in_shardings=..., out_shardings=...)`.
       `abstract_state()` is the same tree of `jax.ShapeDtypeStruct`s (with shardings),
-      computed without allocating.
+      computed without allocating; `abstract_tables()` likewise for `export_tables`.
     - `lookup(state, features, batch_size)`: `features` maps every feature name to its
       `PaddedIds`; returns `(outputs, residuals)`. `outputs` is a dict of arrays whose
       gradient the caller takes (the layer perturbs each), `residuals` a pytree of what
@@ -82,6 +82,8 @@ class TableStore(Protocol):
     def state_shardings(self) -> State: ...
 
     def abstract_state(self) -> State: ...
+
+    def abstract_tables(self) -> dict: ...
 
     def lookup(self, state: State, features: Mapping, batch_size: int
                ) -> tuple[dict[str, jax.Array], Any]: ...
