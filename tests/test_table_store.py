@@ -163,6 +163,17 @@ def test_device_store_implements_the_protocol():
                                                                                     features))
 
 
+def test_public_api_imports():
+    import sparsejax.embedding as emb
+
+    assert set(emb.__all__) == {n for n in dir(emb) if not n.startswith("_")}
+    for name in emb.__all__:
+        assert getattr(emb, name) is not None, name
+    for name in ("EmbeddingBagCollection", "StoreLookups", "apply_embedding_gradients",
+                 "EMBEDDING", "EMBEDDING_GRADS", "EMBEDDING_LOOKUPS"):
+        assert getattr(snn, name) is not None, name
+
+
 def test_old_names_still_work_and_warn():
     import sparsejax.embedding as emb
 

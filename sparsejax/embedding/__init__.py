@@ -26,6 +26,10 @@ from ._store import TableStore as TableStore
 from ._store import default_mesh as default_mesh
 from ._store import make_store as make_store
 
+__all__ = ["MAX_STACK_ROWS", "MESH_AXES", "DeviceTableStore", "FeatureSpec", "GroupLookups",
+           "Stack", "TableSpec", "TableStore", "apply_group_gradients", "check_mesh",
+           "default_mesh", "make_store", "plan_stacks", "stack_name", "uniform_init"]
+
 _DEPRECATED = {"EmbeddingCollection": DeviceTableStore}
 
 
