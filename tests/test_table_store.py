@@ -215,7 +215,9 @@ def test_four_device_mesh_replicates_tables_and_matches_one_device(implementatio
     tables, features = _specs()
     mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("data", "model"))
     store = DeviceTableStore(tables, features, mesh=mesh, implementation=implementation)
-    one = store.with_mesh(default_mesh())
+    assert store.with_mesh(default_mesh()) == DeviceTableStore(tables, features,
+                                                               implementation=implementation)
+    one = DeviceTableStore(tables, features, implementation="xla")  # the reference
     state, ref_state = store.init(jax.random.key(3)), one.init(jax.random.key(3))
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 4
