@@ -2,6 +2,12 @@
 
 #include "worker_pool.h"
 
+#include <pthread.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -16,6 +22,66 @@
 namespace sparsejax {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+// Waits up to `limit` for pred(), checking between `pause`s. With `yield`, after ~64
+// pauses it calls sched_yield() between checks instead, so that any other runnable
+// thread on this core (PyTorch's OpenMP team, a data loader, XLA's own pool) goes first:
+// an idle worker then only holds a core nobody else wants. The caller, whose kernel call
+// is still in progress, does not yield: that would hand its core to another thread for a
+// whole scheduler slice, longer than most calls.
+template <typename Pred>
+bool SpinUntil(Pred pred, std::chrono::microseconds limit, bool yield) {
+  constexpr int kPauses = 64;
+  const Clock::time_point until = Clock::now() + limit;
+  for (int i = 0;; ++i) {
+    if (pred()) return true;
+    if (yield && i >= kPauses) {
+      sched_yield();
+    } else {
+#if SJ_HAVE_X86
+      __builtin_ia32_pause();
+#endif
+    }
+    if ((yield || (i & 255) == 0) && Clock::now() >= until) return pred();
+  }
+}
+
+// How long an idle worker keeps looking for the next job before it sleeps on a futex
+// ($SPARSEJAX_CPU_SPIN_US, default 50 us): back-to-back kernel calls (one per table
+// stack in a step) then skip a futex wake-up (tens of microseconds), and the waiting
+// yields, so it takes no core from other threads.
+std::chrono::microseconds IdleSpin() {
+  static const int64_t us = std::max<int64_t>(0, EnvInt("SPARSEJAX_CPU_SPIN_US", 50));
+  return std::chrono::microseconds(us);
+}
+
+// Asks for a short scheduler slice for this thread ($SPARSEJAX_CPU_WORKER_SLICE_US,
+// default 100 us; 0 keeps the kernel's default). On Linux >= 6.12 (EEVDF custom
+// slices) a woken worker then preempts a thread that has used up its slice, such as
+// another pool's spinning waiter, instead of queueing behind it for a whole default
+// slice (~3 ms, longer than most kernel calls). It gives no larger share of the CPU;
+// older kernels ignore it.
+void RequestShortSlice() {
+#if defined(__linux__) && defined(SYS_sched_setattr)
+  const int64_t us = EnvInt("SPARSEJAX_CPU_WORKER_SLICE_US", 100);
+  if (us <= 0) return;
+  struct {
+    uint32_t size, policy;
+    uint64_t flags;
+    int32_t nice;
+    uint32_t priority;
+    uint64_t runtime, deadline, period;
+  } attr{};
+  attr.size = sizeof(attr);
+  attr.policy = 0;  // SCHED_OTHER
+  attr.flags = 0;
+  attr.nice = getpriority(PRIO_PROCESS, 0);
+  attr.runtime = static_cast<uint64_t>(us) * 1000;
+  syscall(SYS_sched_setattr, 0, &attr, 0);  // best effort: failure changes nothing
+#endif
+}
+
 // Runs fn(t) for t in [0, n): fn(0) on the calling thread, the rest on a persistent
 // pool of workers (thread start-up costs ~40 us, as much as a small lookup). Workers
 // claim shares [1, n) one by one; once fn(0) returns, the caller runs every share no
@@ -24,6 +90,10 @@ namespace {
 // instead of waiting for it (with dynamic chunks, the caller then takes all chunks).
 // If the pool is busy (XLA may run two custom calls at once) or a worker cannot be
 // started, the shares also run on the calling thread: results never depend on the split.
+//
+// Between calls the pool burns no core another thread could use: an idle worker looks
+// for the next job for IdleSpin() while yielding, then sleeps on a futex. During a call
+// the caller spins (up to 1 ms, then sleeps) for the shares workers have claimed.
 class WorkerPool {
  public:
   static WorkerPool& Get() {
@@ -36,6 +106,7 @@ class WorkerPool {
     std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
     EnsureWorkers(n - 1);
+    bool wake;
     {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = &fn;
@@ -44,8 +115,9 @@ class WorkerPool {
       done_.store(0, std::memory_order_relaxed);
       failed_.store(false, std::memory_order_relaxed);
       generation_.fetch_add(1, std::memory_order_release);
+      wake = sleepers_ > 0;
     }
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     bool failed = false;
     try {
       fn(0);
@@ -67,31 +139,17 @@ class WorkerPool {
     }
     const int claimed = first_unclaimed - 1;
     auto all_done = [&] { return done_.load(std::memory_order_acquire) == claimed; };
-    if (!SpinUntil(all_done)) {
+    if (!SpinUntil(all_done, std::chrono::milliseconds(1), /*yield=*/false)) {
       std::unique_lock<std::mutex> lk(mu_);
+      caller_sleeping_ = true;
       done_cv_.wait(lk, all_done);
+      caller_sleeping_ = false;
     }
     if (failed || failed_.load()) throw std::runtime_error("worker thread failed");
     return true;
   }
 
  private:
-  // Spins up to ~kSpinMicros for `done`. A kernel call is often ~1 ms, and waking a
-  // thread blocked on a futex costs tens of microseconds, so workers (and the caller
-  // waiting for them) spin briefly before they sleep, as OpenMP runtimes do.
-  template <typename Pred>
-  static bool SpinUntil(Pred done) {
-    constexpr int64_t kSpinMicros = 300;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-    for (int i = 0;; ++i) {
-      if (done()) return true;
-#if SJ_HAVE_X86
-      __builtin_ia32_pause();
-#endif
-      if ((i & 255) == 0 && std::chrono::steady_clock::now() > until) return done();
-    }
-  }
-
   void EnsureWorkers(int want) {
     while (static_cast<int>(workers_.size()) < want) {
       try {
@@ -104,12 +162,18 @@ class WorkerPool {
   }
 
   void Loop() {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "sparsejax-pool");  // as shown by top -H
+#endif
+    RequestShortSlice();
     uint64_t seen = 0;
     for (;;) {
       auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
-      if (!SpinUntil(fresh)) {
+      if (!SpinUntil(fresh, IdleSpin(), /*yield=*/true)) {
         std::unique_lock<std::mutex> lk(mu_);
+        ++sleepers_;
         cv_.wait(lk, fresh);
+        --sleepers_;
       }
       const std::function<void(int)>* job = nullptr;
       int t = 0;
@@ -129,17 +193,23 @@ class WorkerPool {
         failed = true;
       }
       if (failed) failed_.store(true);
-      std::lock_guard<std::mutex> lk(mu_);  // pairs with the caller's wait
-      done_.fetch_add(1, std::memory_order_acq_rel);
-      done_cv_.notify_one();
+      bool wake;
+      {
+        std::lock_guard<std::mutex> lk(mu_);  // pairs with the caller's wait
+        done_.fetch_add(1, std::memory_order_acq_rel);
+        wake = caller_sleeping_;
+      }
+      if (wake) done_cv_.notify_one();
     }
   }
 
   std::mutex run_mu_, mu_;
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> workers_;
-  const std::function<void(int)>* job_ = nullptr;  // guarded by mu_, as next_ and end_
+  const std::function<void(int)>* job_ = nullptr;  // guarded by mu_, as the next four
   int next_ = 0, end_ = 0;                         // shares [next_, end_) are unclaimed
+  int sleepers_ = 0;                               // workers blocked in cv_
+  bool caller_sleeping_ = false;                   // the caller is blocked in done_cv_
   std::atomic<int> done_{0};                       // claimed shares finished
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> generation_{0};
@@ -156,10 +226,23 @@ void ParallelFor(int n, const std::function<void(int)>& fn) {
 
 }  // namespace
 
+// CPUs this process may run on (its affinity mask: taskset, cgroup cpusets), read once.
+int AvailableCpus() {
+  static const int n = [] {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+      return CPU_COUNT(&set);
+    }
+#endif
+    return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }();
+  return n;
+}
+
 int MaxThreads() {
   int64_t n = EnvInt("SPARSEJAX_CPU_THREADS", 0);
-  if (n <= 0) n = static_cast<int64_t>(std::thread::hardware_concurrency());
-  if (n <= 0) n = 1;
+  if (n <= 0) n = AvailableCpus();
   return static_cast<int>(std::min<int64_t>(n, 256));
 }
 

@@ -1,9 +1,16 @@
 // The shared worker pool of `sparsejax._cpu_ext` and the parallel loops built on it.
 //
-// Thread count: $SPARSEJAX_CPU_THREADS, or by default every hardware thread. Work below
+// Thread count: $SPARSEJAX_CPU_THREADS, or by default the CPUs in the process's affinity
+// mask (taskset, cgroup cpusets), the calling thread included. Work below
 // $SPARSEJAX_CPU_MIN_PARALLEL items per thread (default 4096) runs on fewer threads (one
 // for tiny inputs). Results never depend on the thread count: every loop below hands
 // out disjoint chunks, and each chunk is computed the same way on whichever thread.
+//
+// The pool shares the machine with other thread pools (PyTorch's OpenMP team, XLA's,
+// data loaders): idle workers yield while they wait ($SPARSEJAX_CPU_SPIN_US, default 50)
+// and then sleep, a late worker's share is run by the caller, and workers ask for a short
+// scheduler slice ($SPARSEJAX_CPU_WORKER_SLICE_US, default 100; 0 = the kernel default)
+// so that they are not queued behind another pool's spinning thread. See worker_pool.cc.
 
 #ifndef SPARSEJAX_CSRC_WORKER_POOL_H_
 #define SPARSEJAX_CSRC_WORKER_POOL_H_
