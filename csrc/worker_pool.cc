@@ -48,11 +48,11 @@ bool SpinUntil(Pred pred, std::chrono::microseconds limit, bool yield) {
 }
 
 // How long an idle worker keeps looking for the next job before it sleeps on a futex
-// ($SPARSEJAX_CPU_SPIN_US, default 50 us): back-to-back kernel calls (one per table
-// stack in a step) then skip a futex wake-up (tens of microseconds), and the waiting
-// yields, so it takes no core from other threads.
+// ($SPARSEJAX_CPU_SPIN_US, default 200 us, about the gap between two calls from a Python
+// loop): back-to-back kernel calls then skip a futex wake-up (tens to hundreds of
+// microseconds on a VM), and as the waiting yields, a thread that wants the core gets it.
 std::chrono::microseconds IdleSpin() {
-  static const int64_t us = std::max<int64_t>(0, EnvInt("SPARSEJAX_CPU_SPIN_US", 50));
+  static const int64_t us = std::max<int64_t>(0, EnvInt("SPARSEJAX_CPU_SPIN_US", 200));
   return std::chrono::microseconds(us);
 }
 
@@ -106,6 +106,7 @@ class WorkerPool {
     std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
     EnsureWorkers(n - 1);
+    KeepWorkersOffCallerCpu();
     bool wake;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -150,10 +151,31 @@ class WorkerPool {
   }
 
  private:
+  // Restricts the workers to the process's CPUs other than the one the caller runs on
+  // (re-done only when the caller's CPU changes). A woken worker is otherwise often
+  // placed on its waker's CPU, where it only takes turns with the caller, while the
+  // other CPU is held by another pool's spinning thread (PyTorch's OpenMP team spins
+  // ~3 ms after each parallel region); a short slice then lets it preempt that spinner.
+  // Off with $SPARSEJAX_CPU_AVOID_CALLER=0, and when the workers would have no CPU left.
+  void KeepWorkersOffCallerCpu() {
+#if defined(__linux__)
+    static const bool on = EnvInt("SPARSEJAX_CPU_AVOID_CALLER", 1) != 0;
+    const int cpu = sched_getcpu();
+    if (!on || cpu < 0 || cpu == caller_cpu_ || handles_.empty()) return;
+    caller_cpu_ = cpu;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0 || !CPU_ISSET(cpu, &set)) return;
+    CPU_CLR(cpu, &set);
+    if (CPU_COUNT(&set) < static_cast<int>(handles_.size())) return;
+    for (pthread_t h : handles_) pthread_setaffinity_np(h, sizeof(set), &set);
+#endif
+  }
+
   void EnsureWorkers(int want) {
     while (static_cast<int>(workers_.size()) < want) {
       try {
         workers_.emplace_back([this] { Loop(); });
+        handles_.push_back(workers_.back().native_handle());
         workers_.back().detach();
       } catch (...) {
         return;  // the caller runs that share
@@ -206,6 +228,8 @@ class WorkerPool {
   std::mutex run_mu_, mu_;
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> workers_;
+  std::vector<pthread_t> handles_;  // of workers_, for their CPU affinity
+  int caller_cpu_ = -1;             // the caller's CPU when the affinity was last set
   const std::function<void(int)>* job_ = nullptr;  // guarded by mu_, as the next four
   int next_ = 0, end_ = 0;                         // shares [next_, end_) are unclaimed
   int sleepers_ = 0;                               // workers blocked in cv_
