@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark of the core ops against baselines measured in the same run.
+r"""Benchmark of the core ops against baselines measured in the same run.
 
 (a) embedding_bag forward, V=1e6, N=2048x26 lookups, D=64, sum: GB/s gathered for each
     implementation, vs PyTorch nn.EmbeddingBag and vs a memory copy.
@@ -7,14 +7,28 @@
     backward, row-wise Adagrad on touched rows, dense Adagrad on the MLP), one table of V
     rows with 26 ids per example ("pool26") and 26 tables of V/26 rows with one id each
     ("pool1"), vs naive Flax nn.Embed + optax, vs PyTorch EmbeddingBag(sparse=True) +
-    Adagrad and FBGEMM's fused TBE (EXACT_ROWWISE_ADAGRAD), the latter two through
-    ../shared/peers/torch_step_bench.py in a peer venv.
+    Adagrad and FBGEMM's fused TBE (EXACT_ROWWISE_ADAGRAD), the latter two through the
+    peer step script (--peer-step-script) run by the peer venv's python.
+(c) the forward of (a) in ONE process with PyTorch (needs torch in this venv: the
+    `[bench]` extra): sparsejax's cpu_ffi embedding_bag and torch's nn.EmbeddingBag on
+    the same table and ids, each alone, alternating call by call (torch's OpenMP team is
+    then active around every sparsejax call), and each alone next to a busy thread (a
+    numpy loop, like a data loader). Ratios are taken within each process.
 
 Every (method, config, V) runs in a fresh subprocess (so tables never share a process),
 the methods interleaved, repeated --reps times; each cell is the median over processes
 of the per-process median step time.
 
-    python experiments/bench_ops.py --peer-python /work/peer-venv/bin/python
+Peers (optional; their columns read n/a without them):
+  --peer-python       python of a venv with torch==2.13.0 + fbgemm-gpu-cpu, for the torch
+                      column of (a) and the torch/FBGEMM columns of (b);
+                      default $SPARSEJAX_PEER_PYTHON
+  --peer-step-script  the PyTorch step benchmark for (b) (torch_step_bench.py, kept with
+                      the peer venv, not in this repository);
+                      default $SPARSEJAX_PEER_STEP_SCRIPT
+
+    PYTHONPATH=. python experiments/bench_ops.py --peer-python PEER_VENV/bin/python \
+        --peer-step-script PEERS/torch_step_bench.py
 """
 
 from __future__ import annotations
@@ -33,7 +47,6 @@ N = B * F
 LR, EPS = 0.01, 1e-8
 NBATCH, WARMUP, STEPS = 8, 2, 10
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEER_SCRIPT = os.path.join(HERE, "..", "..", "shared", "peers", "torch_step_bench.py")
 
 TORCH_FORWARD = r"""
 import json, statistics, sys, time, torch
@@ -69,10 +82,7 @@ def _time_steps(fn, nbatch=NBATCH, warmup=WARMUP, steps=STEPS):
 
 def run_forward(impl: str, V: int, reps: int) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
-
-    from sparsejax import ops
 
     if impl == "memcopy":  # streaming bandwidth of this machine, read + write bytes
         src = np.ones(1 << 27, np.float32)  # 512 MiB
@@ -83,6 +93,26 @@ def run_forward(impl: str, V: int, reps: int) -> dict:
             np.copyto(dst, src)
             ts.append(time.perf_counter() - t)
         return dict(gbps=2 * src.nbytes / statistics.median(ts) / 1e9)
+    _, _, call = _forward_setup(impl, V)
+    _warm_up(lambda k: jax.block_until_ready(call(k)))
+    times = _time_steps(call, warmup=0, steps=reps)
+    ms = statistics.median(times)
+    return dict(median_ms=ms, gbps=_gbps(ms))
+
+
+def _gbps(ms):
+    """Bytes of the rows gathered per second by one forward of N lookups."""
+    return N * D * 4 / (ms * 1e-3) / 1e9
+
+
+def _forward_setup(impl: str, V: int):
+    """(table, ids, call): call(k) runs the jitted forward on batch k % NBATCH."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sparsejax import ops
+
     table = jax.random.uniform(jax.random.key(0), (V, D), jnp.float32, -0.01, 0.01)
     rng = np.random.default_rng(1234)
     ids = [jnp.asarray(rng.integers(0, V, N), jnp.int32) for _ in range(NBATCH)]
@@ -93,15 +123,94 @@ def run_forward(impl: str, V: int, reps: int) -> dict:
     else:
         f = jax.jit(lambda t, i: ops.embedding_bag(t, i, seg, B, implementation=impl))
     jax.block_until_ready(table)
-    # Steady state: warm up for 2 s (compilation, and the one-time move of a large
-    # table onto 2 MiB pages that the C++ kernels request in the background).
+    return table, ids, lambda k: f(table, ids[k % NBATCH])
+
+
+def _warm_up(fn, seconds=2.0):
+    """Steady state: compilation, and the one-time move of a large table onto 2 MiB pages
+    that the C++ kernels request in the background."""
     t0, k = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 2.0 or k < 3:
-        jax.block_until_ready(f(table, ids[k % NBATCH]))
+    while time.perf_counter() - t0 < seconds or k < 3:
+        fn(k)
         k += 1
-    times = _time_steps(lambda k: f(table, ids[k]), warmup=0, steps=reps)
-    ms = statistics.median(times)
-    return dict(median_ms=ms, gbps=N * D * 4 / (ms * 1e-3) / 1e9)
+
+
+SAME_PROCESS_CASES = ("alone", "alternating", "busy_thread")
+GOMP_SPIN_S = 0.05
+"""After a parallel region, torch's OpenMP (libgomp) workers spin 300000 `pause`s before
+they sleep (~9 ms measured on a 2-core AMD EPYC VM; OMP_WAIT_POLICY / GOMP_SPINCOUNT change
+it), so an op timed right after a torch call runs next to a spinning thread."""
+
+
+def run_same_process(V: int, reps: int, rounds: int = 3) -> dict:
+    """(c): sparsejax cpu_ffi and torch nn.EmbeddingBag forwards in this one process.
+
+    Cases, interleaved `rounds` times, `reps` timed calls of each op per case and round:
+    alone (each op in its own block, GOMP_SPIN_S after the other op), alternating
+    (sparsejax, torch, sparsejax, ...: torch's OpenMP workers spin through every
+    sparsejax call) and busy_thread (each op alone while a thread runs a numpy loop).
+    Returns {case: {op: median ms}} and torch's thread count.
+    """
+    import threading
+
+    import jax
+    import numpy as np
+    import torch
+
+    table, ids, sj_call = _forward_setup("cpu_ffi", V)
+    eb = torch.nn.EmbeddingBag(V, D, mode="sum")
+    with torch.no_grad():
+        eb.weight.copy_(torch.from_numpy(np.asarray(table)))
+    tids = [torch.from_numpy(np.asarray(i).astype(np.int64)) for i in ids]
+    offsets = torch.arange(0, N, F)
+
+    def sj(k):
+        t = time.perf_counter()
+        jax.block_until_ready(sj_call(k))
+        return time.perf_counter() - t
+
+    def tc(k):
+        t = time.perf_counter()
+        with torch.no_grad():
+            eb(tids[k % NBATCH], offsets)
+        return time.perf_counter() - t
+
+    np.testing.assert_allclose(np.asarray(sj_call(0)), eb(tids[0], offsets).detach().numpy(),
+                               rtol=1e-4, atol=1e-6)
+    _warm_up(lambda k: (sj(k), tc(k)))
+    stop = threading.Event()
+
+    def busy():  # a data-loader-like thread: numpy work that releases the GIL
+        a = np.ones(1 << 20, np.float32)
+        b = np.empty_like(a)
+        while not stop.is_set():
+            np.multiply(a, 1.0001, out=b)
+
+    times = {c: {"sparsejax": [], "torch": []} for c in SAME_PROCESS_CASES}
+    for _ in range(rounds):
+        for case in SAME_PROCESS_CASES:
+            t = times[case]
+            if case == "alternating":
+                for k in range(reps):
+                    t["sparsejax"].append(sj(k))
+                    t["torch"].append(tc(k))
+                continue
+            thread = None
+            if case == "busy_thread":
+                stop.clear()
+                thread = threading.Thread(target=busy, daemon=True)
+                thread.start()
+                time.sleep(0.05)
+            for op, fn in (("sparsejax", sj), ("torch", tc)):
+                time.sleep(GOMP_SPIN_S)  # alone: torch's OpenMP team has gone to sleep
+                fn(0)  # not timed
+                t[op].extend(fn(k) for k in range(reps))
+            if thread is not None:
+                stop.set()
+                thread.join()
+    return dict(torch_threads=torch.get_num_threads(),
+                **{c: {op: 1e3 * statistics.median(v) for op, v in t.items()}
+                   for c, t in times.items()})
 
 
 def _mlp():
@@ -240,11 +349,11 @@ def forward_cell(impl, V, reps, peer_python):
     return _subprocess_json([sys.executable, __file__, "--one-forward", impl, str(V), str(reps)])
 
 
-def step_cell(method, cfg, V, peer_python, warmup_s):
+def step_cell(method, cfg, V, peer_python, peer_script, warmup_s):
     if method in ("torch_eb", "tbe_rw"):
-        if not peer_python:
-            return dict(error="no --peer-python")
-        return _subprocess_json([peer_python, PEER_SCRIPT, "--method", method, "--cfg", cfg,
+        if not (peer_python and peer_script):
+            return dict(error="no --peer-python / --peer-step-script")
+        return _subprocess_json([peer_python, peer_script, "--method", method, "--cfg", cfg,
                                  "--V", str(V)])
     return _subprocess_json([sys.executable, __file__, "--one-step", method, cfg, str(V),
                              str(warmup_s)])
@@ -252,14 +361,20 @@ def step_cell(method, cfg, V, peer_python, warmup_s):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--peer-python", default=None,
-                    help="python of a venv with torch==2.13.0 + fbgemm-gpu-cpu (see shared/peers)")
+    ap.add_argument("--peer-python", default=os.environ.get("SPARSEJAX_PEER_PYTHON"),
+                    help="python of a venv with torch==2.13.0 + fbgemm-gpu-cpu "
+                         "(default $SPARSEJAX_PEER_PYTHON)")
+    ap.add_argument("--peer-step-script", default=os.environ.get("SPARSEJAX_PEER_STEP_SCRIPT"),
+                    help="torch_step_bench.py for the (b) peer columns "
+                         "(default $SPARSEJAX_PEER_STEP_SCRIPT)")
     ap.add_argument("--reps", type=int, default=3, help="processes per cell (median of medians)")
     ap.add_argument("--fwd-reps", type=int, default=21, help="timed calls per forward process")
     ap.add_argument("--vocab", default="1e4,1e5,1e6,4e6")
     ap.add_argument("--impls", default="cpu_ffi,xla,pallas")
     ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--skip-same-process", action="store_true",
+                    help="skip (c), the forward in one process with PyTorch")
     ap.add_argument("--naive-max-vocab", type=float, default=4e6)
     ap.add_argument("--json", default=None, help="also write raw results here")
     ap.add_argument("--one-forward", nargs=3, help=argparse.SUPPRESS)
@@ -268,11 +383,16 @@ def main():
                          "kernels move tables >= 64 MiB onto 2 MiB pages in the background "
                          "during the first seconds); peers always get 2 warm-up steps")
     ap.add_argument("--one-step", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--one-same-process", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.one_forward:
         impl, V, reps = args.one_forward
         print(json.dumps(run_forward(impl, int(float(V)), int(reps))))
+        return
+    if args.one_same_process:
+        V, reps = args.one_same_process
+        print(json.dumps(run_same_process(int(float(V)), int(reps))))
         return
     if args.one_step:
         method, cfg, V, warmup_s = args.one_step
@@ -301,6 +421,9 @@ def main():
             print(f"| {c} | {_fmt(ms, 2)} | {_fmt(gb, 2)} | {_ratio(gb, torch_gbps)} "
                   f"| {_ratio(gb, copy, pct=True)} |")
 
+    if not args.skip_same_process:
+        raw["same_process"] = same_process_table(args.reps, args.fwd_reps)
+
     if not args.skip_step:
         vocabs = [int(float(v)) for v in args.vocab.split(",")]
         methods = [f"sparsejax_{i}" for i in impls if i != "pallas"] + [
@@ -313,7 +436,8 @@ def main():
                         if m == "flax_naive" and V > args.naive_max_vocab:
                             continue
                         step_runs.setdefault((m, cfg, V), []).append(
-                            step_cell(m, cfg, V, args.peer_python, args.warmup_s))
+                            step_cell(m, cfg, V, args.peer_python, args.peer_step_script,
+                                      args.warmup_s))
         raw["step"] = {"|".join(map(str, k)): v for k, v in step_runs.items()}
         print(f"\n(b) DLRM-like train step, B={B}, 26 lookups/example, D={D}, row-wise Adagrad "
               f"(median ms over {args.reps} processes of the median of {STEPS} steps; "
@@ -338,6 +462,41 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1, default=str)
+
+
+def same_process_table(reps: int, fwd_reps: int) -> list[dict]:
+    """(c): runs run_same_process in `reps` fresh processes and prints the table."""
+    import importlib.util
+
+    V = 1_000_000
+    print(f"\n(c) embedding_bag forward in ONE process with PyTorch, V=1e6, N={N}, D={D}, sum, "
+          f"f32 ({reps} processes x 3 rounds x {fwd_reps} calls per op and case; ratios "
+          "within each process, then the median)")
+    if importlib.util.find_spec("torch") is None:
+        print("skipped: torch is not installed in this venv (pip install -e .[bench])")
+        return []
+    cmd = [sys.executable, __file__, "--one-same-process", str(V), str(fwd_reps)]
+    runs = [_subprocess_json(cmd) for _ in range(reps)]
+    ok = [r for r in runs if "alone" in r]
+    for r in runs:
+        if "error" in r:
+            print(f"failed process: {r['error']}")
+    if not ok:
+        return runs
+    print(f"torch threads: {ok[0]['torch_threads']}")
+    print("| case | sparsejax cpu_ffi GB/s | torch EmbeddingBag GB/s | sparsejax vs torch "
+          "| sparsejax vs its alone | torch vs its alone |")
+    print("|---|---|---|---|---|---|")
+    med = statistics.median
+    for case in SAME_PROCESS_CASES:
+        sj = [r[case]["sparsejax"] for r in ok]  # ms
+        tc = [r[case]["torch"] for r in ok]
+        vs_torch = med(t / s for s, t in zip(sj, tc, strict=True))
+        sj_alone = med(r["alone"]["sparsejax"] / s for r, s in zip(ok, sj, strict=True))
+        tc_alone = med(r["alone"]["torch"] / t for r, t in zip(ok, tc, strict=True))
+        print(f"| {case} | {_gbps(med(sj)):.2f} | {_gbps(med(tc)):.2f} | {vs_torch:.2f}x "
+              f"| {100 * sj_alone:.0f}% | {100 * tc_alone:.0f}% |")
+    return runs
 
 
 def _median(results, key):
