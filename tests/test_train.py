@@ -252,3 +252,12 @@ def test_data_parallel_step_on_4_devices_matches_one_device(tmp_path, implementa
                                                          rtol=1e-4, atol=1e-6), s4, s1)
     e1, e4 = one.evaluate(s1, data.eval_batches), four.evaluate(s4, data.eval_batches)
     assert e4["auc"] == pytest.approx(e1["auc"], abs=1e-5)
+
+
+def test_a_mesh_axis_the_table_store_cannot_use_is_named(tmp_path):
+    _, _, model, first = _small(tmp_path)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "expert"))
+    trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer),
+                            mesh=mesh)
+    with pytest.raises(ValueError, match="mesh axis 'expert'"):
+        trainer.init(jax.random.key(0), first)

@@ -74,8 +74,8 @@ class Checkpointer:
                                        "dtype": t.dtype,
                                        # the slots depend on the kind, not on the rates
                                        "optimizer": type(t.optimizer).__name__}
-                                for name, t in ec.tables.items()}
-                for p, ec in self.layouts.items()}
+                                for name, t in store.tables.items()}
+                for p, store in self.layouts.items()}
 
     def _split(self, state) -> tuple[dict, dict]:
         """(tables by name, every other field) of `state`."""
@@ -162,8 +162,8 @@ class Checkpointer:
     def restore_tables(self, step: int | None = None) -> tuple[dict, dict]:
         """The "embedding" collection at `step` (default: latest), built from the layouts
         alone (no train state, no dense parameters), and the JSON record."""
-        shapes = {layer_key(p): jax.eval_shape(lambda ec=ec: ec.tables_by_name(
-            ec.init(jax.random.key(0)))) for p, ec in self.layouts.items()}
+        shapes = {layer_key(p): jax.eval_shape(store.export_tables, store.abstract_state())
+                  for p, store in self.layouts.items()}
         _, got, meta = self._read(step, tables=shapes)
         return stack_tables(self.layouts, got["tables"]), meta
 

@@ -1,10 +1,11 @@
-"""Where a model's embedding tables live: one `EmbeddingCollection` per embedding layer,
-by the layer's module path, computed from the model and an example batch alone.
+"""Where a model's embedding tables live: the `TableStore` of every embedding layer, by
+the layer's module path, computed from the model and an example batch alone.
 
-The "embedding" variable collection of a model holds each layer's stacked state under
+The "embedding" variable collection of a model holds each layer's store state under
 the layer's path; these helpers convert it to and from the per-table form
-`{layer_key: {table: {"weights", "slots"}}}` that checkpoints store (so a change of
-stacking never breaks a restore).
+`{layer_key: {table: {"weights", "slots"}}}` that checkpoints store (the stores'
+`export_tables` / `import_tables`, so a change of stacking, mesh or store never breaks
+a restore).
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from collections.abc import Mapping
 import flax.linen as nn
 import jax
 
-from ..embedding._collection import EmbeddingCollection
+from ..embedding import TableStore
 from ..nn._embedding import EmbeddingBagCollection
 
-Layouts = Mapping[tuple[str, ...], EmbeddingCollection]
-"""Each embedding layer's `EmbeddingCollection`, by module path."""
+Layouts = Mapping[tuple[str, ...], TableStore]
+"""Each embedding layer's `TableStore`, by module path."""
 
 
-def embedding_layouts(model: nn.Module, batch) -> dict[tuple[str, ...], EmbeddingCollection]:
-    """The `EmbeddingCollection` of every embedding layer of `model`, by module path.
+def embedding_layouts(model: nn.Module, batch) -> dict[tuple[str, ...], TableStore]:
+    """The `TableStore` of every embedding layer of `model`, by module path.
 
     A pure function of the model and an example batch (any batch of the run's shapes):
     the model is traced abstractly (`jax.eval_shape`), nothing is allocated.
@@ -32,12 +33,12 @@ def embedding_layouts(model: nn.Module, batch) -> dict[tuple[str, ...], Embeddin
 
 def trace_layouts(model: nn.Module, batch) -> tuple[dict, Mapping]:
     """`embedding_layouts` and the shapes of the model's variables, from one trace."""
-    found: dict[tuple[str, ...], EmbeddingCollection] = {}
+    found: dict[tuple[str, ...], TableStore] = {}
 
     def interceptor(next_fun, args, kwargs, context):
         if isinstance(context.module, EmbeddingBagCollection) and \
                 context.method_name == "__call__":
-            found[tuple(context.module.path)] = context.module.collection
+            found[tuple(context.module.path)] = context.module.store
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
@@ -59,8 +60,8 @@ def _subtree(tables: Mapping, path: tuple[str, ...]):
 
 def tables_by_name(layouts: Layouts, tables: Mapping) -> dict:
     """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection."""
-    return {layer_key(path): ec.tables_by_name(_subtree(tables, path))
-            for path, ec in layouts.items()}
+    return {layer_key(path): store.export_tables(_subtree(tables, path))
+            for path, store in layouts.items()}
 
 
 def tables_from_layers(layouts: Layouts, layers: Mapping) -> dict:
@@ -77,7 +78,8 @@ def tables_from_layers(layouts: Layouts, layers: Mapping) -> dict:
 def stack_tables(layouts: Layouts, by_name: Mapping) -> dict:
     """Inverse of `tables_by_name`: the nested "embedding" collection."""
     return tables_from_layers(layouts, {
-        path: ec.state_from_tables(by_name[layer_key(path)]) for path, ec in layouts.items()})
+        path: store.import_tables(by_name[layer_key(path)])
+        for path, store in layouts.items()})
 
 
 def uncovered_layer(layouts: Layouts, tables: Mapping) -> str | None:

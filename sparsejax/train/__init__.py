@@ -18,5 +18,4 @@ from ._trainer import LOSSES as LOSSES
 from ._trainer import Trainer as Trainer
 from ._trainer import TrainState as TrainState
 from ._trainer import binary_loss as binary_loss
-from ._trainer import default_mesh as default_mesh
 from ._trainer import retrieval_loss as retrieval_loss

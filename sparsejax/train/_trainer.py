@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..checkpoint._layout import Layouts, tables_by_name, tables_from_layers, trace_layouts
 from ..data import SparseBatch
+from ..embedding import default_mesh
 from ..nn._embedding import (
     EMBEDDING,
     EMBEDDING_GRADS,
@@ -51,11 +52,6 @@ def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
 
 LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
 
-def default_mesh() -> Mesh:
-    """One device (the default one) on a "data" axis: what `Trainer` uses without a mesh."""
-    return Mesh(np.array(jax.devices()[:1]), ("data",))
-
-
 class Trainer:
     """Builds the train and eval steps of `model` (a Flax module taking a `SparseBatch`;
     its `task` class attribute picks the loss: "binary" or "retrieval").
@@ -67,7 +63,9 @@ class Trainer:
       model: the Flax model.
       tx: the optax optimizer of the dense parameters.
       mesh: the devices the state and the steps live on (default: one device). Dense
-        parameters and tables are replicated on it; a batch is split along the mesh's
+        parameters are replicated on it, tables placed as each layer's `TableStore`
+        places them on this mesh (the device store replicates them; a mesh axis the
+        store cannot use is an error naming it). A batch is split along the mesh's
         "data" axis when it has one and the batch size divides by it (data parallel),
         and replicated otherwise.
     """
@@ -88,11 +86,17 @@ class Trainer:
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
+    def _stores(self) -> Layouts:
+        """Each embedding layer's store, on the trainer's mesh."""
+        return {path: store.with_mesh(self.mesh) for path, store in self.layouts.items()}
+
     def state_sharding(self) -> TrainState:
-        """The `NamedSharding`s of the state, as a `TrainState` prefix tree (one per field):
-        everything replicated on the mesh."""
+        """The `NamedSharding`s of the state (after `init`), as a `TrainState` prefix
+        tree: dense fields replicated, tables as their stores place them."""
         r = self._replicated()
-        return TrainState(step=r, params=r, opt_state=r, tables=r, rng=r)
+        tables = tables_from_layers(self.layouts, {
+            path: store.state_shardings() for path, store in self._stores().items()})
+        return TrainState(step=r, params=r, opt_state=r, tables=tables, rng=r)
 
     def batch_sharding(self, batch_size: int):
         """The `NamedSharding`s of a `SparseBatch` of `batch_size` rows (a prefix tree):
@@ -140,7 +144,7 @@ class Trainer:
 
     @property
     def layouts(self) -> Layouts:
-        """Each embedding layer's `EmbeddingCollection`, by module path, as of `init`
+        """Each embedding layer's `TableStore`, by module path, as of `init`
         (`sparsejax.checkpoint.embedding_layouts(model, batch)` computes it anywhere)."""
         if self._layouts is None:
             raise RuntimeError("Trainer.layouts: call Trainer.init first, or use "
@@ -152,8 +156,9 @@ class Trainer:
         run's capacities).
 
         Dense parameters come from the model's (jitted) init; tables from each layer's
-        `EmbeddingCollection.init` outside `jit`, which draws default-initialized
-        tables with numpy instead of compiling one random op per table shape.
+        `TableStore.init` (on the trainer's mesh) outside `jit`, which draws
+        default-initialized tables with numpy instead of compiling one random op per
+        table shape.
         """
         k_init, k_tables, k_rng = jax.random.split(key, 3)
         layouts, shapes = trace_layouts(self.model, batch)
@@ -161,12 +166,12 @@ class Trainer:
         if unknown:
             raise ValueError(f"the model has variable collections {sorted(unknown)} that the "
                              f"trainer does not know how to update")
+        self._layouts, self._steps = layouts, {}
         # tables are dropped inside the jit, so XLA never compiles their initializers
         params = jax.jit(lambda k: self.model.init(k, batch).get("params", {}))(k_init)
         tables = tables_from_layers(layouts, {
-            path: ec.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
-            for path, ec in layouts.items()})
-        self._layouts = layouts
+            path: store.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
+            for path, store in self._stores().items()})
         return self.put_state(TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
             tables=tables, rng=jax.random.key_data(k_rng)))
