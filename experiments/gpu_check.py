@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""GPU check of the Pallas-Triton kernels (`sparsejax.ops._pallas`): correctness at
-realistic sizes against plain-jnp XLA implementations written inline here, and timing
-against those and against a device-to-device copy, in one table.
+"""GPU check of the Pallas-Triton kernels (each op's `pallas_triton.py` under
+`sparsejax.ops`): correctness at realistic sizes against the library's own
+`implementation="xla"`, and timing against it and against a device-to-device copy, in
+one table.
 
     python experiments/gpu_check.py                       # on a GPU (a few minutes)
     python experiments/gpu_check.py --interpret --small   # CPU smoke test, tiny sizes
@@ -30,11 +31,14 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from sparsejax.ops import _pallas
 from sparsejax.ops import optimizers as opt_lib
-from sparsejax.ops._sparse_apply import update_touched_rows
+from sparsejax.ops._embedding_bag import pallas_triton as bag_kernels
+from sparsejax.ops._embedding_bag import segment_max_p
+from sparsejax.ops._segment_spmm import pallas_triton as spmm_kernels
+from sparsejax.ops._segment_spmm import segment_spmm_p
+from sparsejax.ops._sparse_apply import pallas_triton as apply_kernels
+from sparsejax.ops._sparse_apply import sparse_apply_p, update_touched_rows
 
 ROWS: list[dict] = []
 COPY_GBPS = [float("nan")]
@@ -106,45 +110,27 @@ def print_table(args):
 
 
 # ------------------------------------------------------------------ XLA implementations
+# The library's own implementation="xla" of each primitive, with the kernels' operands.
 def xla_bag_sum(table, ids, seg, coef, num_segments):
-    """take + segment_sum (sorted segment ids; padding has coef 0 and id clamped)."""
-    vocab = table.shape[0]
-    valid = (ids >= 0) & (ids < vocab) & (seg >= 0) & (seg < num_segments)
-    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0).astype(jnp.float32)
-    rows = rows * jnp.where(valid, coef, 0.0)[:, None]
-    out = jax.ops.segment_sum(rows, seg, num_segments, indices_are_sorted=True)
-    return out.astype(table.dtype)
+    return segment_spmm_p.bind(coef, ids, seg, table, num_segments=num_segments,
+                               implementation="xla", sorted_segments=True, unit_values=False)
 
 
 def xla_bag_max(table, ids, seg, coef, num_segments):
-    vocab = table.shape[0]
-    valid = (ids >= 0) & (ids < vocab) & (seg >= 0) & (seg < num_segments)
-    x = jnp.take(table, jnp.where(valid, ids, 0), axis=0).astype(jnp.float32) * coef[:, None]
-    x = jnp.where(valid[:, None], x, -jnp.inf)
-    best = jax.ops.segment_max(x, seg, num_segments, indices_are_sorted=True)
-    pos = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
-    won = valid[:, None] & (x == best[jnp.clip(seg, 0, num_segments - 1)])
-    arg = jax.ops.segment_min(jnp.where(won, pos, 2**31 - 1), seg, num_segments,
-                              indices_are_sorted=True)
-    found = arg < 2**31 - 1
-    return jnp.where(found, best, 0.0).astype(table.dtype), jnp.where(found, arg, -1)
+    return tuple(segment_max_p.bind(coef, ids, seg, table, num_segments=num_segments,
+                                    implementation="xla"))
 
 
 def xla_sparse_apply(table, slots, ids, seg, coef, grad, hp, step, *, optimizer):
-    """Sort-based dedup + segment_sum of row gradients + update_rows + scatter."""
-    vocab = table.shape[0]
-    n, num_segments = ids.shape[0], grad.shape[0]
-    valid = (ids >= 0) & (ids < vocab) & (seg >= 0) & (seg < num_segments)
-    key = jnp.where(valid, ids, vocab)
-    skey, perm = lax.sort((key, jnp.arange(n, dtype=jnp.int32)), num_keys=1)
-    first = jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
-    run = jnp.cumsum(first.astype(jnp.int32)) - 1
-    uniq = jnp.full((n,), vocab, jnp.int32).at[run].set(skey)
-    g_rows = grad[jnp.clip(seg[perm], 0, num_segments - 1)] * jnp.where(valid, coef, 0.0)[
-        perm][:, None]
-    g = jax.ops.segment_sum(g_rows, run, n, indices_are_sorted=True)
-    table, slots = update_touched_rows(optimizer, table, slots, uniq, g, hp, step)
-    return table, tuple(slots)
+    outs = sparse_apply_p.bind(table, *slots, ids, seg, coef, grad, hp, step,
+                               optimizer=optimizer, implementation="xla")
+    return outs[0], tuple(outs[1:])
+
+
+def pallas_sparse_apply(table, slots, *args, optimizer, interpret):
+    outs = apply_kernels.sparse_apply(table, *slots, *args, optimizer=optimizer,
+                                      interpret=interpret)
+    return outs[0], tuple(outs[1:])
 
 
 def xla_apply_rows(table, slots, uids, grads, hp, step, *, optimizer):
@@ -221,14 +207,14 @@ def forward_case(args, table, ids, seg, coef, num_bags, label, *, with_max, swee
     record("xla take+segment_sum", shape, xla_ms, nbytes)
 
     def fwd():
-        f = jax.jit(functools.partial(_pallas.embedding_bag_forward, num_segments=num_bags,
-                                      interpret=ip))
+        f = jax.jit(lambda t, i, s, c: bag_kernels.bag_forward(c, i, s, t, num_bags,
+                                                               interpret=ip))
         err = max_err(f(table, ids, seg, coef), ref)
         record("embedding_bag_fwd sum", shape, timeit(f, table, ids, seg, coef, **t), nbytes,
                xla_ms, f"err {err:.1e}")
 
     def spmm():
-        f = jax.jit(lambda c, i, s, tb: _pallas.spmm(c, i, s, tb, num_bags, interpret=ip))
+        f = jax.jit(lambda c, i, s, tb: spmm_kernels.spmm(c, i, s, tb, num_bags, interpret=ip))
         err = max_err(f(coef, ids, seg, table), ref)
         record("spmm (as fwd)", shape, timeit(f, coef, ids, seg, table, **t), nbytes + 4 * n,
                xla_ms, f"err {err:.1e}")
@@ -237,8 +223,8 @@ def forward_case(args, table, ids, seg, coef, num_bags, label, *, with_max, swee
         ref_fn = jax.jit(functools.partial(xla_bag_max, num_segments=num_bags))
         r_out, r_arg = ref_fn(table, ids, seg, coef)
         x_ms = timeit(ref_fn, table, ids, seg, coef, **t)
-        f = jax.jit(functools.partial(_pallas.embedding_bag_forward, num_segments=num_bags,
-                                      combiner="max", interpret=ip))
+        f = jax.jit(lambda t, i, s, c: bag_kernels.bag_forward(c, i, s, t, num_bags,
+                                                               combiner="max", interpret=ip))
         out, arg = f(table, ids, seg, coef)
         check = f"err {max_err(out, r_out):.1e} argk diff {int(jnp.sum(arg != r_arg))}"
         record("embedding_bag_fwd max", shape, timeit(f, table, ids, seg, coef, **t),
@@ -253,10 +239,10 @@ def forward_case(args, table, ids, seg, coef, num_bags, label, *, with_max, swee
             for w in (1, 2, 4):
                 for bags in (1, 2):
                     def one(r=r, w=w, bags=bags):
-                        f = jax.jit(functools.partial(
-                            _pallas.embedding_bag_forward, num_segments=num_bags,
-                            rows_per_step=r, bags_per_program=bags, num_warps=w,
-                            interpret=ip))
+                        f = jax.jit(lambda t, i, s, c, r=r, w=w, bags=bags:
+                                    bag_kernels.bag_forward(
+                                        c, i, s, t, num_bags, rows_per_step=r,
+                                        bags_per_program=bags, num_warps=w, interpret=ip))
                         err = max_err(f(table, ids, seg, coef), ref)
                         record(f"fwd sweep R={r} warps={w} bags={bags}", shape,
                                timeit(f, table, ids, seg, coef, **t), nbytes, xla_ms,
@@ -293,7 +279,7 @@ def optimizer_case(args, optimizer, table, ids, seg, coef, grad, touched, untouc
     shape = f"V={vocab} D={dim} N={n} U={num_u}"
     # Correctness without donation (the inputs must survive for the comparison).
     ref_fn = jax.jit(functools.partial(xla_sparse_apply, optimizer=optimizer))
-    pal_fn = jax.jit(functools.partial(_pallas.sparse_apply, optimizer=optimizer,
+    pal_fn = jax.jit(functools.partial(pallas_sparse_apply, optimizer=optimizer,
                                        interpret=ip))
     r_table, r_slots = ref_fn(table, slots, ids, seg, coef, grad, hp, step)
     p_table, p_slots = pal_fn(table, slots, ids, seg, coef, grad, hp, step)
@@ -308,8 +294,8 @@ def optimizer_case(args, optimizer, table, ids, seg, coef, grad, touched, untouc
     nbytes = n * (12 + dim * 4) + 2 * num_u * dim * 4 + state_bytes
     xs = jax.jit(lambda st, *a: xla_sparse_apply(*st, *a, optimizer=optimizer),
                  donate_argnums=0)
-    ps = jax.jit(lambda st, *a: _pallas.sparse_apply(*st, *a, optimizer=optimizer,
-                                                     interpret=ip), donate_argnums=0)
+    ps = jax.jit(lambda st, *a: pallas_sparse_apply(*st, *a, optimizer=optimizer,
+                                                    interpret=ip), donate_argnums=0)
     state = (table, slots)
     del table, slots
     xla_ms, state = timeit_stateful(xs, state, ids, seg, coef, grad, hp, step, **t)
@@ -323,8 +309,8 @@ def optimizer_case(args, optimizer, table, ids, seg, coef, grad, touched, untouc
     uids = jnp.asarray(np.concatenate([touched, -np.ones(n - num_u, np.int64)]), jnp.int32)
     g = jax.random.normal(jax.random.key(3), (n, dim), jnp.float32)
     xa = jax.jit(lambda st, *a: xla_apply_rows(*st, *a, optimizer=optimizer), donate_argnums=0)
-    pa = jax.jit(lambda st, *a: _pallas.apply_rows(*st, *a, optimizer=optimizer,
-                                                   interpret=ip), donate_argnums=0)
+    pa = jax.jit(lambda st, *a: apply_kernels.apply_rows(*st, *a, optimizer=optimizer,
+                                                         interpret=ip), donate_argnums=0)
     xla_ms, state = timeit_stateful(xa, state, uids, g, hp, step, **t)
     ms, state = timeit_stateful(pa, state, uids, g, hp, step, **t)
     record(f"apply_rows {name}", shape, ms, num_u * (dim * 4 + 4) + state_bytes, xla_ms)

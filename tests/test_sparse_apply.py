@@ -1,7 +1,10 @@
 """sparse_apply: every optimizer vs a dense reference (optax where one exists, float64
-numpy otherwise) on the touched rows; untouched rows bit-identical; in place."""
+numpy otherwise) on the touched rows; untouched rows bit-identical; in place; vmap.
+Then each backend's kernels at the edges only they have (C++ threads and junk ids,
+Pallas tilings, CUDA lowering with donation)."""
 
 import functools
+import zlib
 
 import _reference as ref
 import jax
@@ -13,14 +16,10 @@ import pytest
 from sparsejax import ops
 
 V, D, S, N = 40, 8, 6, 30
-OPTIMIZERS = [
-    ops.SGD(learning_rate=0.1),
-    ops.Adagrad(learning_rate=0.1),
-    ops.RowWiseAdagrad(learning_rate=0.1),
-    ops.LazyAdam(learning_rate=0.05),
-    ops.FTRL(learning_rate=0.2, l1=0.01, l2=0.1, beta=0.5),
-    ops.AdagradDecay(learning_rate=0.1, accumulator_decay_step=2, accumulator_decay_rate=0.5),
-]
+OPTIMIZERS = ref.OPTIMIZERS
+STEP = 7  # with AdagradDecay's period of 3 steps: period 2, stored powers 0..2 cover all
+SDS = jax.ShapeDtypeStruct
+needs_cpu_ffi = pytest.mark.skipif(not ops.cpu_ffi_available(), reason="C++ extension not built")
 
 
 def _batch(rng, *, cover_all=False, nnz=N):
@@ -120,7 +119,7 @@ def test_matches_float64_reference_over_steps(implementation, opt, combiner):
     apply = jax.jit(functools.partial(ops.sparse_apply, optimizer=opt, combiner=combiner,
                                       implementation=implementation))
     got_w, got_slots = jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()}
-    for step in range(1, 6):  # crosses AdagradDecay periods; rows skip some steps
+    for step in range(1, 6):  # crosses an AdagradDecay period; rows skip some steps
         ids, seg, weights, grad = _batch(rng)
         g, touched = _dense_grad(np.asarray(got_w), ids, seg, weights, grad, combiner)
         want_w, want_slots = _numpy_step(opt, want_w, want_slots, g, touched, step)
@@ -180,8 +179,7 @@ def test_untouched_rows_bit_identical_even_with_nan_grads(implementation, opt):
         assert np.isnan(np.asarray(new[17], np.float32)).any()
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("cpu_ffi", marks=pytest.mark.skipif(
-    not ops.cpu_ffi_available(), reason="C++ extension not built"))])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("cpu_ffi", marks=needs_cpu_ffi)])
 def test_update_is_in_place_under_donation(impl):
     opt = ops.RowWiseAdagrad(learning_rate=0.1)
     table = jnp.asarray(np.random.default_rng(0).normal(size=(5000, 16)), jnp.float32)
@@ -208,3 +206,394 @@ def test_bad_slots_and_shapes_are_named():
     with pytest.raises(ValueError, match="`grad` has dim 5"):
         ops.sparse_apply(table, opt.init_slots(10, 4), ids, seg, jnp.zeros((2, 5)),
                          optimizer=opt, step=1)
+
+
+@pytest.mark.parametrize("opt", [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
+                         ids=["RowWiseAdagrad", "LazyAdam"])
+def test_vmap_equals_a_loop_of_single_calls(implementation, opt):
+    rng = np.random.default_rng(13)
+    batch = [_batch(rng) for _ in range(3)]
+    ids, seg, weights, grad = (jnp.asarray(np.stack([b[i] for b in batch])) for i in range(4))
+    table = jnp.asarray(rng.normal(size=(V, D)), jnp.float32)
+    slots = opt.init_slots(V, D)
+
+    def apply(t, sl, i, s, g, w):
+        return ops.sparse_apply(t, sl, i, s, g, optimizer=opt, step=2, weights=w,
+                                implementation=implementation)
+
+    # vmap over the batches with a shared table: one updated table per batch
+    got_t, got_s = jax.jit(jax.vmap(apply, in_axes=(None, None, 0, 0, 0, 0)))(
+        table, slots, ids, seg, grad, weights)
+    # ... and over stacked tables too
+    tables = jnp.stack([table, 2 * table, -table])
+    got_t2, _ = jax.vmap(apply, in_axes=(0, None, 0, 0, 0, 0))(
+        tables, slots, ids, seg, grad, weights)
+    for b in range(3):
+        want_t, want_s = apply(table, slots, ids[b], seg[b], grad[b], weights[b])
+        np.testing.assert_allclose(got_t[b], want_t, rtol=1e-6, atol=1e-6)
+        for k in slots:
+            np.testing.assert_allclose(got_s[k][b], want_s[k], rtol=1e-6, atol=1e-6)
+        want_t2, _ = apply(tables[b], slots, ids[b], seg[b], grad[b], weights[b])
+        np.testing.assert_allclose(got_t2[b], want_t2, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ cpu_ffi: the C++ kernel
+CPU_TOL = {np.dtype(np.float32): dict(rtol=2e-5, atol=2e-6),
+           np.dtype(ref.BF16): dict(rtol=2.0**-7, atol=1e-6)}  # a 1-ulp f32 difference may
+# flip a bf16 rounding
+
+
+def _junk_apply_inputs(rng, v, d, s, n, dtype):
+    table = rng.standard_normal((v, d)).astype(np.float32).astype(dtype)
+    ids = rng.integers(0, v, n)
+    ids[rng.random(n) < 0.3] = ids[0] if n else 0  # duplicates
+    seg = rng.integers(0, s, n)  # unsorted
+    bad = rng.random(n) < 0.15
+    ids[bad] = rng.choice(np.array([-1, v, v + 3, ref.I32_MAX, ref.I32_MIN]), int(bad.sum()))
+    bad_seg = rng.random(n) < 0.05
+    seg[bad_seg] = rng.choice(np.array([-1, s, ref.I32_MAX, ref.I32_MIN]), int(bad_seg.sum()))
+    coef = rng.standard_normal(n).astype(np.float32)
+    coef[rng.random(n) < 0.1] = 0.0  # touched with zero weight
+    grad = rng.standard_normal((s, d)).astype(np.float32)
+    return table, ids.astype(np.int32), seg.astype(np.int32), coef, grad
+
+
+def _run_cpu(opt, table, slots, ids, seg, coef, grad, step):
+    from sparsejax.ops._sparse_apply import cpu_ffi
+
+    names = [sp.name for sp in opt.slots()]
+    outs = cpu_ffi.sparse_apply(jnp.asarray(table), *(jnp.asarray(slots[n]) for n in names),
+                                ids, seg, coef, grad, opt.hparams(), step, optimizer=opt)
+    return np.asarray(outs[0]), {n: np.asarray(x) for n, x in zip(names, outs[1:], strict=True)}
+
+
+def _check_cpu(opt, table, slots, ids, seg, coef, grad, step):
+    out_t, out_s = _run_cpu(opt, table, slots, ids, seg, coef, grad, step)
+    by_row = ref.row_grads(ids, seg, coef, grad, table.shape[0])
+    touched = ref.check_apply(opt, table, slots, out_t, out_s, by_row, step,
+                              CPU_TOL[np.dtype(table.dtype)])
+    return out_t, out_s, touched
+
+
+@needs_cpu_ffi
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=ref.OPT_IDS)
+@pytest.mark.parametrize("dtype,d", [(np.float32, 1), (np.float32, 3), (np.float32, 129),
+                                     (ref.BF16, 64)],
+                         ids=["f32-d1", "f32-d3", "f32-d129", "bf16-d64"])
+def test_cpu_kernel_on_junk_ids(opt, dtype, d):
+    rng = np.random.default_rng(zlib.crc32(f"{type(opt).__name__}-{d}".encode()))
+    v, s, n = 60, 7, 120
+    table, ids, seg, coef, grad = _junk_apply_inputs(rng, v, d, s, n, dtype)
+    slots = ref.random_slots(opt, v, d, rng)
+    _, _, touched = _check_cpu(opt, table, slots, ids, seg, coef, grad, STEP)
+    assert touched.any() and not touched.all()
+
+
+@needs_cpu_ffi
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=ref.OPT_IDS)
+def test_cpu_kernel_zero_coef_row_is_touched(opt):
+    """A valid id is updated (slots advance) even when all its weights are 0."""
+    rng = np.random.default_rng(5)
+    v, d = 10, 4
+    table = rng.standard_normal((v, d)).astype(np.float32)
+    slots = ref.random_slots(opt, v, d, rng)
+    if "decay_power" in slots:
+        slots["decay_power"][:] = 0  # row 3 must decay and advance its power
+    ids = np.array([3, 5, 3], np.int32)
+    coef = np.array([0.0, 1.0, 0.0], np.float32)
+    seg = np.array([0, 1, 1], np.int32)
+    grad = rng.standard_normal((2, d)).astype(np.float32)
+    out_t, out_s, touched = _check_cpu(opt, table, slots, ids, seg, coef, grad, STEP)
+    assert touched[3]
+    if isinstance(opt, ops.LazyAdam | ops.AdagradDecay):
+        assert not np.array_equal(out_t[3], table[3]) or any(
+            not np.array_equal(out_s[k][3], slots[k][3]) for k in slots)
+
+
+@needs_cpu_ffi
+def test_cpu_kernel_threads_bit_identical(monkeypatch):
+    rng = np.random.default_rng(6)
+    for name in ("RowWiseAdagrad", "LazyAdam", "AdagradDecay"):
+        opt = ref.optimizer(name)
+        v, d, s, n = 3000, 8, 50, 9000
+        table, ids, seg, coef, grad = _junk_apply_inputs(rng, v, d, s, n, np.float32)
+        slots = ref.random_slots(opt, v, d, rng)
+        outs = []
+        for threads in ["1", "2", "5"]:
+            monkeypatch.setenv("SPARSEJAX_CPU_THREADS", threads)
+            monkeypatch.setenv("SPARSEJAX_CPU_MIN_PARALLEL", "1")
+            if threads == "1":
+                outs.append(_check_cpu(opt, table, slots, ids, seg, coef, grad, STEP)[:2])
+            else:
+                outs.append(_run_cpu(opt, table, slots, ids, seg, coef, grad, STEP))
+        for t, sl in outs[1:]:
+            np.testing.assert_array_equal(ref.bits(t), ref.bits(outs[0][0]))
+            for k in sl:
+                np.testing.assert_array_equal(ref.bits(sl[k]), ref.bits(outs[0][1][k]))
+
+
+@needs_cpu_ffi
+def test_cpu_kernel_edge_cases():
+    rng = np.random.default_rng(7)
+    opt = ref.optimizer("Adagrad")
+    v, d = 16, 3
+    table = rng.standard_normal((v, d)).astype(np.float32)
+    slots = ref.random_slots(opt, v, d, rng)
+    grad = rng.standard_normal((1, d)).astype(np.float32)  # S = 1
+    z = np.zeros(0, np.int32)
+    # N = 0: nothing changes.
+    out_t, out_s = _run_cpu(opt, table, slots, z, z, np.zeros(0, np.float32), grad, 1)
+    np.testing.assert_array_equal(ref.bits(out_t), ref.bits(table))
+    # All entries invalid: nothing changes.
+    ids = np.array([-1, v, ref.I32_MAX, 2], np.int32)
+    seg = np.array([0, 0, 0, 1], np.int32)  # last one: segment out of range
+    out_t, out_s = _run_cpu(opt, table, slots, ids, seg, np.ones(4, np.float32), grad, 1)
+    np.testing.assert_array_equal(ref.bits(out_t), ref.bits(table))
+    np.testing.assert_array_equal(ref.bits(out_s["accumulator"]), ref.bits(slots["accumulator"]))
+    # S = 1 with duplicates.
+    ids = np.array([4, 4, 9, -1], np.int32)
+    _check_cpu(opt, table, slots, ids, np.zeros(4, np.int32), np.ones(4, np.float32), grad, 1)
+
+
+@needs_cpu_ffi
+def test_cpu_kernel_nan_grad_only_hits_touched_rows():
+    rng = np.random.default_rng(8)
+    opt = ref.optimizer("RowWiseAdagrad")
+    v, d, s = 40, 4, 4
+    table = rng.standard_normal((v, d)).astype(np.float32)
+    slots = ref.random_slots(opt, v, d, rng)
+    grad = rng.standard_normal((s, d)).astype(np.float32)
+    grad[1] = np.nan  # used by valid entries
+    grad[3] = np.nan  # used only by invalid entries
+    ids = np.array([5, 6, 7, -1, v, 8], np.int32)
+    seg = np.array([0, 1, 2, 3, 3, 2], np.int32)
+    coef = np.ones(6, np.float32)
+    out_t, out_s = _run_cpu(opt, table, slots, ids, seg, coef, grad, 1)
+    assert np.all(np.isnan(out_t[6])) and np.isnan(out_s["accumulator"][6])
+    clean = np.ones(v, bool)
+    clean[6] = False
+    assert np.all(np.isfinite(out_t[clean]))
+    untouched = clean.copy()
+    untouched[[5, 7, 8]] = False
+    np.testing.assert_array_equal(ref.bits(out_t[untouched]), ref.bits(table[untouched]))
+    # Rows touched only through finite gradients match the reference.
+    by_row = ref.row_grads(ids[[0, 2, 5]], seg[[0, 2, 5]], coef[:3], grad, v)
+    want_t, _ = ref.apply_row_grads(opt, table, slots, by_row, 1)
+    np.testing.assert_allclose(out_t[[5, 7, 8]], want_t[[5, 7, 8]], rtol=2e-5, atol=2e-6)
+
+
+@needs_cpu_ffi
+@pytest.mark.parametrize("dtype", [np.float32, ref.BF16], ids=["f32", "bf16"])
+def test_cpu_kernel_donated_in_place(dtype):
+    from sparsejax.ops._sparse_apply import cpu_ffi
+
+    rng = np.random.default_rng(9)
+    opt = ref.optimizer("LazyAdam")
+    v, d, s, n = 500, 16, 8, 64
+    table_np, ids, seg, coef, grad = _junk_apply_inputs(rng, v, d, s, n, dtype)
+    slots_np = ref.random_slots(opt, v, d, rng)
+    want_t, want_s = ref.apply_row_grads(opt, table_np, slots_np,
+                                         ref.row_grads(ids, seg, coef, grad, v), STEP)
+
+    @jax.jit
+    def step_keep(table, mu, nu):
+        return cpu_ffi.sparse_apply(table, mu, nu, ids, seg, coef, grad, opt.hparams(), STEP,
+                                    optimizer=opt)
+
+    step_donate = jax.jit(step_keep.__wrapped__, donate_argnums=(0, 1, 2))
+
+    # Without donation the inputs stay intact (XLA copies before the in-place kernel).
+    table, mu, nu = (jnp.asarray(x) for x in (table_np, slots_np["mu"], slots_np["nu"]))
+    t1 = step_keep(table, mu, nu)[0]
+    np.testing.assert_array_equal(ref.bits(table), ref.bits(table_np))
+    np.testing.assert_array_equal(ref.bits(mu), ref.bits(slots_np["mu"]))
+
+    # With donation the kernel updates the very same buffers.
+    ptrs = [x.unsafe_buffer_pointer() for x in (table, mu, nu)]
+    t2, mu2, nu2 = step_donate(table, mu, nu)
+    assert [x.unsafe_buffer_pointer() for x in (t2, mu2, nu2)] == ptrs
+    assert table.is_deleted()
+    np.testing.assert_array_equal(ref.bits(t2), ref.bits(t1))
+    np.testing.assert_allclose(ref.f64(t2), ref.f64(want_t), **CPU_TOL[np.dtype(dtype)])
+    np.testing.assert_allclose(np.asarray(mu2), want_s["mu"], rtol=2e-5, atol=2e-6)
+
+
+@needs_cpu_ffi
+def test_cpu_wrapper_validation_and_codes():
+    from sparsejax.ops import _cpu_ffi, optimizers
+    from sparsejax.ops._sparse_apply import cpu_ffi
+
+    with pytest.raises(ValueError, match="takes 1 slots, got 0"):
+        cpu_ffi.sparse_apply(jnp.zeros((4, 2)), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                             jnp.ones(1), jnp.zeros((1, 2)), jnp.zeros(8), 1,
+                             optimizer=ref.optimizer("Adagrad"))
+    # optimizers.py is the one Python source of codes and slot counts.
+    assert _cpu_ffi.NUM_SLOTS == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 2}
+    assert {c: cls.__name__ for c, cls in optimizers.OPTIMIZERS_BY_CODE.items()} == {
+        0: "SGD", 1: "Adagrad", 2: "RowWiseAdagrad", 3: "LazyAdam", 4: "FTRL",
+        5: "AdagradDecay"}
+
+
+@needs_cpu_ffi
+def test_cpu_kernel_sgd_bit_exact_vs_f32_sequential():
+    """Per-row gradients are summed in f32 in ascending k; the update is w - lr*g.
+
+    (XLA:CPU may contract `w - lr*g` into an FMA, so the jnp reference agrees to an ulp
+    or so; against an uncontracted f32 evaluation the kernel is exact.)
+    """
+    rng = np.random.default_rng(10)
+    opt = ref.optimizer("SGD")
+    v, d, s, n = 50, 9, 6, 400
+    table, ids, seg, coef, grad = _junk_apply_inputs(rng, v, d, s, n, np.float32)
+    valid = ref.valid_mask(ids, seg, v, s)
+    g = np.zeros((v, d), np.float32)
+    for k in np.nonzero(valid)[0]:
+        g[ids[k]] = g[ids[k]] + coef[k] * grad[seg[k]]
+    touched = np.zeros(v, bool)
+    touched[ids[valid]] = True
+    want = table.copy()
+    want[touched] = table[touched] - np.float32(opt.learning_rate) * g[touched]
+    out_t, _ = _run_cpu(opt, table, {}, ids, seg, coef, grad, 1)
+    np.testing.assert_array_equal(ref.bits(out_t), ref.bits(want))
+
+
+# ------------------------------------------------------------------ pallas: the Triton kernels
+def _pallas():
+    from sparsejax.ops._sparse_apply import pallas_triton
+
+    return pallas_triton
+
+
+def _slot_tuple(opt, slots):
+    return tuple(jnp.asarray(slots[s.name]) for s in opt.slots())
+
+
+def _slot_dict(opt, slots):
+    return {s.name: v for s, v in zip(opt.slots(), slots, strict=True)}
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=ref.OPT_IDS)
+def test_pallas_apply_rows(opt):
+    rng = np.random.default_rng(0)
+    vocab, num_u, dim = 50, 29, 96
+    uids = rng.permutation(vocab)[:num_u].astype(np.int32)
+    uids[[3, 11, 12, 28]] = [-1, vocab, -7, vocab + 100]  # skipped, anywhere
+    grads = rng.normal(size=(num_u, dim)).astype(np.float32)
+    table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32)
+    slots = ref.random_slots(opt, vocab, dim, rng)
+    f = jax.jit(functools.partial(_pallas().apply_rows, optimizer=opt, interpret=True))
+    new_table, new_slots = f(table, _slot_tuple(opt, slots), jnp.asarray(uids),
+                             jnp.asarray(grads), opt.hparams(), jnp.int32(STEP))
+    by_row = {int(u): grads[i].astype(np.float64) for i, u in enumerate(uids) if 0 <= u < vocab}
+    ref.check_apply(opt, table, slots, new_table, _slot_dict(opt, new_slots), by_row, STEP,
+                    ref.TOL[jnp.float32])
+
+
+def test_pallas_apply_rows_bf16_table():
+    rng = np.random.default_rng(5)
+    opt, vocab, dim = ref.optimizer("RowWiseAdagrad"), 40, 64
+    uids = np.array([3, -1, 17, 39, 0, 40], np.int32)
+    grads = rng.normal(size=(6, dim)).astype(np.float32)
+    table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.bfloat16)
+    slots = ref.random_slots(opt, vocab, dim, rng)
+    f = jax.jit(functools.partial(_pallas().apply_rows, optimizer=opt, rows_per_step=4,
+                                  interpret=True))
+    new_table, new_slots = f(table, _slot_tuple(opt, slots), jnp.asarray(uids),
+                             jnp.asarray(grads), opt.hparams(), jnp.int32(1))
+    by_row = {int(u): grads[i].astype(np.float64) for i, u in enumerate(uids) if 0 <= u < vocab}
+    ref.check_apply(opt, table, slots, new_table, _slot_dict(opt, new_slots), by_row, 1,
+                    ref.TOL[jnp.bfloat16])
+
+
+def _pallas_apply(opt, table, slots, ids, seg, coef, grad, step, config=None):
+    f = jax.jit(functools.partial(_pallas().sparse_apply, optimizer=opt, config=config,
+                                  interpret=True))
+    outs = f(table, *_slot_tuple(opt, slots), jnp.asarray(ids), jnp.asarray(seg),
+             jnp.asarray(coef), jnp.asarray(grad), opt.hparams(), jnp.int32(step))
+    return outs[0], _slot_dict(opt, outs[1:])
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=ref.OPT_IDS)
+def test_pallas_hot_id_over_many_chunks(opt):
+    rng = np.random.default_rng(11)
+    vocab, num_segments, dim = 40, 10, 96
+    lengths = ref.bag_lengths(rng, num_segments, long=220)
+    # id 5 is hot: about half of all lookups, so its run spans > 3 chunks of 32.
+    ids, seg, coef = ref.make_lookups(rng, lengths, vocab, n_bad=10, dup_id=5)
+    assert np.sum((ids == 5) & ref.valid_mask(ids, seg, vocab, num_segments)) > 3 * 32
+    coef[np.flatnonzero(ids == 9)] = 0.0  # touched with a zero gradient
+    grad = rng.normal(size=(num_segments, dim)).astype(np.float32)
+    grad[0] = np.nan  # bag 0 is empty: its gradient must never leak anywhere
+    table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32)
+    slots = ref.random_slots(opt, vocab, dim, rng)
+    new_table, new_slots = _pallas_apply(opt, table, slots, ids, seg, coef, grad, STEP)
+    by_row = ref.row_grads(ids, seg, coef, grad, vocab)
+    assert 5 in by_row and np.isfinite(np.asarray(new_table)).all()
+    ref.check_apply(opt, table, slots, new_table, new_slots, by_row, STEP, ref.TOL[jnp.float32])
+
+
+def test_pallas_bf16_table_small_dim_and_chunk():
+    rng = np.random.default_rng(12)
+    opt, vocab, num_segments, dim = ref.optimizer("Adagrad"), 25, 7, 8
+    ids, seg, coef = ref.make_lookups(rng, ref.bag_lengths(rng, num_segments, long=30), vocab,
+                                      n_bad=6)
+    grad = rng.normal(size=(num_segments, dim)).astype(np.float32)
+    table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.bfloat16)
+    slots = ref.random_slots(opt, vocab, dim, rng)
+    new_table, new_slots = _pallas_apply(opt, table, slots, ids, seg, coef, grad, 2,
+                                         config=_pallas().Config(chunk=8))
+    ref.check_apply(opt, table, slots, new_table, new_slots,
+                    ref.row_grads(ids, seg, coef, grad, vocab), 2, ref.TOL[jnp.bfloat16])
+
+
+def test_pallas_nothing_valid():
+    opt = ref.optimizer("LazyAdam")
+    table = jnp.arange(40.0, dtype=jnp.float32).reshape(5, 8)
+    slots = opt.init_slots(5, 8)
+    ids = np.array([-1, 5, 9, 2], np.int32)
+    seg = np.array([0, 1, 1, 4], np.int32)  # id 2 is valid but its segment is not
+    new_table, new_slots = _pallas_apply(opt, table, slots, ids, seg, np.ones(4, np.float32),
+                                         np.ones((3, 8), np.float32), 1)
+    np.testing.assert_array_equal(np.asarray(new_table), np.asarray(table))
+    for k in slots:
+        np.testing.assert_array_equal(np.asarray(new_slots[k]), np.asarray(slots[k]))
+
+
+def _slot_structs(opt, vocab, dim):
+    return tuple(SDS((vocab,) if s.per_row else (vocab, dim), jnp.dtype(s.dtype))
+                 for s in opt.slots())
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=ref.OPT_IDS)
+def test_pallas_kernels_lower_for_cuda_with_donation(opt):
+    n, s, v, dim = 4096, 256, 100_000, 96
+    table = SDS((v, dim), jnp.float32)
+    slots = _slot_structs(opt, v, dim)
+    hp, step = SDS((8,), jnp.float32), SDS((), jnp.int32)
+    i = SDS((n,), jnp.int32)
+    n_state = 1 + len(slots)
+    txt = ref.lower_for_cuda(functools.partial(_pallas().apply_rows, optimizer=opt),
+                             table, slots, i, SDS((n, dim), jnp.float32), hp, step,
+                             donate_argnums=(0, 1))
+    assert "__gpu$xla.gpu.triton" in txt
+    # Donated table and slots alias the jit outputs and, inside, the kernel's outputs:
+    # the update is in place.
+    assert txt.count("tf.aliasing_output") == n_state
+    assert txt.count("stablehlo.output_operand_alias<") == n_state
+    txt = ref.lower_for_cuda(
+        lambda t, sl, *a: _pallas().sparse_apply(t, *sl, *a, optimizer=opt),
+        table, slots, i, i, SDS((n,), jnp.float32), SDS((s, dim), jnp.float32), hp, step,
+        donate_argnums=(0, 1))
+    assert txt.count("__gpu$xla.gpu.triton") >= 2  # spmm + apply_rows
+    assert txt.count("tf.aliasing_output") == n_state
+
+
+def test_pallas_bf16_table_optimizer_lowers_for_cuda():
+    opt, n, s, v = ref.optimizer("LazyAdam"), 4096, 256, 100_000
+    i = SDS((n,), jnp.int32)
+    txt = ref.lower_for_cuda(
+        lambda t, sl, *a: _pallas().sparse_apply(t, *sl, *a, optimizer=opt),
+        SDS((v, 128), jnp.bfloat16), _slot_structs(opt, v, 128), i, i, SDS((n,), jnp.float32),
+        SDS((s, 128), jnp.float32), SDS((8,), jnp.float32), SDS((), jnp.int32),
+        donate_argnums=(0, 1))
+    assert "__gpu$xla.gpu.triton" in txt

@@ -4,6 +4,13 @@ DLRM's pairwise-dot interaction.
 Every op has a pure-jnp reference exported beside it (`*_ref`, same signature) and
 an `implementation=` switch ("xla", "cpu_ffi", "pallas", or None for the platform's
 best; `default_implementation()` tells which).
+
+Layout: one private package per op (`_segment_spmm/`, `_embedding_bag/`,
+`_sparse_apply/`, `_pairwise_dots/`), each with `api.py` (the public function and its
+primitive), `base.py` (reference and XLA path), `cpu_ffi.py` and `pallas_triton.py`
+(one file per backend). Shared: `_primitive.py` (how a primitive is defined and
+registered), `_dispatch.py`, `_checks.py`, `_cpu_ffi.py` (loading the C++
+extension), `_pallas_common.py` and `optimizers.py`.
 """
 
 from . import optimizers as optimizers
@@ -20,8 +27,8 @@ from ._embedding_bag import embedding_bag_ref as embedding_bag_ref
 from ._embedding_bag import embedding_lookup as embedding_lookup
 from ._embedding_bag import embedding_lookup_ref as embedding_lookup_ref
 from ._embedding_bag import pooling_coefficients as pooling_coefficients
-from ._interaction import pairwise_dots as pairwise_dots
-from ._interaction import pairwise_dots_ref as pairwise_dots_ref
+from ._pairwise_dots import pairwise_dots as pairwise_dots
+from ._pairwise_dots import pairwise_dots_ref as pairwise_dots_ref
 from ._segment_spmm import segment_spmm as segment_spmm
 from ._segment_spmm import segment_spmm_ref as segment_spmm_ref
 from ._sparse_apply import dedup_ids as dedup_ids

@@ -117,3 +117,31 @@ def check_lookups(op, table_name, vocab, num_segments, ids, segment_ids=None, we
             lambda i, s, w: host_check_lookups(op, table_name, vocab, num_segments, i, s, w),
             ids, segment_ids, weights,
         )
+
+
+def check_unsharded(op: str, name: str, table) -> None:
+    """Refuse a table sharded across devices (trace time, nothing at run time).
+
+    The kernels need every row of the table on the device that runs them: handed a
+    row-sharded table, `jit` would all-gather the whole table onto every device. What
+    is seen here: a concrete array's sharding (eager calls) and the sharding in a traced
+    array's type (`jax.sharding.AxisType.Explicit` mesh axes, the default of
+    `jax.make_mesh`). Inside `jax.shard_map` the table is the local block: allowed.
+    """
+    if isinstance(table, jax.core.Tracer):
+        sharding = jax.typeof(table).sharding
+        mesh = sharding.mesh
+        if mesh.empty or mesh.are_all_axes_manual:
+            return
+        spec = [p for p in sharding.spec if p is not None]
+        sharded = bool(spec)
+    else:
+        sharding = getattr(table, "sharding", None)
+        sharded = sharding is not None and not sharding.is_fully_replicated
+    if sharded:
+        spec = getattr(sharding, "spec", sharding)
+        raise ValueError(
+            f"sparsejax.ops.{op}: table {name!r} is sharded across devices ({spec}); the "
+            "kernels need the whole table on each device: use a sharded table store / "
+            "shard_map (ids split over devices, table replicated) instead of jit on a "
+            "sharded table")

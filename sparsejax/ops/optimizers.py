@@ -27,7 +27,13 @@ __all__ = [
     "FTRL",
     "AdagradDecay",
     "SlotSpec",
+    "OPTIMIZERS_BY_CODE",
+    "num_slots_by_code",
 ]
+
+OPTIMIZERS_BY_CODE: dict[int, type[SparseOptimizer]] = {}
+"""Kernel code -> optimizer class; every subclass with a `code` registers itself. The
+one Python source of the codes and slot counts the C++ kernel is built against."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,20 @@ class SparseOptimizer:
 
     code: ClassVar[int]
     """Kernel id shared with the C++ CPU kernel."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code")
+        if code is not None:
+            if code in OPTIMIZERS_BY_CODE:
+                raise ValueError(f"optimizer code {code} of {cls.__name__} is already used by "
+                                 f"{OPTIMIZERS_BY_CODE[code].__name__}")
+            OPTIMIZERS_BY_CODE[code] = cls
+
+    @classmethod
+    def num_slots(cls) -> int:
+        """How many slot arrays the optimizer keeps (the same for every instance)."""
+        return len(cls(learning_rate=1.0).slots())
 
     def slots(self) -> tuple[SlotSpec, ...]:
         return ()
@@ -241,3 +261,8 @@ class AdagradDecay(SparseOptimizer):
         acc = acc + grads * grads
         new_rows = rows - lr * grads * jax.lax.rsqrt(acc)
         return new_rows, {"accumulator": acc, "decay_power": jnp.maximum(power, period)}
+
+
+def num_slots_by_code() -> dict[int, int]:
+    """Kernel code -> number of slots, for every registered optimizer."""
+    return {code: cls.num_slots() for code, cls in sorted(OPTIMIZERS_BY_CODE.items())}
