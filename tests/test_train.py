@@ -185,6 +185,12 @@ def test_fit_calls_hooks_every_step_and_a_hook_stops_training(tmp_path):
     assert stopper.before == [8, 9, 10] and stopper.ended == (10, 10)
     assert int(result.state.step) == 10 and stopper.logs == [10]  # the partial window
 
+    short = _Recorder()  # the data runs out before `steps`: the last batch ends training
+    result = train.fit(trainer, result.state, _batches(data, 3), steps=20, log_every=5,
+                       hooks=[short])
+    assert short.before == [11, 12, 13] and short.logs == [13] and short.ended == (13, 13)
+    assert int(result.state.step) == 13
+
 
 def test_fit_stops_on_a_nan_loss_naming_the_step(tmp_path):
     _, data, model, first = _small(tmp_path)

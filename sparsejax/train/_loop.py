@@ -76,7 +76,7 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
         data_position: Callable[[], Any] | None = None, checkpoint_extra: Mapping | None = None,
         log_every: int | None = None, hooks: Sequence[Hook] = ()) -> FitResult:
     """Train `state` from its step to `steps`, on `batches` (an iterable of batches from
-    the data position matching the state's step).
+    the data position matching the state's step; training ends early if it runs out).
 
     Every `eval_every` steps it evaluates on `eval_batches` (and at the end, if it
     trained or never evaluated); every `checkpoint_every` steps it saves through
@@ -116,7 +116,10 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
     step = start
     it = iter(batches)
     for step in range(start + 1, steps + 1):
-        batch = next(it)
+        batch = next(it, None)
+        if batch is None:  # the data ran out: the previous step was the last
+            step -= 1
+            break
         for h in hooks:
             h.before_step(step, batch)
         state, metrics = trainer.train_step(state, batch)
@@ -151,6 +154,12 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
             paused += time.perf_counter() - t
         if stop:
             break
+    if pending is not None:  # only when the data ran out
+        window.append(_check_finite(*pending, checkpointer))
+        if log_every is not None:
+            record = {"step": step, "loss": float(np.mean(window)), "samples_per_s": rate()}
+            for h in hooks:
+                h.on_log(step, record)
     samples_per_s = rate() if timed else None
     trained = step > start
     if eval_batches and (trained or not eval_result):
