@@ -113,6 +113,13 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
         elapsed = time.perf_counter() - t_start - paused
         return timed * batch_size / max(elapsed, 1e-9) if timed else 0.0
 
+    def log(step):  # the mean loss of the steps since the last record
+        nonlocal window
+        record = {"step": step, "loss": float(np.mean(window)), "samples_per_s": rate()}
+        window = []
+        for h in hooks:
+            h.on_log(step, record)
+
     step = start
     it = iter(batches)
     for step in range(start + 1, steps + 1):
@@ -141,10 +148,7 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
             window.append(_check_finite(*pending, checkpointer))
             pending = None
         if is_log:
-            record = {"step": step, "loss": float(np.mean(window)), "samples_per_s": rate()}
-            window = []
-            for h in hooks:
-                h.on_log(step, record)
+            log(step)
         if is_eval or is_ckpt:
             t = time.perf_counter()
             if is_eval:
@@ -157,9 +161,7 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
     if pending is not None:  # only when the data ran out
         window.append(_check_finite(*pending, checkpointer))
         if log_every is not None:
-            record = {"step": step, "loss": float(np.mean(window)), "samples_per_s": rate()}
-            for h in hooks:
-                h.on_log(step, record)
+            log(step)
     samples_per_s = rate() if timed else None
     trained = step > start
     if eval_batches and (trained or not eval_result):
