@@ -24,35 +24,29 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Waits up to `limit` for pred(), checking between `pause`s. With `yield`, after ~64
-// pauses it calls sched_yield() between checks instead, so that any other runnable
-// thread on this core (PyTorch's OpenMP team, a data loader, XLA's own pool) goes first:
-// an idle worker then only holds a core nobody else wants. The caller, whose kernel call
-// is still in progress, does not yield: that would hand its core to another thread for a
-// whole scheduler slice, longer than most calls.
+// Waits up to `limit` for pred(), with a `pause` between checks. No sched_yield(): under
+// EEVDF (Linux >= 6.6) each yield pushes the thread's deadline a whole slice later, so a
+// worker that yield-spins until a job arrives then runs that job behind every other
+// runnable thread; a short bounded spin followed by a futex sleep burns less and keeps
+// the worker's place.
 template <typename Pred>
-bool SpinUntil(Pred pred, std::chrono::microseconds limit, bool yield) {
-  constexpr int kPauses = 64;
+bool SpinUntil(Pred pred, std::chrono::microseconds limit) {
   const Clock::time_point until = Clock::now() + limit;
   for (int i = 0;; ++i) {
     if (pred()) return true;
-    if (yield && i >= kPauses) {
-      sched_yield();
-    } else {
 #if SJ_HAVE_X86
-      __builtin_ia32_pause();
+    __builtin_ia32_pause();
 #endif
-    }
-    if ((yield || (i & 255) == 0) && Clock::now() >= until) return pred();
+    if ((i & 63) == 0 && Clock::now() >= until) return pred();
   }
 }
 
-// How long an idle worker keeps looking for the next job before it sleeps on a futex
-// ($SPARSEJAX_CPU_SPIN_US, default 200 us, about the gap between two calls from a Python
-// loop): back-to-back kernel calls then skip a futex wake-up (tens to hundreds of
-// microseconds on a VM), and as the waiting yields, a thread that wants the core gets it.
+// How long an idle worker spins for the next job before it sleeps on a futex
+// ($SPARSEJAX_CPU_SPIN_US, default 100 us): back-to-back kernel calls (several per
+// training step) then skip a futex wake-up (tens to hundreds of microseconds on a VM),
+// while a worker between calls holds a core at most that long.
 std::chrono::microseconds IdleSpin() {
-  static const int64_t us = std::max<int64_t>(0, EnvInt("SPARSEJAX_CPU_SPIN_US", 200));
+  static const int64_t us = std::max<int64_t>(0, EnvInt("SPARSEJAX_CPU_SPIN_US", 100));
   return std::chrono::microseconds(us);
 }
 
@@ -91,9 +85,9 @@ void RequestShortSlice() {
 // If the pool is busy (XLA may run two custom calls at once) or a worker cannot be
 // started, the shares also run on the calling thread: results never depend on the split.
 //
-// Between calls the pool burns no core another thread could use: an idle worker looks
-// for the next job for IdleSpin() while yielding, then sleeps on a futex. During a call
-// the caller spins (up to 1 ms, then sleeps) for the shares workers have claimed.
+// Between calls the pool holds no core for long: an idle worker spins IdleSpin() for the
+// next job, then sleeps on a futex. During a call the caller spins (up to 1 ms, then
+// sleeps) for the shares workers have claimed.
 class WorkerPool {
  public:
   static WorkerPool& Get() {
@@ -140,7 +134,7 @@ class WorkerPool {
     }
     const int claimed = first_unclaimed - 1;
     auto all_done = [&] { return done_.load(std::memory_order_acquire) == claimed; };
-    if (!SpinUntil(all_done, std::chrono::milliseconds(1), /*yield=*/false)) {
+    if (!SpinUntil(all_done, std::chrono::milliseconds(1))) {
       std::unique_lock<std::mutex> lk(mu_);
       caller_sleeping_ = true;
       done_cv_.wait(lk, all_done);
@@ -191,7 +185,7 @@ class WorkerPool {
     uint64_t seen = 0;
     for (;;) {
       auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
-      if (!SpinUntil(fresh, IdleSpin(), /*yield=*/true)) {
+      if (!SpinUntil(fresh, IdleSpin())) {
         std::unique_lock<std::mutex> lk(mu_);
         ++sleepers_;
         cv_.wait(lk, fresh);
