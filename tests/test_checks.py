@@ -49,7 +49,8 @@ def test_unsorted_segments_and_bad_segment_ids_are_reported_eagerly():
     with pytest.raises(IndexError, match=r"segment id 5 at position 1 is outside \[0, 2\)"):
         ops.embedding_bag(TABLE, jnp.array([1, 2]), jnp.array([0, 5]), 2)
     # padding entries may carry any segment id
-    ops.embedding_bag(TABLE, jnp.array([1, -1, 2]), jnp.array([1, 0, 1]), 2)
+    out = ops.embedding_bag(TABLE, jnp.array([1, -1, 2]), jnp.array([1, 0, 1]), 2)
+    np.testing.assert_array_equal(out, np.stack([np.zeros(4), TABLE[1] + TABLE[2]]))
 
 
 def test_non_finite_weight_is_reported():

@@ -597,3 +597,9 @@ def test_pallas_bf16_table_optimizer_lowers_for_cuda():
         SDS((s, 128), jnp.float32), SDS((8,), jnp.float32), SDS((), jnp.int32),
         donate_argnums=(0, 1))
     assert "__gpu$xla.gpu.triton" in txt
+
+
+def test_pallas_heuristic_config():
+    cfg = _pallas().get_heuristic_config
+    assert cfg(96) == _pallas().Config(chunk=32, rows_per_step=8)
+    assert cfg(1000).rows_per_step == 4

@@ -34,6 +34,13 @@ class Config:
     """Unique rows per program of `apply_rows` (a power of two)."""
 
 
+def get_heuristic_config(dim: int) -> Config:
+    """Chunks of 32 sorted lookups (FBGEMM's warp-sized chunk); 8 rows per optimizer
+    program, 4 when a padded row passes 512 columns (keeps a program's rows + slots in
+    registers)."""
+    return Config(rows_per_step=4 if next_pow2(dim) > 512 else 8)
+
+
 def _apply_rows_kernel(uids_ref, grads_ref, hp_ref, step_ref, *refs, optimizer, rows_per_step,
                        dim, num_rows, vocab, n_slots):
     # Inputs table + slots are aliased with the outputs; read and write the outputs.
@@ -164,7 +171,7 @@ def sparse_apply(table, *operands, optimizer, config: Config | None = None,
     Steps: XLA sort-based dedup plan, the spmm kernel (rows = runs of equal ids,
     columns = segment ids) for the per-row gradient sums G[N, Dp], then `apply_rows`.
     """
-    config = config or Config()
+    config = config or get_heuristic_config(table.shape[1])
     n_slots = optimizer.num_slots()
     slots, (ids, segment_ids, coef, grad, hparams, step) = (tuple(operands[:n_slots]),
                                                             operands[n_slots:])
