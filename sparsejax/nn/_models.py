@@ -52,8 +52,16 @@ class _CTRModel(nn.Module):
         return {k: v.astype(self.dtype or jnp.float32) for k, v in out.items()}
 
     def pooled_stack(self, emb) -> jax.Array:
-        """[B, F, D] of the pooled features, in spec order."""
-        return jnp.stack([emb[f.name] for f in self.features if not f.is_sequence], axis=1)
+        """[B, F, D] of the pooled features, in spec order.
+
+        Built as concatenate-reshape-transpose, not `jnp.stack`: when the features are
+        consecutive pieces of one lookup output (one table stack), XLA folds the
+        concatenate of those pieces back into that output, so forward and gradient are
+        one transposing copy each instead of one slice per feature plus a concatenate.
+        """
+        pooled = [emb[f.name] for f in self.features if not f.is_sequence]
+        batch = pooled[0].shape[0]
+        return jnp.concatenate(pooled, axis=0).reshape(len(pooled), batch, -1).transpose(1, 0, 2)
 
     def flat_with_dense(self, vecs, batch) -> jax.Array:
         """[B, F*D + num_dense]: the embeddings side by side, then the dense features."""
