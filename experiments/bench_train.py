@@ -35,8 +35,12 @@ ms; >1 means sparsejax is faster).
 timed as separate jitted functions) and an XLA-vs-torch comparison of the dense part
 and of the MLP matmuls at these shapes.
 
-    PYTHONPATH=. python experiments/bench_train.py --peer-python /work/peer-venv/bin/python \
-        --profile
+The torch rows need a python with torch, fbgemm-gpu-cpu and torchrec: `--peer-python`,
+or the environment variable PEER_PYTHON; without either they are skipped.
+`sparsejax._cpu_runtime.tune_allocator` is applied before JAX starts, as on
+`import sparsejax`; the header says whether it is in effect.
+
+    PYTHONPATH=. python experiments/bench_train.py --peer-python "$PEER_PYTHON" --profile
 """
 
 from __future__ import annotations
@@ -183,6 +187,8 @@ def loader_alone(data, args) -> list[float]:
 
 
 def run_torch(args, method: str, npz: str) -> dict:
+    if not args.peer_python:
+        return {"error": "no --peer-python / PEER_PYTHON"}
     cmd = [args.peer_python, TORCH_SCRIPT, "--method", method, "--data", npz,
            "--reps", str(args.reps), "--steps", str(args.steps),
            "--warmup-s", str(args.warmup_s), "--threads", "2"]
@@ -345,6 +351,8 @@ print(json.dumps(res))
 
 
 def _torch_matmuls(args, shapes, b):
+    if not args.peer_python:
+        return None
     p = subprocess.run([args.peer_python, "-c", _TORCH_MM,
                         json.dumps([shapes, b, max(args.reps, 5), args.steps])],
                        capture_output=True, text=True)
@@ -368,9 +376,9 @@ def fmt_row(name, reps, b, ref_ms, note=""):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--peer-python", default="/work/peer-venv/bin/python",
-                    help="python of the venv with torch, fbgemm-gpu-cpu and torchrec "
-                         "('' skips the torch rows)")
+    ap.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", ""),
+                    help="python of a venv with torch, fbgemm-gpu-cpu and torchrec "
+                         "(default: $PEER_PYTHON; none skips the torch rows)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-vocab", type=float, default=1e6)
@@ -386,6 +394,10 @@ def main():
     args = ap.parse_args()
     if args.reps < 1 or args.steps < 1:
         ap.error("--reps and --steps must be >= 1")
+
+    from sparsejax._cpu_runtime import tune_allocator
+
+    malloc_tuned = tune_allocator()  # before JAX starts its CPU threads
 
     import jax
 
@@ -448,7 +460,8 @@ def main():
           f"{rows_total:,} table rows (Criteo Kaggle cardinalities capped at "
           f"{int(args.max_vocab):,}), Zipf 1.1; {args.reps} reps x {args.steps} steps after "
           f"{args.warmup_s:g} s warm-up; jax {jax.__version__} on {jax.default_backend()}, "
-          f"sparse kernels: {impl} (_cpu_ext built {so_time}); torch env: "
+          f"sparse kernels: {impl} (_cpu_ext built {so_time}); malloc tuning: "
+          f"{'on' if malloc_tuned else 'off'}; torch env: "
           f"{' '.join(args.torch_env) or 'default'}; load average at the stages: "
           f"{' | '.join(loads)}\n")
     print("| row | ms/step median (min-max) | samples/s | row ms / sparsejax ms | notes |")
