@@ -100,6 +100,7 @@ class WorkerPool {
     std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
     EnsureWorkers(n - 1);
+    KeepWorkersOffCallerCpu();
     bool wake;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -144,10 +145,32 @@ class WorkerPool {
   }
 
  private:
+  // Restricts the workers to the process's CPUs other than the one the caller runs on
+  // (re-done only when the caller's CPU changes). A woken worker otherwise tends to stay
+  // on its waker's CPU, where it only takes turns with the caller, while the other CPU is
+  // held by another thread (PyTorch's OpenMP workers spin ~9 ms after each parallel
+  // region); a short slice then lets it preempt that spinner. Without this, half the
+  // processes of a same-process benchmark ran at one core's speed throughout.
+  // Off with $SPARSEJAX_CPU_AVOID_CALLER=0, and when the workers would have no CPU left.
+  void KeepWorkersOffCallerCpu() {
+#if defined(__linux__)
+    static const bool on = EnvInt("SPARSEJAX_CPU_AVOID_CALLER", 1) != 0;
+    const int cpu = sched_getcpu();
+    if (!on || cpu < 0 || cpu == caller_cpu_ || handles_.empty()) return;
+    caller_cpu_ = cpu;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0 || !CPU_ISSET(cpu, &set)) return;
+    CPU_CLR(cpu, &set);
+    if (CPU_COUNT(&set) < static_cast<int>(handles_.size())) return;
+    for (pthread_t h : handles_) pthread_setaffinity_np(h, sizeof(set), &set);
+#endif
+  }
+
   void EnsureWorkers(int want) {
     while (static_cast<int>(workers_.size()) < want) {
       try {
         workers_.emplace_back([this] { Loop(); });
+        handles_.push_back(workers_.back().native_handle());
         workers_.back().detach();
       } catch (...) {
         return;  // the caller runs that share
@@ -200,6 +223,8 @@ class WorkerPool {
   std::mutex run_mu_, mu_;
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> workers_;
+  std::vector<pthread_t> handles_;  // of workers_, for their CPU affinity
+  int caller_cpu_ = -1;             // the caller's CPU when the affinity was last set
   const std::function<void(int)>* job_ = nullptr;  // guarded by mu_, as the next four
   int next_ = 0, end_ = 0;                         // shares [next_, end_) are unclaimed
   int sleepers_ = 0;                               // workers blocked in cv_

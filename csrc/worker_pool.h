@@ -8,7 +8,8 @@
 //
 // The pool shares the machine with other thread pools (PyTorch's OpenMP team, XLA's,
 // data loaders): idle workers spin briefly ($SPARSEJAX_CPU_SPIN_US, default 100) and
-// then sleep, a late worker's share is run by the caller, and workers ask for a short
+// then sleep, a late worker's share is run by the caller, workers keep off the
+// caller's CPU ($SPARSEJAX_CPU_AVOID_CALLER=0 turns that off) and ask for a short
 // scheduler slice ($SPARSEJAX_CPU_WORKER_SLICE_US, default 100; 0 = the kernel default)
 // so that they are not queued behind another pool's spinning thread. See worker_pool.cc.
 
