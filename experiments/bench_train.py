@@ -37,8 +37,9 @@ and of the MLP matmuls at these shapes.
 
 The torch rows need a python with torch, fbgemm-gpu-cpu and torchrec: `--peer-python`,
 or the environment variable PEER_PYTHON; without either they are skipped.
-`sparsejax._cpu_runtime.tune_allocator` is applied before JAX starts, as on
-`import sparsejax`; the header says whether it is in effect.
+`sparsejax._cpu_runtime.tune_allocator` (XLA:CPU's per-step temporary buffer reused
+instead of mapped afresh) is applied before JAX starts; the header says whether it is
+in effect (`SPARSEJAX_MALLOC_TUNING=0` turns it off, to compare).
 
     PYTHONPATH=. python experiments/bench_train.py --peer-python "$PEER_PYTHON" --profile
 """
