@@ -22,10 +22,10 @@ of the per-process median step time.
 Peers (optional; their columns read n/a without them):
   --peer-python       python of a venv with torch==2.13.0 + fbgemm-gpu-cpu, for the torch
                       column of (a) and the torch/FBGEMM columns of (b);
-                      default $SPARSEJAX_PEER_PYTHON
+                      default $PEER_PYTHON
   --peer-step-script  the PyTorch step benchmark for (b) (torch_step_bench.py, kept with
                       the peer venv, not in this repository);
-                      default $SPARSEJAX_PEER_STEP_SCRIPT
+                      default $PEER_STEP_SCRIPT
 
     PYTHONPATH=. python experiments/bench_ops.py --peer-python PEER_VENV/bin/python \
         --peer-step-script PEERS/torch_step_bench.py
@@ -118,8 +118,11 @@ def _forward_setup(impl: str, V: int):
     ids = [jnp.asarray(rng.integers(0, V, N), jnp.int32) for _ in range(NBATCH)]
     seg = jnp.asarray(np.repeat(np.arange(B), F), jnp.int32)
     if impl == "jnp_take_segment_sum":
-        f = jax.jit(lambda t, i: jax.ops.segment_sum(jnp.take(t, i, axis=0), seg, B,
-                                                      indices_are_sorted=True))
+        f = jax.jit(
+            lambda t, i: jax.ops.segment_sum(
+                jnp.take(t, i, axis=0), seg, B, indices_are_sorted=True
+            )
+        )
     else:
         f = jax.jit(lambda t, i: ops.embedding_bag(t, i, seg, B, implementation=impl))
     jax.block_until_ready(table)
@@ -175,8 +178,9 @@ def run_same_process(V: int, reps: int, rounds: int = 3) -> dict:
             eb(tids[k % NBATCH], offsets)
         return time.perf_counter() - t
 
-    np.testing.assert_allclose(np.asarray(sj_call(0)), eb(tids[0], offsets).detach().numpy(),
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(sj_call(0)), eb(tids[0], offsets).detach().numpy(), rtol=1e-4, atol=1e-6
+    )
     _warm_up(lambda k: (sj(k), tc(k)))
     stop = threading.Event()
 
@@ -208,9 +212,10 @@ def run_same_process(V: int, reps: int, rounds: int = 3) -> dict:
             if thread is not None:
                 stop.set()
                 thread.join()
-    return dict(torch_threads=torch.get_num_threads(),
-                **{c: {op: 1e3 * statistics.median(v) for op, v in t.items()}
-                   for c, t in times.items()})
+    return dict(
+        torch_threads=torch.get_num_threads(),
+        **{c: {op: 1e3 * statistics.median(v) for op, v in t.items()} for c, t in times.items()},
+    )
 
 
 def _mlp():
@@ -302,8 +307,9 @@ def run_step(method: str, cfg: str, V: int, warmup_s: float = 0.0) -> dict:
                 return bce(mlp.apply(params, pooled.reshape(B, -1, D).sum(1)), y)
 
             loss, (g_pooled, g_params) = jax.value_and_grad(loss_fn, (0, 1))(pooled, params)
-            table, slots = ops.sparse_apply(table, slots, ids, seg, g_pooled, optimizer=opt,
-                                            step=step_no, implementation=impl)
+            table, slots = ops.sparse_apply(
+                table, slots, ids, seg, g_pooled, optimizer=opt, step=step_no, implementation=impl
+            )
             upd, opt_state = tx.update(g_params, opt_state, params)
             return table, slots, optax.apply_updates(params, upd), opt_state, loss
 
@@ -353,35 +359,48 @@ def step_cell(method, cfg, V, peer_python, peer_script, warmup_s):
     if method in ("torch_eb", "tbe_rw"):
         if not (peer_python and peer_script):
             return dict(error="no --peer-python / --peer-step-script")
-        return _subprocess_json([peer_python, peer_script, "--method", method, "--cfg", cfg,
-                                 "--V", str(V)])
-    return _subprocess_json([sys.executable, __file__, "--one-step", method, cfg, str(V),
-                             str(warmup_s)])
+        return _subprocess_json(
+            [peer_python, peer_script, "--method", method, "--cfg", cfg, "--V", str(V)]
+        )
+    return _subprocess_json(
+        [sys.executable, __file__, "--one-step", method, cfg, str(V), str(warmup_s)]
+    )
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--peer-python", default=os.environ.get("SPARSEJAX_PEER_PYTHON"),
-                    help="python of a venv with torch==2.13.0 + fbgemm-gpu-cpu "
-                         "(default $SPARSEJAX_PEER_PYTHON)")
-    ap.add_argument("--peer-step-script", default=os.environ.get("SPARSEJAX_PEER_STEP_SCRIPT"),
-                    help="torch_step_bench.py for the (b) peer columns "
-                         "(default $SPARSEJAX_PEER_STEP_SCRIPT)")
+    ap.add_argument(
+        "--peer-python",
+        default=os.environ.get("PEER_PYTHON"),
+        help="python of a venv with torch==2.13.0 + fbgemm-gpu-cpu (default $PEER_PYTHON)",
+    )
+    ap.add_argument(
+        "--peer-step-script",
+        default=os.environ.get("PEER_STEP_SCRIPT"),
+        help="torch_step_bench.py for the (b) peer columns (default $PEER_STEP_SCRIPT)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="processes per cell (median of medians)")
     ap.add_argument("--fwd-reps", type=int, default=21, help="timed calls per forward process")
     ap.add_argument("--vocab", default="1e4,1e5,1e6,4e6")
     ap.add_argument("--impls", default="cpu_ffi,xla,pallas")
     ap.add_argument("--skip-forward", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
-    ap.add_argument("--skip-same-process", action="store_true",
-                    help="skip (c), the forward in one process with PyTorch")
+    ap.add_argument(
+        "--skip-same-process",
+        action="store_true",
+        help="skip (c), the forward in one process with PyTorch",
+    )
     ap.add_argument("--naive-max-vocab", type=float, default=4e6)
     ap.add_argument("--json", default=None, help="also write raw results here")
     ap.add_argument("--one-forward", nargs=3, help=argparse.SUPPRESS)
-    ap.add_argument("--warmup-s", type=float, default=0.0,
-                    help="extra warm-up seconds for the JAX steps (steady state: the C++ "
-                         "kernels move tables >= 64 MiB onto 2 MiB pages in the background "
-                         "during the first seconds); peers always get 2 warm-up steps")
+    ap.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="extra warm-up seconds for the JAX steps (steady state: the C++ "
+        "kernels move tables >= 64 MiB onto 2 MiB pages in the background "
+        "during the first seconds); peers always get 2 warm-up steps",
+    )
     ap.add_argument("--one-step", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--one-same-process", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -410,16 +429,20 @@ def main():
                 runs[c].append(forward_cell(c, V, args.fwd_reps, args.peer_python))
         raw["forward"] = runs
         torch_gbps = _median(runs["torch_embedding_bag"], "gbps")
-        print(f"\n(a) embedding_bag forward, V=1e6, N={N}, D={D}, sum, f32 "
-              f"({args.reps} processes x {args.fwd_reps} calls, median)")
+        print(
+            f"\n(a) embedding_bag forward, V=1e6, N={N}, D={D}, sum, f32 "
+            f"({args.reps} processes x {args.fwd_reps} calls, median)"
+        )
         print("| implementation | ms | GB/s gathered | vs torch EmbeddingBag | % of memcopy |")
         print("|---|---|---|---|---|")
         copy = _median(runs["memcopy"], "gbps")
         print(f"| memcopy (np.copyto 512 MiB, read+write) | | {copy:.1f} | | 100% |")
         for c in cells[1:]:
             ms, gb = _median(runs[c], "median_ms"), _median(runs[c], "gbps")
-            print(f"| {c} | {_fmt(ms, 2)} | {_fmt(gb, 2)} | {_ratio(gb, torch_gbps)} "
-                  f"| {_ratio(gb, copy, pct=True)} |")
+            print(
+                f"| {c} | {_fmt(ms, 2)} | {_fmt(gb, 2)} | {_ratio(gb, torch_gbps)} "
+                f"| {_ratio(gb, copy, pct=True)} |"
+            )
 
     if not args.skip_same_process:
         raw["same_process"] = same_process_table(args.reps, args.fwd_reps)
@@ -427,7 +450,10 @@ def main():
     if not args.skip_step:
         vocabs = [int(float(v)) for v in args.vocab.split(",")]
         methods = [f"sparsejax_{i}" for i in impls if i != "pallas"] + [
-            "flax_naive", "torch_eb", "tbe_rw"]
+            "flax_naive",
+            "torch_eb",
+            "tbe_rw",
+        ]
         step_runs = {}
         for _ in range(args.reps):
             for cfg in ("pool26", "pool1"):
@@ -436,29 +462,42 @@ def main():
                         if m == "flax_naive" and V > args.naive_max_vocab:
                             continue
                         step_runs.setdefault((m, cfg, V), []).append(
-                            step_cell(m, cfg, V, args.peer_python, args.peer_step_script,
-                                      args.warmup_s))
+                            step_cell(
+                                m, cfg, V, args.peer_python, args.peer_step_script, args.warmup_s
+                            )
+                        )
         raw["step"] = {"|".join(map(str, k)): v for k, v in step_runs.items()}
-        print(f"\n(b) DLRM-like train step, B={B}, 26 lookups/example, D={D}, row-wise Adagrad "
-              f"(median ms over {args.reps} processes of the median of {STEPS} steps; "
-              f"JAX warm-up {WARMUP} steps + {args.warmup_s:g} s)")
+        print(
+            f"\n(b) DLRM-like train step, B={B}, 26 lookups/example, D={D}, row-wise Adagrad "
+            f"(median ms over {args.reps} processes of the median of {STEPS} steps; "
+            f"JAX warm-up {WARMUP} steps + {args.warmup_s:g} s)"
+        )
         best = methods[0]
         for cfg in ("pool26", "pool1"):
-            print(f"\n{cfg}: " + ("one table, 26 ids per example" if cfg == "pool26"
-                                  else "26 tables, one id each"))
-            print("| V | " + " | ".join(methods) + f" | {best} speed-up vs tbe_rw | vs torch_eb "
-                  "| vs flax_naive |")
+            print(
+                f"\n{cfg}: "
+                + ("one table, 26 ids per example" if cfg == "pool26" else "26 tables, one id each")
+            )
+            print(
+                "| V | " + " | ".join(methods) + f" | {best} speed-up vs tbe_rw | vs torch_eb "
+                "| vs flax_naive |"
+            )
             print("|---" * (len(methods) + 4) + "|")
             for V in vocabs:
                 med = {m: _median(step_runs.get((m, cfg, V), []), "median_ms") for m in methods}
                 cells = " | ".join(_fmt(med[m], 1) for m in methods)
-                print(f"| {V:.0e} | {cells} | {_ratio(med['tbe_rw'], med[best])} | "
-                      f"{_ratio(med['torch_eb'], med[best])} | "
-                      f"{_ratio(med['flax_naive'], med[best])} |")
-            lo, hi = (_median(step_runs.get((best, cfg, v), []), "median_ms")
-                      for v in (min(vocabs), max(vocabs)))
-            print(f"\n{best} step(V={max(vocabs):.0e}) / step(V={min(vocabs):.0e}) = "
-                  f"{_ratio(hi, lo)}")
+                print(
+                    f"| {V:.0e} | {cells} | {_ratio(med['tbe_rw'], med[best])} | "
+                    f"{_ratio(med['torch_eb'], med[best])} | "
+                    f"{_ratio(med['flax_naive'], med[best])} |"
+                )
+            lo, hi = (
+                _median(step_runs.get((best, cfg, v), []), "median_ms")
+                for v in (min(vocabs), max(vocabs))
+            )
+            print(
+                f"\n{best} step(V={max(vocabs):.0e}) / step(V={min(vocabs):.0e}) = {_ratio(hi, lo)}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1, default=str)
@@ -469,9 +508,11 @@ def same_process_table(reps: int, fwd_reps: int) -> list[dict]:
     import importlib.util
 
     V = 1_000_000
-    print(f"\n(c) embedding_bag forward in ONE process with PyTorch, V=1e6, N={N}, D={D}, sum, "
-          f"f32 ({reps} processes x 3 rounds x {fwd_reps} calls per op and case; ratios "
-          "within each process, then the median)")
+    print(
+        f"\n(c) embedding_bag forward in ONE process with PyTorch, V=1e6, N={N}, D={D}, sum, "
+        f"f32 ({reps} processes x 3 rounds x {fwd_reps} calls per op and case; ratios "
+        "within each process, then the median)"
+    )
     if importlib.util.find_spec("torch") is None:
         print("skipped: torch is not installed in this venv (pip install -e .[bench])")
         return []
@@ -484,8 +525,10 @@ def same_process_table(reps: int, fwd_reps: int) -> list[dict]:
     if not ok:
         return runs
     print(f"torch threads: {ok[0]['torch_threads']}")
-    print("| case | sparsejax cpu_ffi GB/s | torch EmbeddingBag GB/s | sparsejax vs torch "
-          "| sparsejax vs its alone | torch vs its alone |")
+    print(
+        "| case | sparsejax cpu_ffi GB/s | torch EmbeddingBag GB/s | sparsejax vs torch "
+        "| sparsejax vs its alone | torch vs its alone |"
+    )
     print("|---|---|---|---|---|---|")
     med = statistics.median
     for case in SAME_PROCESS_CASES:
@@ -494,8 +537,10 @@ def same_process_table(reps: int, fwd_reps: int) -> list[dict]:
         vs_torch = med(t / s for s, t in zip(sj, tc, strict=True))
         sj_alone = med(r["alone"]["sparsejax"] / s for r, s in zip(ok, sj, strict=True))
         tc_alone = med(r["alone"]["torch"] / t for r, t in zip(ok, tc, strict=True))
-        print(f"| {case} | {_gbps(med(sj)):.2f} | {_gbps(med(tc)):.2f} | {vs_torch:.2f}x "
-              f"| {100 * sj_alone:.0f}% | {100 * tc_alone:.0f}% |")
+        print(
+            f"| {case} | {_gbps(med(sj)):.2f} | {_gbps(med(tc)):.2f} | {vs_torch:.2f}x "
+            f"| {100 * sj_alone:.0f}% | {100 * tc_alone:.0f}% |"
+        )
     return runs
 
 

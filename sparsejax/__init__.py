@@ -11,7 +11,12 @@ so `import sparsejax.ops` pulls in no Flax, Orbax or matplotlib.
 
 import importlib
 
+from ._cpu_runtime import tune_allocator as _tune_allocator
 from ._version import __version__ as __version__
+
+# Before any JAX computation can run: XLA:CPU then reuses its per-step buffers instead of
+# page-faulting fresh memory every step (see `_cpu_runtime`; SPARSEJAX_MALLOC_TUNING=0).
+_tune_allocator()
 
 _SUBPACKAGES = ("checkpoint", "data", "embedding", "nn", "ops", "runner", "train")
 __all__ = ["__version__", *_SUBPACKAGES]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 # One fresh process per setting: the tuning acts on the whole process and only before
-# JAX's threads start, so it is never applied to the test process itself.
+# JAX's threads start (the test process gets it from `import sparsejax`, not from here).
 # The jitted function's temporaries take tens of MB (above every glibc mmap threshold);
 # the first calls settle the heap, so faults are counted from the 11th call on.
 _PROBE = r"""
@@ -32,8 +32,14 @@ print(json.dumps({"applied": applied, "again": tune_allocator(), "faults": fault
 
 def _probe(tuning: str) -> dict:
     env = dict(os.environ, SPARSEJAX_MALLOC_TUNING=tuning, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                         env=env, check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=300,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -46,4 +52,3 @@ def test_tuned_allocator_reuses_the_temporary_buffer():
     assert off["faults"] > 5_000, off
     # ...and (almost) none with it
     assert on["faults"] < 500, on
-

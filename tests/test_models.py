@@ -8,14 +8,15 @@ import pytest
 
 from sparsejax import nn as snn
 from sparsejax import runner
-from sparsejax.data import Jagged
+from sparsejax.data import PaddedIds
 
 
 def test_dot_interaction_is_all_pairs_row_major():
     x = np.random.default_rng(0).normal(size=(3, 5, 4)).astype(np.float32)
     got = snn.DotInteraction().apply({}, jnp.asarray(x))
-    want = np.stack([[x[b, i] @ x[b, j] for i in range(5) for j in range(i + 1, 5)]
-                     for b in range(3)])
+    want = np.stack(
+        [[x[b, i] @ x[b, j] for i in range(5) for j in range(i + 1, 5)] for b in range(3)]
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
@@ -47,41 +48,84 @@ def test_target_attention_ignores_padding():
 
 
 def test_sequence_mask_from_jagged():
-    jag = Jagged(ids=jnp.array([5, 6, 7, -1]), segments=jnp.array([0, 1, 3, 5]))
-    np.testing.assert_array_equal(snn.sequence_mask(jag, 2, 3),
-                                  [[True, True, False], [True, False, False]])
+    jag = PaddedIds(ids=jnp.array([5, 6, 7, -1]), segments=jnp.array([0, 1, 3, 5]))
+    np.testing.assert_array_equal(
+        snn.sequence_mask(jag, 2, 3), [[True, True, False], [True, False, False]]
+    )
 
 
-SMALL_CRITEO = ["data.synthetic_options={vocab_sizes: [200, 50, 30, 7, 100, 60], num_dense: 4}",
-                "model.embedding_dim=8"]
-BEHAVIOR = ["data.kind=behavior", "data.synthetic_options={num_users: 300, num_items: 2000, "
-            "num_categories: 20, preferred: 2, max_history: 10}"]
+SMALL_CRITEO = [
+    "data.synthetic_options={vocab_sizes: [200, 50, 30, 7, 100, 60], num_dense: 4}",
+    "model.embedding_dim=8",
+]
+BEHAVIOR = [
+    "data.kind=behavior",
+    "data.synthetic_options={num_users: 300, num_items: 2000, "
+    "num_categories: 20, preferred: 2, max_history: 10}",
+]
 
 
-@pytest.mark.parametrize("name,extra,metric,floor", [
-    ("dlrm", ["model.options={bottom: [16, 8], top: [16, 1]}"], "auc", 0.7),
-    ("deepfm", ["model.options={hidden: [32, 16]}"], "auc", 0.7),
-    ("wide_deep", ["model.options={hidden: [32, 16]}"], "auc", 0.7),
-    ("dcnv2", ["model.options={cross_layers: 2, hidden: [32], structure: parallel}"], "auc", 0.7),
-    ("din", ["model.options={hidden: [32, 16], attention_hidden: [16]}", *BEHAVIOR,
-             "optimizer.sparse_learning_rate=0.2", "optimizer.dense_learning_rate=0.003",
-             "steps=250"],
-     "auc", 0.7),
-    ("two_tower", ["model.options={user_features: [user, history], item_features: "
-                   "[item, category], tower: [32, 16]}", *BEHAVIOR,
-                   "data.synthetic_options.positives_only=true",
-                   "optimizer.sparse_learning_rate=0.2"], "recall@10", 0.3),
-])
+@pytest.mark.parametrize(
+    "name,extra,metric,floor",
+    [
+        ("dlrm", ["model.options={bottom: [16, 8], top: [16, 1]}"], "auc", 0.7),
+        ("deepfm", ["model.options={hidden: [32, 16]}"], "auc", 0.7),
+        ("wide_deep", ["model.options={hidden: [32, 16]}"], "auc", 0.7),
+        (
+            "dcnv2",
+            ["model.options={cross_layers: 2, hidden: [32], structure: parallel}"],
+            "auc",
+            0.7,
+        ),
+        (
+            "din",
+            [
+                "model.options={hidden: [32, 16], attention_hidden: [16]}",
+                *BEHAVIOR,
+                "optimizer.sparse_learning_rate=0.2",
+                "optimizer.dense_learning_rate=0.003",
+                "steps=250",
+            ],
+            "auc",
+            0.7,
+        ),
+        (
+            "two_tower",
+            [
+                "model.options={user_features: [user, history], item_features: "
+                "[item, category], tower: [32, 16]}",
+                *BEHAVIOR,
+                "data.synthetic_options.positives_only=true",
+                "optimizer.sparse_learning_rate=0.2",
+            ],
+            "recall@10",
+            0.3,
+        ),
+    ],
+)
 def test_model_learns(tmp_path, name, extra, metric, floor):
     small = SMALL_CRITEO if "data.kind=behavior" not in extra else ["model.embedding_dim=8"]
-    cfg = runner.load_config([], [f"model.name={name}", "steps=150", "data.batch_size=128",
-                                  "data.eval_batches=4", "progress=false", "eval_every=null",
-                                  f"out_dir={tmp_path}", *small, *extra])
+    cfg = runner.load_config(
+        [],
+        [
+            f"model.name={name}",
+            "steps=150",
+            "data.batch_size=128",
+            "data.eval_batches=4",
+            "progress=false",
+            "eval_every=null",
+            f"out_dir={tmp_path}",
+            *small,
+            *extra,
+        ],
+    )
     run = runner.build_run(cfg, log=lambda *_: None)
     before = run.trainer.evaluate(run.state, run.data.eval_batches)
     after = runner.train_run(run, log=lambda *_: None)["eval"]
     assert after["loss"] < before["loss"]
     assert after[metric] > floor, (before, after)
     # the tables live outside params: dense gradients never touch them
-    assert not any(leaf.shape and leaf.shape[0] >= 200 and leaf.ndim == 2 and leaf.shape[1] == 8
-                   for leaf in jax.tree.leaves(run.state.params))
+    assert not any(
+        leaf.shape and leaf.shape[0] >= 200 and leaf.ndim == 2 and leaf.shape[1] == 8
+        for leaf in jax.tree.leaves(run.state.params)
+    )

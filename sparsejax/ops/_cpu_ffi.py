@@ -10,7 +10,7 @@ and `0 <= segment_ids[k] < S`; invalid entries (e.g. padding `-1`) contribute
 nothing and are never dereferenced. Dense/table dtype is float32 or bfloat16
 (accumulation in f32, bf16 results rounded to nearest even).
 
-Thread count: `$SPARSEJAX_CPU_THREADS` (default: all hardware threads).
+Thread count: `$SPARSEJAX_CPU_THREADS` (default: the CPUs in the process's affinity mask).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import jax.numpy as jnp
 
 from .optimizers import num_slots_by_code
 
-__all__ = ["is_available", "unavailable_reason", "require", "float_dense", "entries",
-           "NUM_SLOTS"]
+__all__ = ["is_available", "unavailable_reason", "require", "float_dense", "entries", "NUM_SLOTS"]
 
 SPMM_TARGET = "sparsejax_spmm"
 SEGMENT_MAX_TARGET = "sparsejax_segment_max"
@@ -49,11 +48,16 @@ def optimizer_mismatch(built: dict[int, tuple[str, int]]) -> str | None:
     for c in sorted(set(theirs) | set(NUM_SLOTS)):
         if theirs.get(c) != NUM_SLOTS.get(c):
             name = f" ({built[c][0]})" if c in theirs else ""
-            diffs.append(f"code {c}{name}: optimizers.py {NUM_SLOTS.get(c, 'no')} slots, "
-                         f"C++ {theirs.get(c, 'no')}")
-    return ("the C++ extension's optimizer codes/slot counts (csrc/optimizers.h) differ from "
-            f"sparsejax/ops/optimizers.py ({'; '.join(diffs)}); make them agree and rebuild "
-            "with `python setup.py build_ext --inplace`")
+            diffs.append(
+                f"code {c}{name}: optimizers.py {NUM_SLOTS.get(c, 'no')} slots, "
+                f"C++ {theirs.get(c, 'no')}"
+            )
+    return (
+        "the C++ extension's optimizer codes/slot counts (csrc/optimizers.h) differ from "
+        f"sparsejax/ops/optimizers.py ({'; '.join(diffs)}); make them agree and rebuild "
+        "with `python setup.py build_ext --inplace`"
+    )
+
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -70,14 +74,18 @@ def _register() -> None:
         try:
             from sparsejax import _cpu_ext
         except Exception as e:  # ImportError, or a broken/ABI-mismatched build
-            _reason = (f"the C++ extension sparsejax._cpu_ext is not built or failed to load "
-                       f"({type(e).__name__}: {e})")
+            _reason = (
+                f"the C++ extension sparsejax._cpu_ext is not built or failed to load "
+                f"({type(e).__name__}: {e})"
+            )
             return
         try:
             _reason = optimizer_mismatch(_cpu_ext.optimizers())
         except AttributeError:  # a build older than csrc/optimizers.h
-            _reason = ("the C++ extension sparsejax._cpu_ext is out of date (no optimizers()); "
-                       "rebuild it with `python setup.py build_ext --inplace`")
+            _reason = (
+                "the C++ extension sparsejax._cpu_ext is out of date (no optimizers()); "
+                "rebuild it with `python setup.py build_ext --inplace`"
+            )
         if _reason is not None:
             return
         try:
@@ -124,6 +132,8 @@ def entries(values, col_ids, segment_ids):
     if not (values.ndim == col_ids.ndim == segment_ids.ndim == 1) or not (
         values.shape == col_ids.shape == segment_ids.shape
     ):
-        raise ValueError("values, col_ids and segment_ids must be rank-1 with equal length, got "
-                         f"{values.shape}, {col_ids.shape}, {segment_ids.shape}")
+        raise ValueError(
+            "values, col_ids and segment_ids must be rank-1 with equal length, got "
+            f"{values.shape}, {col_ids.shape}, {segment_ids.shape}"
+        )
     return values, col_ids, segment_ids
