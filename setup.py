@@ -23,8 +23,11 @@ def _ffi_include_dirs() -> list[str]:
 
         return [jax.ffi.include_dir()]
     except Exception as e:  # jax missing or too old: build without the extension
-        print(f"sparsejax: jax.ffi.include_dir() unavailable ({e}); "
-              "the C++ CPU kernels will not be built", file=sys.stderr)
+        print(
+            f"sparsejax: jax.ffi.include_dir() unavailable ({e}); "
+            "the C++ CPU kernels will not be built",
+            file=sys.stderr,
+        )
         return []
 
 
@@ -43,15 +46,23 @@ _include_dirs = _ffi_include_dirs()
 ext_modules = [
     Extension(
         "sparsejax._cpu_ext",
-        sources=[f"csrc/{name}.cc" for name in
-                 ("module", "common", "worker_pool", "spmm", "sparse_apply", "interaction")],
+        sources=[
+            f"csrc/{name}.cc"
+            for name in ("module", "common", "worker_pool", "spmm", "sparse_apply", "interaction")
+        ],
         depends=["csrc/common.h", "csrc/worker_pool.h", "csrc/optimizers.h"],
         include_dirs=_include_dirs + ["csrc"] if _include_dirs else [],
         language="c++",
         # No -march/-mavx*: the wheel must run on any x86-64 (or aarch64) machine.
         # -isystem (same dir as include_dirs) silences warnings inside the XLA headers.
-        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno",
-                            "-fno-trapping-math", "-pthread"]
+        extra_compile_args=[
+            "-O3",
+            "-std=c++17",
+            "-fvisibility=hidden",
+            "-fno-math-errno",
+            "-fno-trapping-math",
+            "-pthread",
+        ]
         + [f for d in _include_dirs for f in ("-isystem", d)],
         extra_link_args=["-pthread"],
         libraries=["pthread"],

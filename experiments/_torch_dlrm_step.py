@@ -21,6 +21,7 @@ Sparse optimizer: lr 0.01, eps 1e-8. Tables U(+-sqrt(1/V)) like sparsejax.
 
 Prints one JSON line: per-repetition ms/step and the losses.
 """
+
 import argparse
 import json
 import statistics
@@ -85,26 +86,40 @@ def build(method, data):
         from torchrec.optim import RowWiseAdagrad
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        cfgs = [EmbeddingBagConfig(name=f"t{f}", embedding_dim=D, num_embeddings=int(vocab[f]),
-                                   feature_names=[f"f{f}"]) for f in range(F)]
+        cfgs = [
+            EmbeddingBagConfig(
+                name=f"t{f}", embedding_dim=D, num_embeddings=int(vocab[f]), feature_names=[f"f{f}"]
+            )
+            for f in range(F)
+        ]
         febc = FusedEmbeddingBagCollection(
-            tables=cfgs, optimizer_type=RowWiseAdagrad,
-            optimizer_kwargs={"lr": LR_SPARSE, "eps": EPS}, device=torch.device("cpu"),
-            location=EmbeddingLocation.HOST)
+            tables=cfgs,
+            optimizer_type=RowWiseAdagrad,
+            optimizer_kwargs={"lr": LR_SPARSE, "eps": EPS},
+            device=torch.device("cpu"),
+            location=EmbeddingLocation.HOST,
+        )
         for name, w in febc.state_dict().items():  # views of the fused weights
             if name.endswith(".weight") and w.dim() == 2:
                 init_table_(w, w.shape[0])
-        model = DLRM(embedding_bag_collection=febc, dense_in_features=dense[0].shape[1],
-                     dense_arch_layer_sizes=list(BOTTOM), over_arch_layer_sizes=list(TOP))
-        dense_params = [p for n, p in model.named_parameters()
-                        if not n.startswith("sparse_arch")]
+        model = DLRM(
+            embedding_bag_collection=febc,
+            dense_in_features=dense[0].shape[1],
+            dense_arch_layer_sizes=list(BOTTOM),
+            over_arch_layer_sizes=list(TOP),
+        )
+        dense_params = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch")]
         keys = [f"f{f}" for f in range(F)]
-        kjts = [KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=fm[k].reshape(-1), lengths=torch.ones(F * B, dtype=torch.int64))
-            for k in range(NB)]
+        kjts = [
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=keys, values=fm[k].reshape(-1), lengths=torch.ones(F * B, dtype=torch.int64)
+            )
+            for k in range(NB)
+        ]
 
         def forward(k):
             return model(dense_features=dense[k], sparse_features=kjts[k]).squeeze(1)
+
         info = dict(fused_params=sum(p.numel() for p in febc.parameters()))
     else:
         net = DenseDLRM(dense[0].shape[1], F, D)
@@ -124,9 +139,13 @@ def build(method, data):
 
             tbe = SplitTableBatchedEmbeddingBagsCodegen(
                 [(int(v), D, EmbeddingLocation.HOST, ComputeDevice.CPU) for v in vocab],
-                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR_SPARSE, eps=EPS,
-                pooling_mode=PoolingMode.SUM, bounds_check_mode=BoundsCheckMode.WARNING,
-                device=torch.device("cpu"))
+                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                learning_rate=LR_SPARSE,
+                eps=EPS,
+                pooling_mode=PoolingMode.SUM,
+                bounds_check_mode=BoundsCheckMode.WARNING,
+                device=torch.device("cpu"),
+            )
             for w in tbe.split_embedding_weights():
                 init_table_(w, w.shape[0])
             offs = torch.arange(0, F * B + 1, dtype=torch.int64)
@@ -134,10 +153,12 @@ def build(method, data):
 
             def pooled_of(k):
                 return tbe(flat[k], offs).view(B, F, D)
+
             keep = tbe
         elif method == "torch_eb":
-            ebs = nn.ModuleList([nn.EmbeddingBag(int(v), D, mode="sum", sparse=True)
-                                 for v in vocab])
+            ebs = nn.ModuleList(
+                [nn.EmbeddingBag(int(v), D, mode="sum", sparse=True) for v in vocab]
+            )
             for e in ebs:
                 init_table_(e.weight, e.weight.shape[0])
             off = torch.arange(0, B, dtype=torch.int64)
@@ -145,20 +166,24 @@ def build(method, data):
 
             def pooled_of(k):
                 return torch.stack([ebs[f](fm[k][f], off) for f in range(F)], dim=1)
+
             keep = ebs
         elif method == "dense_only":
             g = torch.Generator().manual_seed(1)
-            pooled = [(torch.rand(B, F, D, generator=g) * 0.02 - 0.01).requires_grad_()
-                      for _ in range(NB)]
+            pooled = [
+                (torch.rand(B, F, D, generator=g) * 0.02 - 0.01).requires_grad_() for _ in range(NB)
+            ]
 
             def pooled_of(k):
                 return pooled[k]
+
             keep = None
         else:
             raise SystemExit(f"unknown method {method}")
 
         def forward(k):
             return net(dense[k], pooled_of(k))
+
         info["keep"] = keep is not None
     dopt = torch.optim.Adam(dense_params, lr=LR_DENSE)
     lossf = nn.BCEWithLogitsLoss()
@@ -179,8 +204,9 @@ def build(method, data):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", required=True,
-                    choices=["trec_dlrm", "tbe", "torch_eb", "dense_only"])
+    ap.add_argument(
+        "--method", required=True, choices=["trec_dlrm", "tbe", "torch_eb", "dense_only"]
+    )
     ap.add_argument("--data", required=True)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
@@ -208,11 +234,22 @@ def main():
             k += 1
         rep_ms.append((time.perf_counter() - t) * 1e3 / args.steps)
         losses.append(float(loss))
-    print(json.dumps(dict(method=args.method, rep_ms=rep_ms, median_ms=statistics.median(rep_ms),
-                          warmup_steps=warm, setup_s=round(setup_s, 2), loss_first=losses[0],
-                          loss_last=losses[-1], threads=torch.get_num_threads(),
-                          torch=torch.__version__, **{k: v for k, v in info.items()
-                                                       if k != "keep"})))
+    print(
+        json.dumps(
+            dict(
+                method=args.method,
+                rep_ms=rep_ms,
+                median_ms=statistics.median(rep_ms),
+                warmup_steps=warm,
+                setup_s=round(setup_s, 2),
+                loss_first=losses[0],
+                loss_last=losses[-1],
+                threads=torch.get_num_threads(),
+                torch=torch.__version__,
+                **{k: v for k, v in info.items() if k != "keep"},
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,9 +61,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TORCH_SCRIPT = os.path.join(HERE, "_torch_dlrm_step.py")
 CONFIG = os.path.join(ROOT, "configs", "dlrm_synthetic_1m.yaml")
-TORCH_ROWS = (("trec_dlrm", "TorchRec DLRM + FusedEBC (FBGEMM rw-Adagrad)"),
-              ("tbe", "FBGEMM TBE fused rw-Adagrad + torch MLP"),
-              ("torch_eb", "PyTorch 26x EmbeddingBag(sparse) + Adagrad"))
+TORCH_ROWS = (
+    ("trec_dlrm", "TorchRec DLRM + FusedEBC (FBGEMM rw-Adagrad)"),
+    ("tbe", "FBGEMM TBE fused rw-Adagrad + torch MLP"),
+    ("torch_eb", "PyTorch 26x EmbeddingBag(sparse) + Adagrad"),
+)
 
 
 def loadavg() -> str:
@@ -102,12 +104,21 @@ def warm(step, seconds: float, sync, min_steps: int = 3) -> int:
 def build_sparsejax(args):
     from sparsejax import runner
 
-    overrides = [f"data.batch_size={args.batch_size}", f"data.max_vocab={int(args.max_vocab)}",
-                 "progress=false", "model.embedding_dim=64"]
+    overrides = [
+        f"data.batch_size={args.batch_size}",
+        f"data.max_vocab={int(args.max_vocab)}",
+        "progress=false",
+        "model.embedding_dim=64",
+    ]
     cfg = runner.load_config([CONFIG], overrides)
     o = cfg.optimizer
-    assert (cfg.model.name, o.sparse, o.sparse_learning_rate, o.dense, o.dense_learning_rate) \
-        == ("dlrm", "rowwise_adagrad", 0.01, "adam", 1e-3), cfg
+    assert (cfg.model.name, o.sparse, o.sparse_learning_rate, o.dense, o.dense_learning_rate) == (
+        "dlrm",
+        "rowwise_adagrad",
+        0.01,
+        "adam",
+        1e-3,
+    ), cfg
     assert runner.sparse_optimizer(o).eps == 1e-8
     assert cfg.data.zipf == 1.1
     data = runner.build_data(cfg)
@@ -122,11 +133,16 @@ def host_batches(gen, n: int, b: int):
 
 
 def save_npz(gen, hb, path: str) -> None:
-    ids = np.stack([np.stack([s[name].values for name in gen.feature_names], axis=1)
-                    for s, _, _ in hb]).astype(np.int64)
-    np.savez(path, ids=ids, dense=np.stack([d for _, _, d in hb]).astype(np.float32),
-             labels=np.stack([lab for _, lab, _ in hb]).astype(np.float32),
-             vocab=np.asarray(gen.vocab_sizes, np.int64))
+    ids = np.stack(
+        [np.stack([s[name].values for name in gen.feature_names], axis=1) for s, _, _ in hb]
+    ).astype(np.int64)
+    np.savez(
+        path,
+        ids=ids,
+        dense=np.stack([d for _, _, d in hb]).astype(np.float32),
+        labels=np.stack([lab for _, lab, _ in hb]).astype(np.float32),
+        vocab=np.asarray(gen.vocab_sizes, np.int64),
+    )
 
 
 def run_sparsejax_compute(trainer, state, batches, args, k0=0):
@@ -176,10 +192,10 @@ def loader_alone(data, args) -> list[float]:
 
     out = []
     for _ in range(max(3, args.reps // 2)):
-        with Loader(data.train_source, data.packer, device_put=True, prefetch=4,
-                    epochs=None) as loader:
-            out.append(measure_throughput(loader, num_batches=max(3 * args.steps, 30),
-                                          warmup=2))
+        with Loader(
+            data.train_source, data.packer, device_put=True, prefetch=4, epochs=None
+        ) as loader:
+            out.append(measure_throughput(loader, num_batches=max(3 * args.steps, 30), warmup=2))
     return out
 
 
@@ -190,9 +206,22 @@ def loader_alone(data, args) -> list[float]:
 def run_torch(args, method: str, npz: str) -> dict:
     if not args.peer_python:
         return {"error": "no --peer-python / PEER_PYTHON"}
-    cmd = [args.peer_python, TORCH_SCRIPT, "--method", method, "--data", npz,
-           "--reps", str(args.reps), "--steps", str(args.steps),
-           "--warmup-s", str(args.warmup_s), "--threads", "2"]
+    cmd = [
+        args.peer_python,
+        TORCH_SCRIPT,
+        "--method",
+        method,
+        "--data",
+        npz,
+        "--reps",
+        str(args.reps),
+        "--steps",
+        str(args.steps),
+        "--warmup-s",
+        str(args.warmup_s),
+        "--threads",
+        "2",
+    ]
     env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.torch_env))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
@@ -255,8 +284,9 @@ def profile(trainer, model, data, state, batches, args, npz: str) -> list[tuple[
         new = upd(t, batch, g)
         return new, new[next(iter(new))]["weights"][:1]
 
-    tables = bench("sparse update (sparse_apply, all groups)", upd_step, tables, grads,
-                   donate_first=True)
+    tables = bench(
+        "sparse update (sparse_apply, all groups)", upd_step, tables, grads, donate_first=True
+    )
     state = state.replace(tables={layer: tables})
 
     # The dense part of the step (pooled rows given): fwd + bwd + Adam, as in the trainer.
@@ -267,8 +297,10 @@ def profile(trainer, model, data, state, batches, args, npz: str) -> list[tuple[
     def dense_loss(params, pooled, batch):
         x = bottom.apply({"params": params["bottom"]}, batch.dense)
         vecs = jnp.concatenate([x[:, None, :], pooled], axis=1)
-        z = top.apply({"params": params["top"]},
-                      jnp.concatenate([x, DotInteraction().apply({}, vecs)], axis=1))[:, 0]
+        z = top.apply(
+            {"params": params["top"]},
+            jnp.concatenate([x, DotInteraction().apply({}, vecs)], axis=1),
+        )[:, 0]
         return optax.sigmoid_binary_cross_entropy(z, batch.labels).mean()
 
     def dense_step(carry, batch, pooled):
@@ -279,11 +311,17 @@ def profile(trainer, model, data, state, batches, args, npz: str) -> list[tuple[
 
     params = jax.tree.map(jnp.copy, state.params)
     carry = (params, tx.init(params))
-    pooled = jax.random.uniform(jax.random.key(1), (b, len(data.features), 64), jnp.float32,
-                                -0.01, 0.01)
+    pooled = jax.random.uniform(
+        jax.random.key(1), (b, len(data.features), 64), jnp.float32, -0.01, 0.01
+    )
     dstep = jax.jit(dense_step, donate_argnums=0)
-    bench("dense part (MLPs + interaction, fwd+bwd+Adam) [XLA]",
-          lambda c, batch, p: dstep(c, batch, p), carry, pooled, donate_first=True)
+    bench(
+        "dense part (MLPs + interaction, fwd+bwd+Adam) [XLA]",
+        lambda c, batch, p: dstep(c, batch, p),
+        carry,
+        pooled,
+        donate_first=True,
+    )
 
     tdense = run_torch(args, "dense_only", npz)
     if "rep_ms" in tdense:
@@ -292,10 +330,9 @@ def profile(trainer, model, data, state, batches, args, npz: str) -> list[tuple[
         rows.append((f"dense part [torch]: {tdense.get('error')}", []))
 
     # Matmul micro-benchmark: forward x @ W (+ the two backward matmuls) per layer shape.
-    shapes = [(b, 13, 512), (b, 512, 256), (b, 256, 64), (b, 415, 512), (b, 512, 256),
-              (b, 256, 1)]
+    shapes = [(b, 13, 512), (b, 512, 256), (b, 256, 64), (b, 415, 512), (b, 512, 256), (b, 256, 1)]
     mm = []
-    for (m, kk, n) in shapes:
+    for m, kk, n in shapes:
         x = jax.random.normal(jax.random.key(2), (m, kk), jnp.float32)
         w = jax.random.normal(jax.random.key(3), (kk, n), jnp.float32)
         gy = jax.random.normal(jax.random.key(4), (m, n), jnp.float32)
@@ -354,9 +391,11 @@ print(json.dumps(res))
 def _torch_matmuls(args, shapes, b):
     if not args.peer_python:
         return None
-    p = subprocess.run([args.peer_python, "-c", _TORCH_MM,
-                        json.dumps([shapes, b, max(args.reps, 5), args.steps])],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [args.peer_python, "-c", _TORCH_MM, json.dumps([shapes, b, max(args.reps, 5), args.steps])],
+        capture_output=True,
+        text=True,
+    )
     try:
         return json.loads(p.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -371,15 +410,20 @@ def fmt_row(name, reps, b, ref_ms, note=""):
         return f"| {name} | n/a | | | {note} |"
     med = statistics.median(reps)
     ratio = f"{med / ref_ms:.2f}x" if ref_ms else ""
-    return (f"| {name} | {med:.1f} ({min(reps):.1f}-{max(reps):.1f}) | {b * 1e3 / med:,.0f} | "
-            f"{ratio} | {note} |")
+    return (
+        f"| {name} | {med:.1f} ({min(reps):.1f}-{max(reps):.1f}) | {b * 1e3 / med:,.0f} | "
+        f"{ratio} | {note} |"
+    )
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", ""),
-                    help="python of a venv with torch, fbgemm-gpu-cpu and torchrec "
-                         "(default: $PEER_PYTHON; none skips the torch rows)")
+    ap.add_argument(
+        "--peer-python",
+        default=os.environ.get("PEER_PYTHON", ""),
+        help="python of a venv with torch, fbgemm-gpu-cpu and torchrec "
+        "(default: $PEER_PYTHON; none skips the torch rows)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-vocab", type=float, default=1e6)
@@ -387,11 +431,18 @@ def main():
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--nbatch", type=int, default=8, help="pre-packed batches rotated")
     ap.add_argument("--torch-methods", default=",".join(m for m, _ in TORCH_ROWS))
-    ap.add_argument("--torch-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment of the torch processes (e.g. OMP_WAIT_POLICY=PASSIVE)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also time the parts of the sparsejax step and the dense part / "
-                         "matmuls vs torch")
+    ap.add_argument(
+        "--torch-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the torch processes (e.g. OMP_WAIT_POLICY=PASSIVE)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time the parts of the sparsejax step and the dense part / matmuls vs torch",
+    )
     args = ap.parse_args()
     if args.reps < 1 or args.steps < 1:
         ap.error("--reps and --steps must be >= 1")
@@ -454,26 +505,48 @@ def main():
     ref = statistics.median(sjx)
     impl = default_implementation()
     so = [f for f in os.listdir(os.path.join(ROOT, "sparsejax")) if f.startswith("_cpu_ext")]
-    so_time = (time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(
-        os.path.join(ROOT, "sparsejax", so[0])))) if so else "none")
+    so_time = (
+        time.strftime(
+            "%Y-%m-%d %H:%M",
+            time.localtime(os.path.getmtime(os.path.join(ROOT, "sparsejax", so[0]))),
+        )
+        if so
+        else "none"
+    )
 
-    print(f"\nDLRM train step, B={b}, 26 sparse (1 id each) + 13 dense, D=64, "
-          f"{rows_total:,} table rows (Criteo Kaggle cardinalities capped at "
-          f"{int(args.max_vocab):,}), Zipf 1.1; {args.reps} reps x {args.steps} steps after "
-          f"{args.warmup_s:g} s warm-up; jax {jax.__version__} on {jax.default_backend()}, "
-          f"sparse kernels: {impl} (_cpu_ext built {so_time}); malloc tuning: "
-          f"{'on' if malloc_tuned else 'off'}; torch env: "
-          f"{' '.join(args.torch_env) or 'default'}; load average at the stages: "
-          f"{' | '.join(loads)}\n")
+    print(
+        f"\nDLRM train step, B={b}, 26 sparse (1 id each) + 13 dense, D=64, "
+        f"{rows_total:,} table rows (Criteo Kaggle cardinalities capped at "
+        f"{int(args.max_vocab):,}), Zipf 1.1; {args.reps} reps x {args.steps} steps after "
+        f"{args.warmup_s:g} s warm-up; jax {jax.__version__} on {jax.default_backend()}, "
+        f"sparse kernels: {impl} (_cpu_ext built {so_time}); malloc tuning: "
+        f"{'on' if malloc_tuned else 'off'}; torch env: "
+        f"{' '.join(args.torch_env) or 'default'}; load average at the stages: "
+        f"{' | '.join(loads)}\n"
+    )
     print("| row | ms/step median (min-max) | samples/s | row ms / sparsejax ms | notes |")
     print("|---|---|---|---|---|")
-    print(fmt_row("**sparsejax compute only** (jit Trainer.train_step, 8 device batches)", sjx,
-                  b, ref, f"before torch rows {statistics.median(reps_a):.1f} ms, after "
-                          f"{statistics.median(reps_b):.1f} ms; loss {loss_a[0]:.3f} -> "
-                          f"{loss_b[1]:.3f}"))
-    print(fmt_row("sparsejax + Loader (device_put, prefetch 4)", reps_l, b, ref,
-                  f"loader alone: {statistics.median(lo) * b:,.0f} samples/s "
-                  f"({min(lo) * b:,.0f}-{max(lo) * b:,.0f})"))
+    print(
+        fmt_row(
+            "**sparsejax compute only** (jit Trainer.train_step, 8 device batches)",
+            sjx,
+            b,
+            ref,
+            f"before torch rows {statistics.median(reps_a):.1f} ms, after "
+            f"{statistics.median(reps_b):.1f} ms; loss {loss_a[0]:.3f} -> "
+            f"{loss_b[1]:.3f}",
+        )
+    )
+    print(
+        fmt_row(
+            "sparsejax + Loader (device_put, prefetch 4)",
+            reps_l,
+            b,
+            ref,
+            f"loader alone: {statistics.median(lo) * b:,.0f} samples/s "
+            f"({min(lo) * b:,.0f}-{max(lo) * b:,.0f})",
+        )
+    )
     names = dict(TORCH_ROWS)
     for m in methods:
         r = torch_res[m]
@@ -485,22 +558,27 @@ def main():
 
     if prof:
         parts, mm, tmm = prof
-        print("\nProfile of the sparsejax step (each part a separate jitted function, "
-              "same batches):\n")
+        print(
+            "\nProfile of the sparsejax step (each part a separate jitted function, "
+            "same batches):\n"
+        )
         print("| part | ms median (min-max) | share of the full step |")
         print("|---|---|---|")
         for name, reps in parts:
             if reps:
                 med = statistics.median(reps)
-                print(f"| {name} | {med:.2f} ({min(reps):.2f}-{max(reps):.2f}) | "
-                      f"{med / ref:.0%} |")
+                print(f"| {name} | {med:.2f} ({min(reps):.2f}-{max(reps):.2f}) | {med / ref:.0%} |")
             else:
                 print(f"| {name} | n/a | |")
         print(f"| full train step (row 1) | {ref:.2f} | 100% |")
-        print("\nMatmuls of the MLP layers (fwd x@W + the two backward matmuls) and the "
-              "interaction bmm, XLA vs torch (2 threads):\n")
-        print("| shape (M, K, N) | XLA ms | torch ms | XLA GFLOP/s | torch GFLOP/s | "
-              "XLA / torch time |")
+        print(
+            "\nMatmuls of the MLP layers (fwd x@W + the two backward matmuls) and the "
+            "interaction bmm, XLA vs torch (2 threads):\n"
+        )
+        print(
+            "| shape (M, K, N) | XLA ms | torch ms | XLA GFLOP/s | torch GFLOP/s | "
+            "XLA / torch time |"
+        )
         print("|---|---|---|---|---|---|")
         for i, (shape, ts) in enumerate(mm):
             x = statistics.median(ts)
@@ -511,8 +589,10 @@ def main():
             else:
                 fl = 3 * 2 * shape[0] * shape[1] * shape[2]
                 label = str(shape)
-            print(f"| {label} | {x:.3f} | {t:.3f} | {fl / x / 1e6:.1f} | {fl / t / 1e6:.1f} | "
-                  f"{x / t:.2f}x |")
+            print(
+                f"| {label} | {x:.3f} | {t:.3f} | {fl / x / 1e6:.1f} | {fl / t / 1e6:.1f} | "
+                f"{x / t:.2f}x |"
+            )
     os.remove(npz)
     os.rmdir(tmp)
 

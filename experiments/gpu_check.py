@@ -48,7 +48,7 @@ BYTE_MODELS = {
     "forward": "N*(D*itemsize + 8 id/coef) + S*D*itemsize out (+ S*D*4 argk for max)",
     "spmm": "N*(D*itemsize + 12 id/seg/coef) + S*D*itemsize out",
     "sparse_apply": "N*(12 + D*4 grad row) + U*2*D*4 (G write + read) "
-                    "+ U*2*(row + slot bytes) (touched state read + write)",
+    "+ U*2*(row + slot bytes) (touched state read + write)",
     "apply_rows": "U*(D*4 grad + 4 id) + U*2*(row + slot bytes)",
 }
 
@@ -84,26 +84,44 @@ def timeit_stateful(fn, state, *args, samples, reps):
 
 def record(kernel, shape, ms, nbytes, xla_ms=None, check=""):
     gbps = nbytes / (ms * 1e-3) / 1e9
-    ROWS.append(dict(kernel=kernel, shape=shape, ms=ms, gbps=gbps,
-                     pct=100.0 * gbps / COPY_GBPS[0],
-                     speedup=(xla_ms / ms) if xla_ms else None, check=check))
-    print(f"  {kernel:<34} {shape:<46} {ms:9.4f} ms  {gbps:8.1f} GB/s"
-          + (f"  x{xla_ms / ms:5.2f} vs XLA" if xla_ms else "") + f"  {check}", flush=True)
+    ROWS.append(
+        dict(
+            kernel=kernel,
+            shape=shape,
+            ms=ms,
+            gbps=gbps,
+            pct=100.0 * gbps / COPY_GBPS[0],
+            speedup=(xla_ms / ms) if xla_ms else None,
+            check=check,
+        )
+    )
+    print(
+        f"  {kernel:<34} {shape:<46} {ms:9.4f} ms  {gbps:8.1f} GB/s"
+        + (f"  x{xla_ms / ms:5.2f} vs XLA" if xla_ms else "")
+        + f"  {check}",
+        flush=True,
+    )
 
 
 def print_table(args):
     dev = jax.devices()[0]
     print()
-    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-          f"interpret={args.interpret}, small={args.small}, copy bw {COPY_GBPS[0]:.1f} GB/s")
-    head = (f"| {'kernel':<34} | {'shape':<46} | {'ms':>9} | {'GB/s':>8} | {'% copy':>6} "
-            f"| {'vs XLA':>6} | check")
+    print(
+        f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+        f"interpret={args.interpret}, small={args.small}, copy bw {COPY_GBPS[0]:.1f} GB/s"
+    )
+    head = (
+        f"| {'kernel':<34} | {'shape':<46} | {'ms':>9} | {'GB/s':>8} | {'% copy':>6} "
+        f"| {'vs XLA':>6} | check"
+    )
     print(head)
     print("|" + "|".join("-" * (len(c) + 0) for c in head.split("|")[1:]))
     for r in ROWS:
         sp = f"{r['speedup']:6.2f}" if r["speedup"] else "     -"
-        print(f"| {r['kernel']:<34} | {r['shape']:<46} | {r['ms']:9.4f} | {r['gbps']:8.1f} "
-              f"| {r['pct']:6.1f} | {sp} | {r['check']}")
+        print(
+            f"| {r['kernel']:<34} | {r['shape']:<46} | {r['ms']:9.4f} | {r['gbps']:8.1f} "
+            f"| {r['pct']:6.1f} | {sp} | {r['check']}"
+        )
     print("\nbyte models (what GB/s counts; xla rows use their kernel's model):")
     for k, v in BYTE_MODELS.items():
         print(f"  {k}: {v}")
@@ -112,24 +130,35 @@ def print_table(args):
 # ------------------------------------------------------------------ XLA implementations
 # The library's own implementation="xla" of each primitive, with the kernels' operands.
 def xla_bag_sum(table, ids, seg, coef, num_segments):
-    return segment_spmm_p.bind(coef, ids, seg, table, num_segments=num_segments,
-                               implementation="xla", sorted_segments=True, unit_values=False)
+    return segment_spmm_p.bind(
+        coef,
+        ids,
+        seg,
+        table,
+        num_segments=num_segments,
+        implementation="xla",
+        sorted_segments=True,
+        unit_values=False,
+    )
 
 
 def xla_bag_max(table, ids, seg, coef, num_segments):
-    return tuple(segment_max_p.bind(coef, ids, seg, table, num_segments=num_segments,
-                                    implementation="xla"))
+    return tuple(
+        segment_max_p.bind(coef, ids, seg, table, num_segments=num_segments, implementation="xla")
+    )
 
 
 def xla_sparse_apply(table, slots, ids, seg, coef, grad, hp, step, *, optimizer):
-    outs = sparse_apply_p.bind(table, *slots, ids, seg, coef, grad, hp, step,
-                               optimizer=optimizer, implementation="xla")
+    outs = sparse_apply_p.bind(
+        table, *slots, ids, seg, coef, grad, hp, step, optimizer=optimizer, implementation="xla"
+    )
     return outs[0], tuple(outs[1:])
 
 
 def pallas_sparse_apply(table, slots, *args, optimizer, interpret):
-    outs = apply_kernels.sparse_apply(table, *slots, *args, optimizer=optimizer,
-                                      interpret=interpret)
+    outs = apply_kernels.sparse_apply(
+        table, *slots, *args, optimizer=optimizer, interpret=interpret
+    )
     return outs[0], tuple(outs[1:])
 
 
@@ -141,8 +170,7 @@ def xla_apply_rows(table, slots, uids, grads, hp, step, *, optimizer):
 
 
 # ------------------------------------------------------------------ inputs
-def make_bags(rng, num_bags, mean_len, vocab, *, power_law=False, pad_frac=0.02,
-              hot_frac=0.0):
+def make_bags(rng, num_bags, mean_len, vocab, *, power_law=False, pad_frac=0.02, hot_frac=0.0):
     """Sorted segment ids; ids uniform over the table (so the table is not L2-resident),
     a fraction of padding ids (-1 and >= vocab) anywhere, optional hot id 7."""
     if power_law:
@@ -207,28 +235,48 @@ def forward_case(args, table, ids, seg, coef, num_bags, label, *, with_max, swee
     record("xla take+segment_sum", shape, xla_ms, nbytes)
 
     def fwd():
-        f = jax.jit(lambda t, i, s, c: bag_kernels.bag_forward(c, i, s, t, num_bags,
-                                                               interpret=ip))
+        f = jax.jit(lambda t, i, s, c: bag_kernels.bag_forward(c, i, s, t, num_bags, interpret=ip))
         err = max_err(f(table, ids, seg, coef), ref)
-        record("embedding_bag_fwd sum", shape, timeit(f, table, ids, seg, coef, **t), nbytes,
-               xla_ms, f"err {err:.1e}")
+        record(
+            "embedding_bag_fwd sum",
+            shape,
+            timeit(f, table, ids, seg, coef, **t),
+            nbytes,
+            xla_ms,
+            f"err {err:.1e}",
+        )
 
     def spmm():
         f = jax.jit(lambda c, i, s, tb: spmm_kernels.spmm(c, i, s, tb, num_bags, interpret=ip))
         err = max_err(f(coef, ids, seg, table), ref)
-        record("spmm (as fwd)", shape, timeit(f, coef, ids, seg, table, **t), nbytes + 4 * n,
-               xla_ms, f"err {err:.1e}")
+        record(
+            "spmm (as fwd)",
+            shape,
+            timeit(f, coef, ids, seg, table, **t),
+            nbytes + 4 * n,
+            xla_ms,
+            f"err {err:.1e}",
+        )
 
     def fmax():
         ref_fn = jax.jit(functools.partial(xla_bag_max, num_segments=num_bags))
         r_out, r_arg = ref_fn(table, ids, seg, coef)
         x_ms = timeit(ref_fn, table, ids, seg, coef, **t)
-        f = jax.jit(lambda t, i, s, c: bag_kernels.bag_forward(c, i, s, t, num_bags,
-                                                               combiner="max", interpret=ip))
+        f = jax.jit(
+            lambda t, i, s, c: bag_kernels.bag_forward(
+                c, i, s, t, num_bags, combiner="max", interpret=ip
+            )
+        )
         out, arg = f(table, ids, seg, coef)
         check = f"err {max_err(out, r_out):.1e} argk diff {int(jnp.sum(arg != r_arg))}"
-        record("embedding_bag_fwd max", shape, timeit(f, table, ids, seg, coef, **t),
-               nbytes + num_bags * dim * 4, x_ms, check)
+        record(
+            "embedding_bag_fwd max",
+            shape,
+            timeit(f, table, ids, seg, coef, **t),
+            nbytes + num_bags * dim * 4,
+            x_ms,
+            check,
+        )
 
     guarded(f"fwd sum {shape}", fwd)
     guarded(f"spmm {shape}", spmm)
@@ -238,15 +286,30 @@ def forward_case(args, table, ids, seg, coef, num_bags, label, *, with_max, swee
         for r in (8, 16, 32):
             for w in (1, 2, 4):
                 for bags in (1, 2):
+
                     def one(r=r, w=w, bags=bags):
-                        f = jax.jit(lambda t, i, s, c, r=r, w=w, bags=bags:
-                                    bag_kernels.bag_forward(
-                                        c, i, s, t, num_bags, rows_per_step=r,
-                                        bags_per_program=bags, num_warps=w, interpret=ip))
+                        f = jax.jit(
+                            lambda t, i, s, c, r=r, w=w, bags=bags: bag_kernels.bag_forward(
+                                c,
+                                i,
+                                s,
+                                t,
+                                num_bags,
+                                rows_per_step=r,
+                                bags_per_program=bags,
+                                num_warps=w,
+                                interpret=ip,
+                            )
+                        )
                         err = max_err(f(table, ids, seg, coef), ref)
-                        record(f"fwd sweep R={r} warps={w} bags={bags}", shape,
-                               timeit(f, table, ids, seg, coef, **t), nbytes, xla_ms,
-                               f"err {err:.1e}")
+                        record(
+                            f"fwd sweep R={r} warps={w} bags={bags}",
+                            shape,
+                            timeit(f, table, ids, seg, coef, **t),
+                            nbytes,
+                            xla_ms,
+                            f"err {err:.1e}",
+                        )
 
                     guarded(f"fwd sweep R={r} warps={w} bags={bags}", one)
 
@@ -258,12 +321,30 @@ def section_forward(args, rng):
         label = f"V={vocab} D={dim} {jnp.dtype(dtype).name}"
         ids, seg, coef = make_bags(rng, num_bags, mean_len, vocab)
         main_case = dim == 128 and dtype == jnp.float32
-        forward_case(args, table, ids, seg, coef, num_bags, label, with_max=main_case,
-                     sweep=main_case and not args.no_sweep)
+        forward_case(
+            args,
+            table,
+            ids,
+            seg,
+            coef,
+            num_bags,
+            label,
+            with_max=main_case,
+            sweep=main_case and not args.no_sweep,
+        )
         if main_case:  # heavy-tailed bag lengths: one bag per program vs fixed chunks
             ids, seg, coef = make_bags(rng, num_bags, mean_len, vocab, power_law=True)
-            forward_case(args, table, ids, seg, coef, num_bags, f"{label} power-law L",
-                         with_max=False, sweep=False)
+            forward_case(
+                args,
+                table,
+                ids,
+                seg,
+                coef,
+                num_bags,
+                f"{label} power-law L",
+                with_max=False,
+                sweep=False,
+            )
         del table
 
 
@@ -279,23 +360,26 @@ def optimizer_case(args, optimizer, table, ids, seg, coef, grad, touched, untouc
     shape = f"V={vocab} D={dim} N={n} U={num_u}"
     # Correctness without donation (the inputs must survive for the comparison).
     ref_fn = jax.jit(functools.partial(xla_sparse_apply, optimizer=optimizer))
-    pal_fn = jax.jit(functools.partial(pallas_sparse_apply, optimizer=optimizer,
-                                       interpret=ip))
+    pal_fn = jax.jit(functools.partial(pallas_sparse_apply, optimizer=optimizer, interpret=ip))
     r_table, r_slots = ref_fn(table, slots, ids, seg, coef, grad, hp, step)
     p_table, p_slots = pal_fn(table, slots, ids, seg, coef, grad, hp, step)
     rows, ut = jnp.asarray(touched), jnp.asarray(untouched)
-    err = max([max_err(p_table[rows], r_table[rows])]
-              + [max_err(a[rows], b[rows]) for a, b in zip(p_slots, r_slots, strict=True)])
+    err = max(
+        [max_err(p_table[rows], r_table[rows])]
+        + [max_err(a[rows], b[rows]) for a, b in zip(p_slots, r_slots, strict=True)]
+    )
     same = bool(jnp.array_equal(p_table[ut], table[ut])) and all(
-        bool(jnp.array_equal(a[ut], b[ut])) for a, b in zip(p_slots, slots, strict=True))
+        bool(jnp.array_equal(a[ut], b[ut])) for a, b in zip(p_slots, slots, strict=True)
+    )
     check = f"err {err:.1e} untouched {'same' if same else 'CHANGED'}"
     del r_table, r_slots, p_table, p_slots
     # Timing with the state donated (in place), as in a training step.
     nbytes = n * (12 + dim * 4) + 2 * num_u * dim * 4 + state_bytes
-    xs = jax.jit(lambda st, *a: xla_sparse_apply(*st, *a, optimizer=optimizer),
-                 donate_argnums=0)
-    ps = jax.jit(lambda st, *a: pallas_sparse_apply(*st, *a, optimizer=optimizer,
-                                                    interpret=ip), donate_argnums=0)
+    xs = jax.jit(lambda st, *a: xla_sparse_apply(*st, *a, optimizer=optimizer), donate_argnums=0)
+    ps = jax.jit(
+        lambda st, *a: pallas_sparse_apply(*st, *a, optimizer=optimizer, interpret=ip),
+        donate_argnums=0,
+    )
     state = (table, slots)
     del table, slots
     xla_ms, state = timeit_stateful(xs, state, ids, seg, coef, grad, hp, step, **t)
@@ -303,14 +387,22 @@ def optimizer_case(args, optimizer, table, ids, seg, coef, grad, touched, untouc
     before = state[0].unsafe_buffer_pointer()
     ms, state = timeit_stateful(ps, state, ids, seg, coef, grad, hp, step, **t)
     inplace = state[0].unsafe_buffer_pointer() == before
-    record(f"sparse_apply {name}", shape, ms, nbytes, xla_ms,
-           check + (" in-place" if inplace else " COPIED"))
+    record(
+        f"sparse_apply {name}",
+        shape,
+        ms,
+        nbytes,
+        xla_ms,
+        check + (" in-place" if inplace else " COPIED"),
+    )
     # apply_rows alone, on the unique ids (padded with -1 to N).
     uids = jnp.asarray(np.concatenate([touched, -np.ones(n - num_u, np.int64)]), jnp.int32)
     g = jax.random.normal(jax.random.key(3), (n, dim), jnp.float32)
     xa = jax.jit(lambda st, *a: xla_apply_rows(*st, *a, optimizer=optimizer), donate_argnums=0)
-    pa = jax.jit(lambda st, *a: apply_kernels.apply_rows(*st, *a, optimizer=optimizer,
-                                                         interpret=ip), donate_argnums=0)
+    pa = jax.jit(
+        lambda st, *a: apply_kernels.apply_rows(*st, *a, optimizer=optimizer, interpret=ip),
+        donate_argnums=0,
+    )
     xla_ms, state = timeit_stateful(xa, state, uids, g, hp, step, **t)
     ms, state = timeit_stateful(pa, state, uids, g, hp, step, **t)
     record(f"apply_rows {name}", shape, ms, num_u * (dim * 4 + 4) + state_bytes, xla_ms)
@@ -326,11 +418,25 @@ def section_optimizer(args, rng):
     ok = (ids_np >= 0) & (ids_np < vocab) & (seg_np >= 0) & (seg_np < num_bags)
     touched = np.unique(ids_np[ok])
     untouched = np.setdiff1d(rng.integers(0, vocab, 4096), touched)
-    for optimizer in (opt_lib.RowWiseAdagrad(learning_rate=0.01),
-                      opt_lib.LazyAdam(learning_rate=0.001), opt_lib.SGD(learning_rate=0.01)):
+    for optimizer in (
+        opt_lib.RowWiseAdagrad(learning_rate=0.01),
+        opt_lib.LazyAdam(learning_rate=0.001),
+        opt_lib.SGD(learning_rate=0.01),
+    ):
         table = jax.random.normal(jax.random.key(2), (vocab, dim), jnp.float32)
-        guarded(f"optimizer {type(optimizer).__name__}", optimizer_case, args, optimizer,
-                table, ids, seg, coef, grad, touched, untouched)
+        guarded(
+            f"optimizer {type(optimizer).__name__}",
+            optimizer_case,
+            args,
+            optimizer,
+            table,
+            ids,
+            seg,
+            coef,
+            grad,
+            touched,
+            untouched,
+        )
         del table
 
 
@@ -339,8 +445,9 @@ def main(argv=None):
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
     p.add_argument("--samples", type=int, default=10, help="timed samples (median)")
-    p.add_argument("--reps", type=int, default=None, help="calls per sample (default 5; 1 "
-                   "with --interpret)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="calls per sample (default 5; 1 with --interpret)"
+    )
     p.add_argument("--no-sweep", action="store_true", help="skip the forward config sweep")
     p.add_argument("--sections", default="copy,forward,optimizer")
     args = p.parse_args(argv)
@@ -350,8 +457,11 @@ def main(argv=None):
         print("no GPU: run with --interpret --small on a CPU", file=sys.stderr)
         return 2
     rng = np.random.default_rng(0)
-    sections = {"copy": lambda: section_copy(args), "forward": lambda: section_forward(args, rng),
-                "optimizer": lambda: section_optimizer(args, rng)}
+    sections = {
+        "copy": lambda: section_copy(args),
+        "forward": lambda: section_forward(args, rng),
+        "optimizer": lambda: section_optimizer(args, rng),
+    }
     for name in args.sections.split(","):
         print(f"[{name}]", flush=True)
         guarded(f"section {name}", sections[name])

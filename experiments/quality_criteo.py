@@ -39,38 +39,69 @@ def default_data() -> str | None:
 
 
 def sparsejax_auc(model: str, seed: int, epochs: int, out_dir: str, data: str) -> float:
-    cfg = runner.load_config([ROOT / f"configs/{model}_criteo.yaml"], [
-        f"seed={seed}", f"epochs={epochs}", "progress=false", "resume=false",
-        f"out_dir={out_dir}", f"name={model}_{seed}", f"data.path={data}"])
+    cfg = runner.load_config(
+        [ROOT / f"configs/{model}_criteo.yaml"],
+        [
+            f"seed={seed}",
+            f"epochs={epochs}",
+            "progress=false",
+            "resume=false",
+            f"out_dir={out_dir}",
+            f"name={model}_{seed}",
+            f"data.path={data}",
+        ],
+    )
     return runner.train(cfg, log=lambda *_: None)["eval"]["auc"]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON"),
-                    help="python of a venv with torch (default $PEER_PYTHON; the PyTorch "
-                         "side is skipped without one)")
-    ap.add_argument("--data", default=default_data(),
-                    help=f"the Criteo head-10k file (default $SPARSEJAX_DATA_DIR/{SAMPLE})")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--peer-python",
+        default=os.environ.get("PEER_PYTHON"),
+        help="python of a venv with torch (default $PEER_PYTHON; the PyTorch "
+        "side is skipped without one)",
+    )
+    ap.add_argument(
+        "--data",
+        default=default_data(),
+        help=f"the Criteo head-10k file (default $SPARSEJAX_DATA_DIR/{SAMPLE})",
+    )
     ap.add_argument("--models", default="dlrm,deepfm")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--epochs", type=int, default=1)
     args = ap.parse_args()
     if not args.data or not os.path.isfile(args.data):
-        ap.error(f"--data={args.data!r}: no such file; pass --data or set "
-                 f"SPARSEJAX_DATA_DIR to the directory holding {SAMPLE}")
+        ap.error(
+            f"--data={args.data!r}: no such file; pass --data or set "
+            f"SPARSEJAX_DATA_DIR to the directory holding {SAMPLE}"
+        )
     data = os.path.abspath(args.data)
     models = args.models.split(",")
     seeds = list(range(args.seeds))
     torch_aucs: dict[str, list[float]] = {}
     if args.peer_python:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([args.peer_python, str(ROOT / "experiments/torch_reference.py"),
-                            "--models", args.models, "--seeds", ",".join(map(str, seeds)),
-                            "--epochs", str(args.epochs), "--json", f.name,
-                            "--data", data],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    args.peer_python,
+                    str(ROOT / "experiments/torch_reference.py"),
+                    "--models",
+                    args.models,
+                    "--seeds",
+                    ",".join(map(str, seeds)),
+                    "--epochs",
+                    str(args.epochs),
+                    "--json",
+                    f.name,
+                    "--data",
+                    data,
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             res = json.loads(Path(f.name).read_text())
         for r in res["runs"]:
             torch_aucs.setdefault(r["model"], []).append(r["history"][-1]["auc"])
@@ -78,8 +109,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for m in models:
             ours[m] = [sparsejax_auc(m, s, args.epochs, tmp, data) for s in seeds]
-    print(f"eval AUC, Criteo head-10k (8,000 train / 2,000 eval), {args.epochs} epoch(s), "
-          f"seeds 0..{args.seeds - 1}")
+    print(
+        f"eval AUC, Criteo head-10k (8,000 train / 2,000 eval), {args.epochs} epoch(s), "
+        f"seeds 0..{args.seeds - 1}"
+    )
     print("| model | sparsejax mean ± std | PyTorch mean ± std | difference |")
     print("|---|---|---|---|")
     for m in models:
@@ -92,8 +125,10 @@ def main() -> None:
             line += " (no --peer-python) | |"
         print(line)
     for m in models:
-        print(f"{m} per seed: sparsejax {np.round(ours[m], 4).tolist()}"
-              + (f"; torch {np.round(torch_aucs[m], 4).tolist()}" if m in torch_aucs else ""))
+        print(
+            f"{m} per seed: sparsejax {np.round(ours[m], 4).tolist()}"
+            + (f"; torch {np.round(torch_aucs[m], 4).tolist()}" if m in torch_aucs else "")
+        )
 
 
 if __name__ == "__main__":

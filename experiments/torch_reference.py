@@ -34,6 +34,7 @@ Run (in a venv with torch, e.g. `$PEER_PYTHON`, see experiments/RESULTS.md):
   "$PEER_PYTHON" experiments/torch_reference.py --models dlrm,deepfm --seeds 0,1,2 \
       --epochs 2 [--data FILE] [--json results.json]
 """
+
 import argparse
 import json
 import math
@@ -49,17 +50,22 @@ import torch.nn.functional as F
 
 N_DENSE, N_CAT, N_TRAIN = 13, 26, 8000
 SAMPLE = "criteo_kaggle_head10k/train_head10k.txt"
-DEFAULT_DATA = (Path(os.environ["SPARSEJAX_DATA_DIR"]) / SAMPLE
-                if os.environ.get("SPARSEJAX_DATA_DIR") else None)
+DEFAULT_DATA = (
+    Path(os.environ["SPARSEJAX_DATA_DIR"]) / SAMPLE
+    if os.environ.get("SPARSEJAX_DATA_DIR")
+    else None
+)
 
 
 def load(path, min_count):
     rows = [line.rstrip("\n").split("\t") for line in open(path)]
     assert all(len(r) == 1 + N_DENSE + N_CAT for r in rows)
     y = np.array([float(r[0]) for r in rows], np.float32)
-    dense = np.array([[math.log1p(max(int(v), 0)) if v else 0.0 for v in r[1:1 + N_DENSE]]
-                      for r in rows], np.float32)
-    raw = [[int(v, 16) if v else None for v in r[1 + N_DENSE:]] for r in rows]
+    dense = np.array(
+        [[math.log1p(max(int(v), 0)) if v else 0.0 for v in r[1 : 1 + N_DENSE]] for r in rows],
+        np.float32,
+    )
+    raw = [[int(v, 16) if v else None for v in r[1 + N_DENSE :]] for r in rows]
     cat = np.zeros((len(rows), N_CAT), np.int64)
     sizes = []
     for c in range(N_CAT):
@@ -146,7 +152,7 @@ def auc(y, p):
         j = i
         while j + 1 < len(p) and sp[j + 1] == sp[i]:
             j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
+        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
         i = j + 1
     pos = y == 1
     n_pos, n_neg = pos.sum(), (~pos).sum()
@@ -161,15 +167,16 @@ def run(model_name, seed, data, args):
     model = {"dlrm": DLRM, "deepfm": DeepFM}[model_name](sizes, args.dim)
     sparse = [p for n, p in model.named_parameters() if n.startswith(("embs.", "first."))]
     dense = [p for n, p in model.named_parameters() if not n.startswith(("embs.", "first."))]
-    opts = [torch.optim.Adagrad(sparse, lr=args.lr_sparse, initial_accumulator_value=0.0,
-                                eps=1e-10),
-            torch.optim.Adam(dense, lr=args.lr_dense)]
+    opts = [
+        torch.optim.Adagrad(sparse, lr=args.lr_sparse, initial_accumulator_value=0.0, eps=1e-10),
+        torch.optim.Adam(dense, lr=args.lr_dense),
+    ]
     history = []
     for epoch in range(args.epochs):
         model.train()
         perm = torch.from_numpy(rng.permutation(N_TRAIN))
         for s in range(0, N_TRAIN, args.batch_size):
-            idx = perm[s:s + args.batch_size]
+            idx = perm[s : s + args.batch_size]
             loss = F.binary_cross_entropy_with_logits(model(dtr[idx], ctr[idx]), ytr[idx])
             for o in opts:
                 o.zero_grad()
@@ -180,15 +187,20 @@ def run(model_name, seed, data, args):
         with torch.no_grad():
             logits = model(dev, cev)
             ll = F.binary_cross_entropy_with_logits(logits, yev).item()
-        history.append({"epoch": epoch + 1, "auc": auc(yev.numpy(), logits.double().numpy()),
-                        "logloss": ll})
+        history.append(
+            {"epoch": epoch + 1, "auc": auc(yev.numpy(), logits.double().numpy()), "logloss": ll}
+        )
     return history
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
-                    help=f"the Criteo file (default $SPARSEJAX_DATA_DIR/{SAMPLE})")
+    ap.add_argument(
+        "--data",
+        type=Path,
+        default=DEFAULT_DATA,
+        help=f"the Criteo file (default $SPARSEJAX_DATA_DIR/{SAMPLE})",
+    )
     ap.add_argument("--models", default="dlrm,deepfm")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=int, default=2)
@@ -200,8 +212,10 @@ def main():
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.data is None or not args.data.is_file():
-        ap.error(f"--data={args.data}: no such file; pass --data or set SPARSEJAX_DATA_DIR "
-                 f"to the directory holding {SAMPLE}")
+        ap.error(
+            f"--data={args.data}: no such file; pass --data or set SPARSEJAX_DATA_DIR "
+            f"to the directory holding {SAMPLE}"
+        )
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     t0 = time.time()
@@ -216,8 +230,9 @@ def main():
             dt = time.time() - t
             results["runs"].append({"model": m, "seed": seed, "history": hist, "seconds": dt})
             finals.append(hist[-1]["auc"])
-            per_epoch = "  ".join(f"e{h['epoch']}: auc={h['auc']:.4f} ll={h['logloss']:.4f}"
-                                  for h in hist)
+            per_epoch = "  ".join(
+                f"e{h['epoch']}: auc={h['auc']:.4f} ll={h['logloss']:.4f}" for h in hist
+            )
             print(f"{m:7s} seed={seed}  {per_epoch}  ({dt:.1f}s)")
         mean, std = float(np.mean(finals)), float(np.std(finals))
         results["summary"][m] = {"final_auc_mean": mean, "final_auc_std": std, "final_aucs": finals}

@@ -41,22 +41,34 @@ def _info(args: argparse.Namespace) -> int:
     from . import __version__, ops
     from .ops import _cpu_ffi
 
-    print(f"sparsejax {__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"devices {jax.devices()}")
-    print(f"default implementation: {ops.default_implementation()}"
-          + ("" if ops.cpu_ffi_available() else
-             f" (C++ kernels unavailable: {_cpu_ffi.unavailable_reason()})"))
+    print(
+        f"sparsejax {__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"devices {jax.devices()}"
+    )
+    print(
+        f"default implementation: {ops.default_implementation()}"
+        + (
+            ""
+            if ops.cpu_ffi_available()
+            else f" (C++ kernels unavailable: {_cpu_ffi.unavailable_reason()})"
+        )
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sparsejax", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="sparsejax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from layered YAML configs and overrides")
-    train.add_argument("config", nargs="*", metavar="CONFIG.yaml | key=value",
-                       help="config files (layered left to right) and key=value overrides; "
-                            "none: a short run on synthetic data")
+    train.add_argument(
+        "config",
+        nargs="*",
+        metavar="CONFIG.yaml | key=value",
+        help="config files (layered left to right) and key=value overrides; "
+        "none: a short run on synthetic data",
+    )
     train.set_defaults(fn=_train)
     ev = sub.add_parser("eval", help="evaluate a run directory's checkpoint")
     ev.add_argument("run_dir")

@@ -54,6 +54,12 @@ def tune_allocator() -> bool:
         return False
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    _applied = all(mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+    _applied = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_ARENA_MAX, 1),
+            (_M_MMAP_MAX, 0),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        )
+    )
     return _applied

@@ -46,8 +46,7 @@ def embedding_bag(table, ids, seg, num_segments, weights=None, combiner="sum"):
     w = np.ones(len(ids)) if weights is None else np.asarray(weights, np.float64)
     out = np.zeros((num_segments, table.shape[1]))
     for s in range(num_segments):
-        ks = [k for k in range(len(ids))
-              if seg[k] == s and 0 <= ids[k] < table.shape[0]]
+        ks = [k for k in range(len(ids)) if seg[k] == s and 0 <= ids[k] < table.shape[0]]
         if not ks:
             continue
         rows = np.stack([w[k] * table[ids[k]] for k in ks])
@@ -97,8 +96,9 @@ def segment_max(values, col, seg, dense, num_segments):
     out = np.zeros((num_segments, d), np.float32)
     arg = np.full((num_segments, d), -1, np.int32)
     idx = np.nonzero(valid_mask(col, seg, k, num_segments))[0]
-    prod = (values[idx].astype(np.float64)[:, None]
-            * dense[col[idx]].astype(np.float64)).astype(np.float32)
+    prod = (values[idx].astype(np.float64)[:, None] * dense[col[idx]].astype(np.float64)).astype(
+        np.float32
+    )
     for s in range(num_segments):
         sel = seg[idx] == s
         if not sel.any():
@@ -129,9 +129,13 @@ def apply_row_grads(opt, table, slots, grads_by_row, step):
         return table.copy(), {k: v.copy() for k, v in slots.items()}
     g = jnp.asarray(np.stack([grads_by_row[r] for r in rows]), jnp.float32)
     new_rows, new_slots = opt.update_rows(
-        opt.hparams(), jnp.asarray(table[rows], jnp.float32),
-        {k: jnp.asarray(v[rows]) for k, v in slots.items()}, g, jnp.int32(step),
-        dim=table.shape[1])
+        opt.hparams(),
+        jnp.asarray(table[rows], jnp.float32),
+        {k: jnp.asarray(v[rows]) for k, v in slots.items()},
+        g,
+        jnp.int32(step),
+        dim=table.shape[1],
+    )
     table = table.copy()
     table[rows] = np.asarray(new_rows.astype(table.dtype))
     out_slots = {}
@@ -238,8 +242,11 @@ def make_lookups(rng, lengths, vocab, *, n_bad=0, dup_id=None):
         kind = int(rng.integers(0, 4))
         bad_id = [-1, vocab, vocab + 7, int(rng.integers(0, vocab))][kind]
         # An invalid segment id may be anything, even "out of order".
-        bad_seg = ([-1, num_segments, num_segments + 3][int(rng.integers(0, 3))] if kind == 3
-                   else int(rng.integers(-2, num_segments + 2)))
+        bad_seg = (
+            [-1, num_segments, num_segments + 3][int(rng.integers(0, 3))]
+            if kind == 3
+            else int(rng.integers(-2, num_segments + 2))
+        )
         ids = np.insert(ids, pos, bad_id)
         seg = np.insert(seg, pos, bad_seg)
         coef = np.insert(coef, pos, np.float32(rng.uniform(-1.0, 1.0)))
@@ -267,8 +274,11 @@ def lower_for_cuda(f, *args, donate_argnums=()):
     import jax
 
     mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), (jax.sharding.AxisType.Explicit,),
-        abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 1, "cuda"))
+        (1,),
+        ("x",),
+        (jax.sharding.AxisType.Explicit,),
+        abstract_device=jax.sharding.AbstractDevice("NVIDIA H200", 1, "cuda"),
+    )
     with jax.sharding.use_abstract_mesh(mesh):
         traced = jax.jit(f, donate_argnums=donate_argnums).trace(*args)
         return traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -22,8 +22,10 @@ from sparsejax import ops  # noqa: E402
 CPU_IMPLEMENTATIONS = [
     "xla",
     "pallas",
-    pytest.param("cpu_ffi", marks=pytest.mark.skipif(
-        not ops.cpu_ffi_available(), reason="C++ extension not built")),
+    pytest.param(
+        "cpu_ffi",
+        marks=pytest.mark.skipif(not ops.cpu_ffi_available(), reason="C++ extension not built"),
+    ),
     None,
 ]
 

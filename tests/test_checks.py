@@ -16,8 +16,15 @@ def test_eager_id_out_of_range_names_id_position_and_table():
     with pytest.raises(IndexError, match="id 10 at position 0"):
         ops.embedding_lookup(TABLE, jnp.array([[10]]))
     with pytest.raises(IndexError, match="id 99"):
-        ops.sparse_apply(TABLE, {}, jnp.array([99]), jnp.array([0]), jnp.ones((1, 4)),
-                         optimizer=ops.SGD(learning_rate=1.0), step=1)
+        ops.sparse_apply(
+            TABLE,
+            {},
+            jnp.array([99]),
+            jnp.array([0]),
+            jnp.ones((1, 4)),
+            optimizer=ops.SGD(learning_rate=1.0),
+            step=1,
+        )
 
 
 def test_fast_path_never_reads_out_of_bounds(implementation):
@@ -27,8 +34,11 @@ def test_fast_path_never_reads_out_of_bounds(implementation):
     f = jax.jit(lambda t, i: ops.embedding_bag(t, i, seg, 2, implementation=implementation))
     np.testing.assert_array_equal(f(TABLE, ids), np.stack([TABLE[1], TABLE[3]]))
     opt = ops.SGD(learning_rate=1.0)
-    apply = jax.jit(lambda t, i: ops.sparse_apply(t, {}, i, seg, jnp.ones((2, 4)), optimizer=opt,
-                                                  step=1, implementation=implementation))
+    apply = jax.jit(
+        lambda t, i: ops.sparse_apply(
+            t, {}, i, seg, jnp.ones((2, 4)), optimizer=opt, step=1, implementation=implementation
+        )
+    )
     new, _ = apply(TABLE, ids)
     changed = np.nonzero(np.any(np.asarray(new) != np.asarray(TABLE), axis=1))[0]
     np.testing.assert_array_equal(changed, [1, 3])
@@ -55,29 +65,52 @@ def test_unsorted_segments_and_bad_segment_ids_are_reported_eagerly():
 
 def test_non_finite_weight_is_reported():
     with pytest.raises(ValueError, match="weight at position 1 is nan"):
-        ops.embedding_bag(TABLE, jnp.array([1, 2]), jnp.array([0, 0]), 1,
-                          weights=jnp.array([1.0, jnp.nan]))
+        ops.embedding_bag(
+            TABLE, jnp.array([1, 2]), jnp.array([0, 0]), 1, weights=jnp.array([1.0, jnp.nan])
+        )
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda: ops.embedding_bag(TABLE[0], jnp.array([0]), jnp.array([0]), 1),
-     "`table` must have rank 2"),
-    (lambda: ops.embedding_bag(TABLE, jnp.array([0.5]), jnp.array([0]), 1),
-     "`ids` must be an integer array"),
-    (lambda: ops.embedding_bag(TABLE, jnp.array([0, 1]), jnp.array([0]), 1),
-     "`ids` has 2 entries, `segment_ids` has 1"),
-    (lambda: ops.embedding_bag(TABLE, jnp.array([0]), jnp.array([0]), 1,
-                               weights=jnp.array([1, 2])),
-     "`weights` must be a float array"),
-    (lambda: ops.embedding_bag(TABLE, jnp.array([0]), jnp.array([0]), 1, combiner="median"),
-     "combiner='median'"),
-    (lambda: ops.embedding_bag(TABLE.astype(jnp.int32), jnp.array([0]), jnp.array([0]), 1),
-     "`table` must be a float array"),
-    (lambda: ops.embedding_bag(TABLE, jnp.array([0]), jnp.array([0]), 1, implementation="cuda"),
-     "implementation='cuda'"),
-    (lambda: ops.segment_spmm(jnp.ones(2), jnp.array([0, 1]), jnp.array([0, 0]), TABLE, -1),
-     "`num_segments` must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda: ops.embedding_bag(TABLE[0], jnp.array([0]), jnp.array([0]), 1),
+            "`table` must have rank 2",
+        ),
+        (
+            lambda: ops.embedding_bag(TABLE, jnp.array([0.5]), jnp.array([0]), 1),
+            "`ids` must be an integer array",
+        ),
+        (
+            lambda: ops.embedding_bag(TABLE, jnp.array([0, 1]), jnp.array([0]), 1),
+            "`ids` has 2 entries, `segment_ids` has 1",
+        ),
+        (
+            lambda: ops.embedding_bag(
+                TABLE, jnp.array([0]), jnp.array([0]), 1, weights=jnp.array([1, 2])
+            ),
+            "`weights` must be a float array",
+        ),
+        (
+            lambda: ops.embedding_bag(TABLE, jnp.array([0]), jnp.array([0]), 1, combiner="median"),
+            "combiner='median'",
+        ),
+        (
+            lambda: ops.embedding_bag(TABLE.astype(jnp.int32), jnp.array([0]), jnp.array([0]), 1),
+            "`table` must be a float array",
+        ),
+        (
+            lambda: ops.embedding_bag(
+                TABLE, jnp.array([0]), jnp.array([0]), 1, implementation="cuda"
+            ),
+            "implementation='cuda'",
+        ),
+        (
+            lambda: ops.segment_spmm(jnp.ones(2), jnp.array([0, 1]), jnp.array([0, 0]), TABLE, -1),
+            "`num_segments` must be >= 0",
+        ),
+    ],
+)
 def test_trace_time_errors_name_the_argument(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call()

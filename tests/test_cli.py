@@ -7,15 +7,23 @@ import pytest
 
 from sparsejax.__main__ import main
 
-TINY = ["steps=30", "log_every=10", "eval_every=15", "data.batch_size=64",
-        "data.max_vocab=500", "data.eval_batches=2", "progress=false"]
+TINY = [
+    "steps=30",
+    "log_every=10",
+    "eval_every=15",
+    "data.batch_size=64",
+    "data.max_vocab=500",
+    "data.eval_batches=2",
+    "progress=false",
+]
 
 
 def test_train_then_eval(tmp_path, capsys):
     assert main(["train", *TINY, f"out_dir={tmp_path}", "name=r"]) == 0
     run = tmp_path / "r"
     assert {"config.yaml", "metrics.jsonl", "summary.json", "curves.png", "checkpoints"} <= set(
-        os.listdir(run))
+        os.listdir(run)
+    )
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [10, 20, 30]
     assert [r["step"] for r in records if r["kind"] == "eval"] == [15, 30]

@@ -28,27 +28,35 @@ def test_default_config_is_the_no_argument_run():
 def test_layering_and_overrides(tmp_path):
     (tmp_path / "base.yaml").write_text("steps: 10\ndata: {batch_size: 32, zipf: 1.3}\n")
     (tmp_path / "exp.yaml").write_text("base: base.yaml\ndata: {batch_size: 64}\n")
-    cfg = runner.load_config([tmp_path / "exp.yaml"],
-                             ["data.prefetch=7", "optimizer.dense_learning_rate=1e-4",
-                              "model.options={bottom: [8, 16]}"])
+    cfg = runner.load_config(
+        [tmp_path / "exp.yaml"],
+        [
+            "data.prefetch=7",
+            "optimizer.dense_learning_rate=1e-4",
+            "model.options={bottom: [8, 16]}",
+        ],
+    )
     assert (cfg.steps, cfg.data.batch_size, cfg.data.zipf, cfg.data.prefetch) == (10, 64, 1.3, 7)
     assert cfg.optimizer.dense_learning_rate == pytest.approx(1e-4)
     assert cfg.model.options == {"bottom": [8, 16]}
     assert runner.config_from_dict(_config.to_dict(cfg)) == cfg  # round trip
 
 
-@pytest.mark.parametrize("override,message", [
-    ("data.batch_sise=3", "unknown config key 'data.batch_sise'; did you mean 'batch_size'"),
-    ("stesp=3", "unknown config key 'stesp'; did you mean 'steps'"),
-    ("model.options={botom: [1]}", "'model.options.botom'; did you mean 'bottom'"),
-    ("optimizer.sparse_options={epz: 1}", "'optimizer.sparse_options.epz'; did you mean 'eps'"),
-    ("data.batch_size=many", "'data.batch_size': expected an int, got 'many'"),
-    ("data.shuffle=3", "'data.shuffle': expected true/false, got 3"),
-    ("model.name=dlrn", "'model.name': 'dlrn' is not one of"),
-    ("steps=0", "`steps` must be >= 1"),
-    ("epochs=2", "set exactly one of `steps` and `epochs`"),
-    ("data", "must look like key.sub=value"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.batch_sise=3", "unknown config key 'data.batch_sise'; did you mean 'batch_size'"),
+        ("stesp=3", "unknown config key 'stesp'; did you mean 'steps'"),
+        ("model.options={botom: [1]}", "'model.options.botom'; did you mean 'bottom'"),
+        ("optimizer.sparse_options={epz: 1}", "'optimizer.sparse_options.epz'; did you mean 'eps'"),
+        ("data.batch_size=many", "'data.batch_size': expected an int, got 'many'"),
+        ("data.shuffle=3", "'data.shuffle': expected true/false, got 3"),
+        ("model.name=dlrn", "'model.name': 'dlrn' is not one of"),
+        ("steps=0", "`steps` must be >= 1"),
+        ("epochs=2", "set exactly one of `steps` and `epochs`"),
+        ("data", "must look like key.sub=value"),
+    ],
+)
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=__import__("re").escape(message)):
         runner.load_config([], [override])
@@ -86,8 +94,11 @@ def test_data_path_is_found_in_the_working_dir_then_in_the_data_dir(tmp_path, mo
     (tmp_path / "cwd" / "sub").mkdir()
     (tmp_path / "cwd" / "sub" / "x.tsv").write_text("")  # the working directory comes first
     assert runner.resolve_data_path("sub/x.tsv") == str(tmp_path / "cwd" / "sub" / "x.tsv")
-    with pytest.raises(ConfigError, match=r"data.path='nope.tsv': no such file \(looked for "
-                                          r".*cwd/nope.tsv, .*data/nope.tsv\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.path='nope.tsv': no such file \(looked for "
+        r".*cwd/nope.tsv, .*data/nope.tsv\)$",
+    ):
         runner.build_data(runner.load_config([], ["data.kind=criteo", "data.path=nope.tsv"]))
 
 
@@ -95,5 +106,7 @@ def test_no_shipped_config_names_a_path_outside_the_repository():
     for path in CONFIGS:
         cfg = runner.load_config([path])
         for value in (cfg.data.path, cfg.out_dir):
-            assert value is None or not (value.startswith(("/", "..")) or "shared/" in value), \
-                (path.name, value)
+            assert value is None or not (value.startswith(("/", "..")) or "shared/" in value), (
+                path.name,
+                value,
+            )

@@ -11,25 +11,38 @@ import pytest
 from sparsejax.ops import _cpu_ffi, optimizers
 
 if not _cpu_ffi.is_available():
-    pytest.skip(f"C++ CPU kernels not built: {_cpu_ffi.unavailable_reason()}",
-                allow_module_level=True)
+    pytest.skip(
+        f"C++ CPU kernels not built: {_cpu_ffi.unavailable_reason()}", allow_module_level=True
+    )
 
 from sparsejax import _cpu_ext  # noqa: E402
 
-OPTIMIZER_CLASSES = [optimizers.SGD, optimizers.Adagrad, optimizers.RowWiseAdagrad,
-                     optimizers.LazyAdam, optimizers.FTRL, optimizers.AdagradDecay]
+OPTIMIZER_CLASSES = [
+    optimizers.SGD,
+    optimizers.Adagrad,
+    optimizers.RowWiseAdagrad,
+    optimizers.LazyAdam,
+    optimizers.FTRL,
+    optimizers.AdagradDecay,
+]
 
 
 def test_registrations_are_the_loader_targets():
-    targets = {_cpu_ffi.SPMM_TARGET, _cpu_ffi.SEGMENT_MAX_TARGET, _cpu_ffi.SPARSE_APPLY_TARGET,
-               _cpu_ffi.PAIRWISE_DOTS_TARGET, _cpu_ffi.PAIRWISE_DOTS_BWD_TARGET}
+    targets = {
+        _cpu_ffi.SPMM_TARGET,
+        _cpu_ffi.SEGMENT_MAX_TARGET,
+        _cpu_ffi.SPARSE_APPLY_TARGET,
+        _cpu_ffi.PAIRWISE_DOTS_TARGET,
+        _cpu_ffi.PAIRWISE_DOTS_BWD_TARGET,
+    }
     assert set(_cpu_ext.registrations()) == targets
 
 
 def test_extension_optimizers_match_python():
     built = _cpu_ext.optimizers()
     assert {cls.code: cls.__name__ for cls in OPTIMIZER_CLASSES} == {
-        code: name for code, (name, _) in built.items()}
+        code: name for code, (name, _) in built.items()
+    }
     assert {code: slots for code, (_, slots) in built.items()} == _cpu_ffi.NUM_SLOTS
     assert _cpu_ffi.optimizer_mismatch(built) is None
 
@@ -58,8 +71,14 @@ def test_loader_refuses_an_extension_whose_optimizers_disagree():
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=300, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    ).stdout.splitlines()
     assert out[0] == "False"
     assert "code 1 (Adagrad): optimizers.py 1 slots, C++ 2" in out[1]
     assert "code 2: optimizers.py 1 slots, C++ no" in out[1]

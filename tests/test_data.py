@@ -21,21 +21,63 @@ HEAD10K = None if DATA_DIR is None else DATA_DIR / CRITEO_SAMPLE
 HEAD10K_TEST = HEAD10K and HEAD10K.parent / "test_head10k_unlabeled.txt"
 RANDOM4K = DATA_DIR and DATA_DIR / "criteo_kaggle_random4k" / "train_sample_4K.txt"
 needs_criteo = pytest.mark.skipif(
-    HEAD10K is None, reason=f"the Criteo sample {CRITEO_SAMPLE} is not under "
-                            "$SPARSEJAX_DATA_DIR")
+    HEAD10K is None, reason=f"the Criteo sample {CRITEO_SAMPLE} is not under $SPARSEJAX_DATA_DIR"
+)
 
 # Distinct non-missing values of C1..C26 in train_head10k.txt, from its README.
-HEAD10K_DISTINCT = [175, 386, 5520, 4032, 56, 7, 3184, 93, 3, 2986, 2084, 5283, 1725, 24,
-                    2035, 4723, 9, 1149, 546, 3, 5036, 7, 12, 2524, 39, 1938]
+HEAD10K_DISTINCT = [
+    175,
+    386,
+    5520,
+    4032,
+    56,
+    7,
+    3184,
+    93,
+    3,
+    2986,
+    2084,
+    5283,
+    1725,
+    24,
+    2035,
+    4723,
+    9,
+    1149,
+    546,
+    3,
+    5036,
+    7,
+    12,
+    2524,
+    39,
+    1938,
+]
 
 
 def test_public_api():
-    for name in ["SparseBatch", "PaddedIds", "JaggedIds", "BatchPacker", "Examples",
-                 "ParseReport",
-                 "read_criteo", "iter_criteo_chunks", "HashMapping", "VocabMapping",
-                 "fit_vocab", "vocab_sizes", "specs_for_vocab", "TableSchema",
-                 "read_delimited", "SyntheticCriteo", "KAGGLE_CARDINALITIES", "Loader",
-                 "LoaderPosition", "measure_throughput"]:
+    for name in [
+        "SparseBatch",
+        "PaddedIds",
+        "JaggedIds",
+        "BatchPacker",
+        "Examples",
+        "ParseReport",
+        "read_criteo",
+        "iter_criteo_chunks",
+        "HashMapping",
+        "VocabMapping",
+        "fit_vocab",
+        "vocab_sizes",
+        "specs_for_vocab",
+        "TableSchema",
+        "read_delimited",
+        "SyntheticCriteo",
+        "KAGGLE_CARDINALITIES",
+        "Loader",
+        "LoaderPosition",
+        "measure_throughput",
+    ]:
         assert hasattr(data, name), name
 
 
@@ -60,16 +102,21 @@ def _random_examples(rng, n, *, weighted=True):
     return data.Examples(
         labels=rng.integers(0, 2, n).astype(np.float32),
         dense=rng.normal(size=(n, 3)).astype(np.float32),
-        sparse={"bag": data.JaggedIds(lengths=lengths, values=values, weights=weights),
-                "one": data.JaggedIds(lengths=np.ones(n, np.int32), values=np.arange(n) * 7)})
+        sparse={
+            "bag": data.JaggedIds(lengths=lengths, values=values, weights=weights),
+            "one": data.JaggedIds(lengths=np.ones(n, np.int32), values=np.arange(n) * 7),
+        },
+    )
 
 
 def _rows(col: data.JaggedIds):
     """Per-example lists of (id, weight): the plain-Python view of a ragged column."""
     ends = np.cumsum(col.lengths)
     w = col.weights if col.weights is not None else np.zeros(len(col.values))
-    return [list(zip(col.values[e - n:e].tolist(), w[e - n:e].tolist(), strict=True))
-            for n, e in zip(col.lengths, ends, strict=True)]
+    return [
+        list(zip(col.values[e - n : e].tolist(), w[e - n : e].tolist(), strict=True))
+        for n, e in zip(col.lengths, ends, strict=True)
+    ]
 
 
 def test_examples_take_matches_per_example_reference():
@@ -96,13 +143,17 @@ def test_examples_slice_split_concat_roundtrip():
     back = data.Examples.concat([a, ex[13:30], ex[30:]])
     for name in ("bag", "one"):
         for field in ("lengths", "values", "weights"):
-            np.testing.assert_array_equal(getattr(back.sparse[name], field),
-                                          getattr(ex.sparse[name], field))
+            np.testing.assert_array_equal(
+                getattr(back.sparse[name], field), getattr(ex.sparse[name], field)
+            )
     np.testing.assert_array_equal(back.labels, ex.labels)
     np.testing.assert_array_equal(back.dense, ex.dense)
     with pytest.raises(ValueError, match="values but its lengths sum"):
-        data.Examples(labels=np.zeros(2), dense=np.zeros((2, 0)),
-                      sparse={"x": data.JaggedIds(lengths=np.array([1, 1]), values=np.zeros(3))})
+        data.Examples(
+            labels=np.zeros(2),
+            dense=np.zeros((2, 0)),
+            sparse={"x": data.JaggedIds(lengths=np.array([1, 1]), values=np.zeros(3))},
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,32 +167,38 @@ def test_read_criteo_head10k_matches_readme():
     assert len(ex) == 10_000 and ex.num_dense == 13
     assert ex.feature_names == tuple(f"C{i}" for i in range(1, 27))
     assert round(float(ex.labels.mean()) * 100, 2) == 21.82
-    distinct = [np.unique(ex.sparse[f"C{i}"].values[ex.sparse[f"C{i}"].values >= 0]).size
-                for i in range(1, 27)]
+    distinct = [
+        np.unique(ex.sparse[f"C{i}"].values[ex.sparse[f"C{i}"].values >= 0]).size
+        for i in range(1, 27)
+    ]
     assert distinct == HEAD10K_DISTINCT
     # Missing fractions from the README: C22 81.8%, I12 77.3% (missing dense -> 0).
     assert np.mean(ex.sparse["C22"].values == data.MISSING) == pytest.approx(0.818, abs=5e-4)
     # The first row: 0 1 1 5 0 1382 4 15 2 181 1 2 <empty> 2 68fd1e64 80e26c9b ...
     assert ex.labels[0] == 0
     np.testing.assert_array_equal(
-        ex.dense[0], np.log1p(np.array([1, 1, 5, 0, 1382, 4, 15, 2, 181, 1, 2, 0, 2],
-                                       np.float64)).astype(np.float32))
+        ex.dense[0],
+        np.log1p(np.array([1, 1, 5, 0, 1382, 4, 15, 2, 181, 1, 2, 0, 2], np.float64)).astype(
+            np.float32
+        ),
+    )
     assert ex.sparse["C1"].values[0] == 0x68FD1E64 and ex.sparse["C2"].values[0] == 0x80E26C9B
 
 
 @needs_criteo
 def test_read_criteo_exact_against_plain_python_and_chunks():
     lines = HEAD10K.read_text().splitlines()[:500]
-    ref_dense = np.array([[math.log1p(max(int(x), 0)) if x else 0.0
-                           for x in ln.split("\t")[1:14]] for ln in lines]).astype(np.float32)
-    ref_raw = np.array([[int(x, 16) if x else -1 for x in ln.split("\t")[14:]]
-                        for ln in lines])
+    ref_dense = np.array(
+        [[math.log1p(max(int(x), 0)) if x else 0.0 for x in ln.split("\t")[1:14]] for ln in lines]
+    ).astype(np.float32)
+    ref_raw = np.array([[int(x, 16) if x else -1 for x in ln.split("\t")[14:]] for ln in lines])
     chunks = list(data.iter_criteo_chunks(HEAD10K, chunk_lines=128, max_lines=500))
     assert [len(c) for c, _ in chunks] == [128, 128, 128, 116]
     ex = data.Examples.concat([c for c, _ in chunks])
     np.testing.assert_array_equal(ex.dense, ref_dense)
-    np.testing.assert_array_equal(np.stack([ex.sparse[f"C{i}"].values for i in range(1, 27)],
-                                           1), ref_raw)
+    np.testing.assert_array_equal(
+        np.stack([ex.sparse[f"C{i}"].values for i in range(1, 27)], 1), ref_raw
+    )
     np.testing.assert_array_equal(ex.labels, [float(ln[0]) for ln in lines])
     test_ex, report = data.read_criteo(HEAD10K_TEST, labeled=False, max_lines=300)
     assert len(test_ex) == 300 and report.lines_kept == 300 and not test_ex.labels.any()
@@ -168,27 +225,31 @@ def test_read_criteo_malformed_lines(tmp_path):
     long_hex = ["68fd1e64"] * 26
     long_hex[25] = "123456789"
     lines = [
-        _criteo_line("1"),                                   # 1 ok
-        "\t".join(_criteo_line().split("\t")[:39]),          # 2 field count
-        _criteo_line(dense=bad_dense),                       # 3 I3
-        _criteo_line(cats=bad_hex),                          # 4 C5
-        _criteo_line("2"),                                   # 5 label
+        _criteo_line("1"),  # 1 ok
+        "\t".join(_criteo_line().split("\t")[:39]),  # 2 field count
+        _criteo_line(dense=bad_dense),  # 3 I3
+        _criteo_line(cats=bad_hex),  # 4 C5
+        _criteo_line("2"),  # 5 label
         _criteo_line(dense=[big] + [""] * 12, cats=[""] * 26),  # 6 ok, all missing
-        _criteo_line(cats=long_hex),                         # 7 C26 over-long
-        "",                                                  # 8 empty line
-        _criteo_line(dense=["-5"] + ["-"] + ["1"] * 11),     # 9 I2 = "-"
-        _criteo_line("1", cats=["ABCDEF01"] * 26),           # 10 ok, upper-case hex
+        _criteo_line(cats=long_hex),  # 7 C26 over-long
+        "",  # 8 empty line
+        _criteo_line(dense=["-5"] + ["-"] + ["1"] * 11),  # 9 I2 = "-"
+        _criteo_line("1", cats=["ABCDEF01"] * 26),  # 10 ok, upper-case hex
     ]
     path = tmp_path / "bad.txt"
     path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1] + "\r\n")
     ex, report = data.read_criteo(path)
     assert report.lines_read == 10 and report.lines_kept == 3 and len(ex) == 3
-    assert report.errors == {"field_count": 2, "bad_dense": 2, "bad_categorical": 2,
-                             "bad_label": 1}
+    assert report.errors == {"field_count": 2, "bad_dense": 2, "bad_categorical": 2, "bad_label": 1}
     assert [(ln, r, f) for ln, r, f, _ in report.first_errors] == [
-        (2, "field_count", "(line)"), (3, "bad_dense", "I3"), (4, "bad_categorical", "C5"),
-        (5, "bad_label", "label"), (7, "bad_categorical", "C26"), (8, "field_count", "(line)"),
-        (9, "bad_dense", "I2")]
+        (2, "field_count", "(line)"),
+        (3, "bad_dense", "I3"),
+        (4, "bad_categorical", "C5"),
+        (5, "bad_label", "label"),
+        (7, "bad_categorical", "C26"),
+        (8, "field_count", "(line)"),
+        (9, "bad_dense", "I2"),
+    ]
     assert report.first_errors[1][3] == "1.5"
     summary = str(report)
     assert "kept 3 of 10" in summary and "bad_dense 2" in summary and "I3='1.5'" in summary
@@ -207,17 +268,22 @@ def test_id_mappings_fit_on_train_apply_to_eval():
     vocab = data.VocabMapping.fit(train, min_count=2)
     assert vocab.vocab_size == 3  # 10 and 30 kept (20, 99 rare), plus row 0
     np.testing.assert_array_equal(vocab(train), [2, 1, 1, 0, 0, 2, 2, 0])
-    np.testing.assert_array_equal(vocab(np.array([10, 30, 20, 12345, -1, 0])),
-                                  [1, 2, 0, 0, 0, 0])
+    np.testing.assert_array_equal(vocab(np.array([10, 30, 20, 12345, -1, 0])), [1, 2, 0, 0, 0, 0])
     assert data.VocabMapping.fit(train).vocab_size == 5
     assert data.VocabMapping.fit(np.array([-1, -1])).vocab_size == 1
     h = data.HashMapping(buckets=7)
-    np.testing.assert_array_equal(h(np.array([-1, 0, 5, 6, 13, 0xFFFFFFFF])),
-                                  [0, 1, 6, 1, 2, 1 + 0xFFFFFFFF % 6])
+    np.testing.assert_array_equal(
+        h(np.array([-1, 0, 5, 6, 13, 0xFFFFFFFF])), [0, 1, 6, 1, 2, 1 + 0xFFFFFFFF % 6]
+    )
     # On examples: fit on the train split, apply to both; sizes feed the table specs.
     rng = np.random.default_rng(0)
-    ex = data.Examples(labels=np.zeros(100), dense=np.zeros((100, 0)), sparse={
-        "a": data.JaggedIds(lengths=np.ones(100, np.int32), values=rng.integers(-1, 40, 100))})
+    ex = data.Examples(
+        labels=np.zeros(100),
+        dense=np.zeros((100, 0)),
+        sparse={
+            "a": data.JaggedIds(lengths=np.ones(100, np.int32), values=rng.integers(-1, 40, 100))
+        },
+    )
     tr, ev = ex.split(60)
     maps = data.fit_vocab(tr)
     tr_m, ev_m = tr.map_ids(maps), ev.map_ids(maps)
@@ -235,9 +301,16 @@ def test_id_mappings_fit_on_train_apply_to_eval():
 
 
 ALICE = 0x9DA54CE0CECEA4D  # stable_hash("alice"): blake2b-8, little-endian, top bit cleared
-CSV_SCHEMA = {"delimiter": ",", "label": "click", "dense": ["age"],
-              "categorical": ["user", "city"], "multi_hot": ["tags"], "weighted": ["tags"],
-              "sequence": ["history"], "separator": "|"}
+CSV_SCHEMA = {
+    "delimiter": ",",
+    "label": "click",
+    "dense": ["age"],
+    "categorical": ["user", "city"],
+    "multi_hot": ["tags"],
+    "weighted": ["tags"],
+    "sequence": ["history"],
+    "separator": "|",
+}
 
 
 def test_table_schema_from_dict_unknown_key():
@@ -254,16 +327,20 @@ def test_read_delimited(tmp_path):
     path.write_text(
         "click,user,age,tags,history,city,ignored\n"
         "1,alice,31,a:0.5|b:2,7|8|9,paris,x\n"
-        "0,bob,,,,,x\n"                       # missing dense, empty bags, missing city
-        "1,carol,abc,a:1,1,rome,x\n"           # bad dense
-        "0,dave,40,a:1|b,1,rome,x\n"           # weight missing
-        "0,erin,22,a:1\n"                      # field count
-        "1,alice,50,c:3,9|9,rome,x\n")
+        "0,bob,,,,,x\n"  # missing dense, empty bags, missing city
+        "1,carol,abc,a:1,1,rome,x\n"  # bad dense
+        "0,dave,40,a:1|b,1,rome,x\n"  # weight missing
+        "0,erin,22,a:1\n"  # field count
+        "1,alice,50,c:3,9|9,rome,x\n"
+    )
     ex, report = data.read_delimited(path, data.TableSchema.from_dict(CSV_SCHEMA))
     assert (report.lines_read, report.lines_kept) == (6, 3)
     assert report.errors == {"bad_dense": 1, "bad_weight": 1, "field_count": 1}
     assert [(ln, r, f) for ln, r, f, _ in report.first_errors] == [
-        (4, "bad_dense", "age"), (5, "bad_weight", "tags"), (6, "field_count", "(line)")]
+        (4, "bad_dense", "age"),
+        (5, "bad_weight", "tags"),
+        (6, "field_count", "(line)"),
+    ]
     np.testing.assert_array_equal(ex.labels, [1, 0, 1])
     np.testing.assert_array_equal(ex.dense, [[31], [0], [50]])
     h = data.stable_hash
@@ -280,16 +357,26 @@ def test_read_delimited(tmp_path):
     # Integer ids, no header, explicit column names, tab-separated.
     path2 = tmp_path / "ints.tsv"
     path2.write_text("1\t5\t3;4\n0\t\t\n1\t-2\t1\n")
-    ex2, report2 = data.read_delimited(path2, {
-        "header": False, "columns": ["y", "item", "seq"], "delimiter": "\t", "label": "y",
-        "categorical": ["item"], "sequence": ["seq"], "separator": ";", "int_ids": True})
-    assert report2.errors == {"bad_id": 1} and report2.first_errors[0][:3] == (3, "bad_id",
-                                                                               "item")
+    ex2, report2 = data.read_delimited(
+        path2,
+        {
+            "header": False,
+            "columns": ["y", "item", "seq"],
+            "delimiter": "\t",
+            "label": "y",
+            "categorical": ["item"],
+            "sequence": ["seq"],
+            "separator": ";",
+            "int_ids": True,
+        },
+    )
+    assert report2.errors == {"bad_id": 1} and report2.first_errors[0][:3] == (3, "bad_id", "item")
     assert ex2.sparse["item"].values.tolist() == [5, -1]
     assert ex2.sparse["seq"].values.tolist() == [3, 4]
     with pytest.raises(ValueError, match="column 'itme' is not in the file's columns.*'item'"):
-        data.read_delimited(path2, {"header": False, "columns": ["y", "item", "seq"],
-                                    "categorical": ["itme"]})
+        data.read_delimited(
+            path2, {"header": False, "columns": ["y", "item", "seq"], "categorical": ["itme"]}
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,8 +467,10 @@ def _assert_same_batches(xs, ys):
 def _loader_setup(n=70, batch_size=16):
     ex = _random_examples(np.random.default_rng(2), n)
     tables = [TableSpec(name="t", vocab_size=1000, dim=4)]
-    features = [FeatureSpec(name="bag", table="t", max_ids=4, weighted=True),
-                FeatureSpec(name="one", table="t")]
+    features = [
+        FeatureSpec(name="bag", table="t", max_ids=4, weighted=True),
+        FeatureSpec(name="one", table="t"),
+    ]
     return ex, data.BatchPacker(tables, features, batch_size=batch_size, num_dense=3)
 
 
@@ -392,8 +481,10 @@ def test_loader_epochs_shuffle_and_padding():
     assert len(batches) == 10 and loader.position == data.LoaderPosition(epoch=2, batch=0)
     assert batches[4].mask.sum() == 70 - 64 and batches[4].mask[6:].sum() == 0
     # Each epoch sees every example once ("one" holds 7 * index), in a different order.
-    seen = [np.concatenate([b.features["one"].ids[b.mask > 0] for b in batches[e:e + 5]])
-            for e in (0, 5)]
+    seen = [
+        np.concatenate([b.features["one"].ids[b.mask > 0] for b in batches[e : e + 5]])
+        for e in (0, 5)
+    ]
     for s in seen:
         np.testing.assert_array_equal(np.sort(s), np.arange(70) * 7)
     assert not np.array_equal(seen[0], seen[1])
@@ -408,8 +499,10 @@ def test_loader_resume_is_bit_identical(source):
     ex, packer = _loader_setup()
     if source == "synthetic":
         ex = data.SyntheticCriteo(vocab_sizes=(50, 1000), num_dense=3, seed=4)
-        tables = [TableSpec(name="a", vocab_size=50, dim=4),
-                  TableSpec(name="b", vocab_size=1000, dim=4)]
+        tables = [
+            TableSpec(name="a", vocab_size=50, dim=4),
+            TableSpec(name="b", vocab_size=1000, dim=4),
+        ]
         features = [FeatureSpec(name="C1", table="a"), FeatureSpec(name="C2", table="b")]
         packer = data.BatchPacker(tables, features, batch_size=16, num_dense=3)
     kwargs = dict(seed=7, epochs=3 if source == "examples" else None, prefetch=3)
@@ -431,13 +524,19 @@ class _FailingSource:
         if index == 3:
             raise ValueError(f"corrupt record in batch {index}")
         ids = np.full(batch_size, index, np.int64)
-        return ({"f": data.JaggedIds(lengths=np.ones(batch_size, np.int32), values=ids)},
-                np.zeros(batch_size, np.float32), np.zeros((batch_size, 0), np.float32))
+        return (
+            {"f": data.JaggedIds(lengths=np.ones(batch_size, np.int32), values=ids)},
+            np.zeros(batch_size, np.float32),
+            np.zeros((batch_size, 0), np.float32),
+        )
 
 
 def test_loader_propagates_thread_exceptions_and_joins():
-    packer = data.BatchPacker([TableSpec(name="t", vocab_size=10, dim=2)],
-                              [FeatureSpec(name="f", table="t")], batch_size=4)
+    packer = data.BatchPacker(
+        [TableSpec(name="t", vocab_size=10, dim=2)],
+        [FeatureSpec(name="f", table="t")],
+        batch_size=4,
+    )
     before = threading.active_count()
     loader = data.Loader(_FailingSource(), packer)
     got = []
@@ -449,23 +548,33 @@ def test_loader_propagates_thread_exceptions_and_joins():
     assert "batch" in frames  # the traceback reaches into the producer thread
     assert threading.active_count() == before
     # A packer error in the thread names the feature (id 10 is outside 10 rows).
-    ex = data.Examples(labels=np.zeros(8), dense=np.zeros((8, 0)), sparse={
-        "f": data.JaggedIds(lengths=np.ones(8, np.int32), values=np.arange(8) + 3)})
+    ex = data.Examples(
+        labels=np.zeros(8),
+        dense=np.zeros((8, 0)),
+        sparse={"f": data.JaggedIds(lengths=np.ones(8, np.int32), values=np.arange(8) + 3)},
+    )
     with pytest.raises(ValueError, match=r"feature 'f': id 10 of example 7"):
         list(data.Loader(ex, packer, shuffle=False))
     # Closing early (or dropping the loader) stops the thread.
-    loader = data.Loader(data.SyntheticCriteo(vocab_sizes=(10,), num_dense=0),
-                         data.BatchPacker([TableSpec(name="t", vocab_size=10, dim=2)],
-                                          [FeatureSpec(name="C1", table="t")], batch_size=4),
-                         epochs=None, prefetch=2)
+    loader = data.Loader(
+        data.SyntheticCriteo(vocab_sizes=(10,), num_dense=0),
+        data.BatchPacker(
+            [TableSpec(name="t", vocab_size=10, dim=2)],
+            [FeatureSpec(name="C1", table="t")],
+            batch_size=4,
+        ),
+        epochs=None,
+        prefetch=2,
+    )
     next(loader)
     assert threading.active_count() == before + 1
     loader.close()
     assert threading.active_count() == before
     with pytest.raises(StopIteration):
         next(loader)
-    loader = data.Loader(data.SyntheticCriteo(vocab_sizes=(10,), num_dense=0), loader.packer,
-                         epochs=None)
+    loader = data.Loader(
+        data.SyntheticCriteo(vocab_sizes=(10,), num_dense=0), loader.packer, epochs=None
+    )
     next(loader)
     del loader
     assert threading.active_count() == before
@@ -494,10 +603,14 @@ def test_measure_throughput_counts_batches_over_the_timed_span(monkeypatch):
     clock = iter([0.0, 2.0])
     with data.Loader(ex, packer, epochs=1) as loader:  # ends after 2 warm-up + 3 timed
         assert data.measure_throughput(loader, num_batches=10, warmup=2) == 3 / 2.0
-    with data.Loader(ex, packer, epochs=1) as loader, \
-            pytest.raises(ValueError, match="ended during warm-up"):
+    with (
+        data.Loader(ex, packer, epochs=1) as loader,
+        pytest.raises(ValueError, match="ended during warm-up"),
+    ):
         data.measure_throughput(loader, warmup=6)
     clock = iter([0.0, 1.0])
-    with data.Loader(ex, packer, epochs=1) as loader, \
-            pytest.raises(ValueError, match="ended before any batch was timed"):
+    with (
+        data.Loader(ex, packer, epochs=1) as loader,
+        pytest.raises(ValueError, match="ended before any batch was timed"),
+    ):
         data.measure_throughput(loader, warmup=5)

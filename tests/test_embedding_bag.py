@@ -30,12 +30,14 @@ def _case(seed, vocab, dim, num_segments, nnz, dtype, weighted):
 def test_matches_numpy(implementation, combiner, dtype, weighted):
     table, ids, seg, weights = _case(0, 97, 16, 13, 120, dtype, weighted)
     w = None if weights is None else jnp.asarray(weights)
-    f = jax.jit(lambda t, i, s, w: ops.embedding_bag(
-        t, i, s, 13, weights=w, combiner=combiner, implementation=implementation))
+    f = jax.jit(
+        lambda t, i, s, w: ops.embedding_bag(
+            t, i, s, 13, weights=w, combiner=combiner, implementation=implementation
+        )
+    )
     out = f(table, jnp.asarray(ids), jnp.asarray(seg), w)
     assert out.dtype == dtype and out.shape == (13, 16)
-    want = ref.embedding_bag(np.asarray(table.astype(jnp.float32)), ids, seg, 13, weights,
-                             combiner)
+    want = ref.embedding_bag(np.asarray(table.astype(jnp.float32)), ids, seg, 13, weights, combiner)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, **TOL[dtype])
 
 
@@ -43,8 +45,9 @@ def test_matches_numpy(implementation, combiner, dtype, weighted):
 @pytest.mark.parametrize("dim", [1, 3, 64, 96])
 def test_vocab_and_dim_edges(implementation, vocab, dim):
     table, ids, seg, _ = _case(vocab + dim, vocab, dim, 7, 50, jnp.float32, False)
-    out = ops.embedding_bag(table, jnp.asarray(ids), jnp.asarray(seg), 7,
-                            implementation=implementation)
+    out = ops.embedding_bag(
+        table, jnp.asarray(ids), jnp.asarray(seg), 7, implementation=implementation
+    )
     np.testing.assert_allclose(out, ref.embedding_bag(table, ids, seg, 7), rtol=1e-5, atol=1e-5)
 
 
@@ -53,8 +56,9 @@ def test_empty_and_all_padding_bags_give_zeros(implementation):
     ids = jnp.array([-1, -1, 3, 3, -1], jnp.int32)  # bag 0 all padding, 1 empty, 2 dup
     seg = jnp.array([0, 0, 2, 2, 2], jnp.int32)
     for combiner in ops.COMBINERS:
-        out = ops.embedding_bag(table, ids, seg, 4, combiner=combiner,
-                                implementation=implementation)
+        out = ops.embedding_bag(
+            table, ids, seg, 4, combiner=combiner, implementation=implementation
+        )
         np.testing.assert_array_equal(out[0], 0.0)
         np.testing.assert_array_equal(out[1], 0.0)
         np.testing.assert_array_equal(out[3], 0.0)
@@ -78,11 +82,15 @@ def test_grad_wrt_table_and_weights(implementation, combiner):
     def loss(bag_fn, t, w):
         return jnp.sum(jnp.sin(bag_fn(t, ids, seg, 9, weights=w, combiner=combiner)) * probe)
 
-    got = jax.jit(jax.grad(lambda t, w: loss(
-        lambda *a, **k: ops.embedding_bag(*a, implementation=implementation, **k), t, w),
-        argnums=(0, 1)))(table, weights)
-    want = jax.grad(lambda t, w: loss(ops.embedding_bag_ref, t, w), argnums=(0, 1))(
-        table, weights)
+    got = jax.jit(
+        jax.grad(
+            lambda t, w: loss(
+                lambda *a, **k: ops.embedding_bag(*a, implementation=implementation, **k), t, w
+            ),
+            argnums=(0, 1),
+        )
+    )(table, weights)
+    want = jax.grad(lambda t, w: loss(ops.embedding_bag_ref, t, w), argnums=(0, 1))(table, weights)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
 
@@ -100,15 +108,21 @@ def test_vmap_over_batches_of_bags_and_tables(implementation, combiner):
 
     out = jax.jit(jax.vmap(bag, in_axes=(None, 0, 0)))(table, ids, seg)
     for b in range(3):
-        np.testing.assert_allclose(out[b], ref.embedding_bag(table, batch[b][0], batch[b][1], 5,
-                                                             combiner=combiner), rtol=1e-5,
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            out[b],
+            ref.embedding_bag(table, batch[b][0], batch[b][1], 5, combiner=combiner),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     tables = jnp.stack([table, -2.0 * table])
     out = jax.vmap(bag, in_axes=(0, None, None))(tables, ids[0], seg[0])
     for b in range(2):
-        np.testing.assert_allclose(out[b], ref.embedding_bag(tables[b], batch[0][0],
-                                                             batch[0][1], 5, combiner=combiner),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            out[b],
+            ref.embedding_bag(tables[b], batch[0][0], batch[0][1], 5, combiner=combiner),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_embedding_lookup(implementation):
@@ -116,13 +130,16 @@ def test_embedding_lookup(implementation):
     table = jnp.asarray(rng.normal(size=(50, 6)), jnp.float32)
     ids = rng.integers(-1, 50, (4, 7)).astype(np.int32)
     out = jax.jit(lambda t, i: ops.embedding_lookup(t, i, implementation=implementation))(
-        table, jnp.asarray(ids))
+        table, jnp.asarray(ids)
+    )
     assert out.shape == (4, 7, 6)
     want = np.where((ids >= 0)[..., None], np.asarray(table)[np.maximum(ids, 0)], 0.0)
     np.testing.assert_allclose(out, want, rtol=1e-6)
-    g = jax.grad(lambda t: jnp.sum(ops.embedding_lookup(t, jnp.asarray(ids),
-                                                        implementation=implementation) ** 2))(
-        table)
+    g = jax.grad(
+        lambda t: jnp.sum(
+            ops.embedding_lookup(t, jnp.asarray(ids), implementation=implementation) ** 2
+        )
+    )(table)
     g_ref = jax.grad(lambda t: jnp.sum(ops.embedding_lookup_ref(t, jnp.asarray(ids)) ** 2))(table)
     np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-6)
 
@@ -145,16 +162,30 @@ def test_max_vjp_under_jit_with_constant_ids(implementation):
 
     @jax.jit
     def f(t):
-        out, vjp = jax.vjp(lambda t: ops.embedding_bag(
-            t, ids, seg, 5, weights=weights, combiner="max", implementation=implementation), t)
+        out, vjp = jax.vjp(
+            lambda t: ops.embedding_bag(
+                t, ids, seg, 5, weights=weights, combiner="max", implementation=implementation
+            ),
+            t,
+        )
         return out, vjp(jnp.ones_like(out))[0]
 
     out, g = f(table)
-    want_g = jax.grad(lambda t: jnp.sum(ops.embedding_bag_ref(
-        t, jnp.asarray(ids), jnp.asarray(seg), 5, weights=jnp.asarray(weights),
-        combiner="max")))(table)
-    np.testing.assert_allclose(out, ref.embedding_bag(table, ids, seg, 5, weights, "max"),
-                               rtol=1e-6, atol=1e-6)
+    want_g = jax.grad(
+        lambda t: jnp.sum(
+            ops.embedding_bag_ref(
+                t,
+                jnp.asarray(ids),
+                jnp.asarray(seg),
+                5,
+                weights=jnp.asarray(weights),
+                combiner="max",
+            )
+        )
+    )(table)
+    np.testing.assert_allclose(
+        out, ref.embedding_bag(table, ids, seg, 5, weights, "max"), rtol=1e-6, atol=1e-6
+    )
     np.testing.assert_allclose(g, want_g, rtol=1e-6, atol=1e-6)
 
 
@@ -166,8 +197,15 @@ def test_sqrtn_is_exact_for_tiny_and_huge_weights(implementation, scale):
     ids = jnp.array([1, 4, 2, -1, 5], jnp.int32)
     seg = jnp.array([0, 0, 1, 1, 2], jnp.int32)
     w = np.array([3.0, 4.0, -2.0, 7.0, 0.5], np.float32)
-    out = ops.embedding_bag(table, ids, seg, 3, weights=jnp.asarray(w * np.float32(scale)),
-                            combiner="sqrtn", implementation=implementation)
+    out = ops.embedding_bag(
+        table,
+        ids,
+        seg,
+        3,
+        weights=jnp.asarray(w * np.float32(scale)),
+        combiner="sqrtn",
+        implementation=implementation,
+    )
     want = ref.embedding_bag(table, np.asarray(ids), np.asarray(seg), 3, w, "sqrtn")
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out[0], (3 * table[1] + 4 * table[4]) / 5, rtol=1e-6)
@@ -200,7 +238,8 @@ def test_max_kernel_on_junk_entries(impl, dtype, d):
     values, col, seg = ref.junk_entries(rng, n, k, s, sorted_segments=True)
     dense = rng.standard_normal((k, d)).astype(np.float32).astype(dtype)
     out, arg = jax.jit(functools.partial(_max_kernel(impl), num_segments=s))(
-        values, col, seg, dense)
+        values, col, seg, dense
+    )
     want, want_arg = ref.segment_max(values, col, seg, dense, s)
     assert out.dtype == dense.dtype and arg.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(arg), want_arg)
@@ -258,13 +297,16 @@ def _bag_forward():
     return pallas_triton
 
 
-@pytest.mark.parametrize("dim,dtype,rows_per_step,bags", [
-    (8, jnp.float32, 16, 1),
-    (64, jnp.float32, 4, 3),
-    (96, jnp.float32, 16, 1),
-    (128, jnp.float32, 8, 2),
-    (96, jnp.bfloat16, 16, 2),
-])
+@pytest.mark.parametrize(
+    "dim,dtype,rows_per_step,bags",
+    [
+        (8, jnp.float32, 16, 1),
+        (64, jnp.float32, 4, 3),
+        (96, jnp.float32, 16, 1),
+        (128, jnp.float32, 8, 2),
+        (96, jnp.bfloat16, 16, 2),
+    ],
+)
 def test_pallas_forward_sum(dim, dtype, rows_per_step, bags):
     rng = np.random.default_rng(dim + bags)
     vocab, num_segments = 40, 9
@@ -272,20 +314,30 @@ def test_pallas_forward_sum(dim, dtype, rows_per_step, bags):
     ids, seg, coef = ref.make_lookups(rng, lengths, vocab, n_bad=10)
     ids[seg == num_segments - 2] = -1  # an all-padding bag
     table = jnp.asarray(rng.normal(size=(vocab, dim)), dtype)
-    f = jax.jit(functools.partial(_bag_forward().bag_forward, num_segments=num_segments,
-                                  rows_per_step=rows_per_step, bags_per_program=bags,
-                                  interpret=True))
+    f = jax.jit(
+        functools.partial(
+            _bag_forward().bag_forward,
+            num_segments=num_segments,
+            rows_per_step=rows_per_step,
+            bags_per_program=bags,
+            interpret=True,
+        )
+    )
     out = f(jnp.asarray(coef), jnp.asarray(ids), jnp.asarray(seg), table)
     assert out.shape == (num_segments, dim) and out.dtype == dtype
-    np.testing.assert_allclose(ref.f64(out), ref.segment_spmm(coef, ids, seg, table,
-                                                              num_segments), **TOL[dtype])
+    np.testing.assert_allclose(
+        ref.f64(out), ref.segment_spmm(coef, ids, seg, table, num_segments), **TOL[dtype]
+    )
 
 
-@pytest.mark.parametrize("dim,dtype,rows_per_step,bags", [
-    (8, jnp.float32, 4, 1),
-    (96, jnp.float32, 16, 2),
-    (128, jnp.bfloat16, 8, 1),
-])
+@pytest.mark.parametrize(
+    "dim,dtype,rows_per_step,bags",
+    [
+        (8, jnp.float32, 4, 1),
+        (96, jnp.float32, 16, 2),
+        (128, jnp.bfloat16, 8, 1),
+    ],
+)
 def test_pallas_forward_max_with_ties(dim, dtype, rows_per_step, bags):
     rng = np.random.default_rng(7 * dim)
     vocab, num_segments = 12, 8
@@ -295,9 +347,16 @@ def test_pallas_forward_max_with_ties(dim, dtype, rows_per_step, bags):
     # Small integers and coefficients in {-1, 1, 2}: ties everywhere, and repeated ids.
     table = jnp.asarray(rng.integers(-3, 4, (vocab, dim)), dtype)
     coef = rng.choice(np.array([-1.0, 1.0, 2.0], np.float32), coef.shape[0])
-    f = jax.jit(functools.partial(_bag_forward().bag_forward, num_segments=num_segments,
-                                  combiner="max", rows_per_step=rows_per_step,
-                                  bags_per_program=bags, interpret=True))
+    f = jax.jit(
+        functools.partial(
+            _bag_forward().bag_forward,
+            num_segments=num_segments,
+            combiner="max",
+            rows_per_step=rows_per_step,
+            bags_per_program=bags,
+            interpret=True,
+        )
+    )
     out, arg = f(jnp.asarray(coef), jnp.asarray(ids), jnp.asarray(seg), table)
     want, want_arg = ref.segment_max(coef, ids, seg, table, num_segments)
     assert out.dtype == dtype and arg.dtype == jnp.int32
@@ -326,7 +385,8 @@ def test_pallas_forward_degenerate_inputs():
 def test_pallas_forward_lowers_for_cuda(combiner, dim, dtype, bags):
     n, s, v = 4096, 256, 100_000
     i = SDS((n,), jnp.int32)
-    f = functools.partial(_bag_forward().bag_forward, num_segments=s, combiner=combiner,
-                          bags_per_program=bags)
+    f = functools.partial(
+        _bag_forward().bag_forward, num_segments=s, combiner=combiner, bags_per_program=bags
+    )
     txt = ref.lower_for_cuda(f, SDS((n,), jnp.float32), i, i, SDS((v, dim), dtype))
     assert "__gpu$xla.gpu.triton" in txt

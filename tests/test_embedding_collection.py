@@ -20,17 +20,21 @@ B = 6
 
 def _specs(optimizer=None):
     kw = {} if optimizer is None else {"optimizer": optimizer}
-    tables = [TableSpec(name="user", vocab_size=40, dim=8, **kw),
-              TableSpec(name="item", vocab_size=90, dim=8, **kw),
-              TableSpec(name="tag", vocab_size=7, dim=4, **kw),
-              TableSpec(name="small", vocab_size=1, dim=8, **kw)]
-    features = [FeatureSpec(name="user", table="user"),
-                FeatureSpec(name="item", table="item"),
-                FeatureSpec(name="clicked", table="item", combiner="mean", max_ids=4),
-                FeatureSpec(name="recent", table="item", combiner=None, max_ids=3),
-                FeatureSpec(name="tags", table="tag", combiner="sqrtn", max_ids=3, weighted=True),
-                FeatureSpec(name="tag_max", table="tag", combiner="max", max_ids=2),
-                FeatureSpec(name="only", table="small", combiner="sum", max_ids=2)]
+    tables = [
+        TableSpec(name="user", vocab_size=40, dim=8, **kw),
+        TableSpec(name="item", vocab_size=90, dim=8, **kw),
+        TableSpec(name="tag", vocab_size=7, dim=4, **kw),
+        TableSpec(name="small", vocab_size=1, dim=8, **kw),
+    ]
+    features = [
+        FeatureSpec(name="user", table="user"),
+        FeatureSpec(name="item", table="item"),
+        FeatureSpec(name="clicked", table="item", combiner="mean", max_ids=4),
+        FeatureSpec(name="recent", table="item", combiner=None, max_ids=3),
+        FeatureSpec(name="tags", table="tag", combiner="sqrtn", max_ids=3, weighted=True),
+        FeatureSpec(name="tag_max", table="tag", combiner="max", max_ids=2),
+        FeatureSpec(name="only", table="small", combiner="sum", max_ids=2),
+    ]
     return tables, features
 
 
@@ -56,13 +60,16 @@ def _reference(tables_np, features, table_of, host):
         starts = np.concatenate([[0], np.cumsum(col.lengths)])
         rows = []
         for b in range(B):
-            ids = col.values[starts[b]:starts[b + 1]]
-            w = (np.ones(len(ids)) if col.weights is None
-                 else col.weights[starts[b]:starts[b + 1]].astype(np.float64))
+            ids = col.values[starts[b] : starts[b + 1]]
+            w = (
+                np.ones(len(ids))
+                if col.weights is None
+                else col.weights[starts[b] : starts[b + 1]].astype(np.float64)
+            )
             if f.is_sequence:
-                ids, w = ids[-f.max_ids:], w[-f.max_ids:]
+                ids, w = ids[-f.max_ids :], w[-f.max_ids :]
                 seq = np.zeros((f.max_ids, t.shape[1]))
-                seq[:len(ids)] = t[ids] * w[:, None]
+                seq[: len(ids)] = t[ids] * w[:, None]
                 rows.append(seq)
                 continue
             if len(ids) == 0:
@@ -90,8 +97,7 @@ def test_lookup_matches_per_feature_reference(seed):
     by_name = {k: np.asarray(v["weights"]) for k, v in ec.export_tables(state).items()}
     want = _reference(by_name, features, {f.name: f.table for f in features}, host)
     for f in features:
-        np.testing.assert_allclose(got[f.name], want[f.name], rtol=1e-5, atol=1e-6,
-                                   err_msg=f.name)
+        np.testing.assert_allclose(got[f.name], want[f.name], rtol=1e-5, atol=1e-6, err_msg=f.name)
 
 
 def test_sparse_sgd_step_equals_dense_gradient_step():
@@ -102,10 +108,19 @@ def test_sparse_sgd_step_equals_dense_gradient_step():
     state = ec.init(jax.random.key(0))
     host = _host_batch(rng, tables, features)
     batch = BatchPacker(tables, features, batch_size=B).pack(host, labels=np.zeros(B))
-    proj = {f.name: jnp.asarray(rng.normal(size=(f.bags_per_example() * tables[0].dim
-                                                 if f.table != "tag" else
-                                                 f.bags_per_example() * 4,)), jnp.float32)
-            for f in features}
+    proj = {
+        f.name: jnp.asarray(
+            rng.normal(
+                size=(
+                    f.bags_per_example() * tables[0].dim
+                    if f.table != "tag"
+                    else f.bags_per_example() * 4,
+                )
+            ),
+            jnp.float32,
+        )
+        for f in features
+    }
 
     def loss_of_pooled(pooled):
         return sum(jnp.sum(jnp.tanh(pooled[k].reshape(B, -1) @ proj[k])) for k in pooled)
@@ -121,19 +136,21 @@ def test_sparse_sgd_step_equals_dense_gradient_step():
         for f in features:
             jag = batch.features[f.name]
             bags = B * f.bags_per_example()
-            p = ops.embedding_bag_ref(weights[f.table], jnp.asarray(jag.ids),
-                                      jnp.asarray(jag.segments), bags,
-                                      weights=None if jag.weights is None
-                                      else jnp.asarray(jag.weights),
-                                      combiner=f.combiner or "sum")
+            p = ops.embedding_bag_ref(
+                weights[f.table],
+                jnp.asarray(jag.ids),
+                jnp.asarray(jag.segments),
+                bags,
+                weights=None if jag.weights is None else jnp.asarray(jag.weights),
+                combiner=f.combiner or "sum",
+            )
             pooled[f.name] = p
         return loss_of_pooled(pooled)
 
     dense_g = jax.grad(dense_loss)(by_name)
     for name in by_name:
         want = np.asarray(by_name[name]) - lr * np.asarray(dense_g[name])
-        np.testing.assert_allclose(new[name]["weights"], want, rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(new[name]["weights"], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_ids_outside_their_table_never_reach_a_neighbour():
@@ -143,8 +160,10 @@ def test_ids_outside_their_table_never_reach_a_neighbour():
     state = ec.init(jax.random.key(0))
     from sparsejax.data import PaddedIds
 
-    feats = {"fa": PaddedIds(jnp.array([3, 0]), jnp.array([0, 1])),  # 3 is row 0 of b if shifted
-             "fb": PaddedIds(jnp.array([1, 2]), jnp.array([0, 1]))}
+    feats = {
+        "fa": PaddedIds(jnp.array([3, 0]), jnp.array([0, 1])),  # 3 is row 0 of b if shifted
+        "fb": PaddedIds(jnp.array([1, 2]), jnp.array([0, 1])),
+    }
     lookup = jax.jit(lambda s, f: ec.lookup(s, f, 2)[0])
     out = ec.split(lookup(state, feats), 2)
     np.testing.assert_array_equal(out["fa"][0], 0.0)  # looked up nothing, not b's row 0
@@ -176,7 +195,8 @@ def test_export_import_roundtrip_and_mismatch_errors():
 def test_table_init_depends_on_its_name_not_its_stack():
     tables, features = _specs()
     a = DeviceTableStore(tables, features).export_tables(
-        DeviceTableStore(tables, features).init(jax.random.key(7)))
+        DeviceTableStore(tables, features).init(jax.random.key(7))
+    )
     ec = DeviceTableStore(list(reversed(tables)), features)
     b = ec.export_tables(ec.init(jax.random.key(7)))
     for name in a:
@@ -185,15 +205,19 @@ def test_table_init_depends_on_its_name_not_its_stack():
 
 def test_spec_errors_name_the_problem():
     with pytest.raises(ValueError, match="did you mean 'item'"):
-        DeviceTableStore([TableSpec(name="item", vocab_size=3, dim=2)],
-                            [FeatureSpec(name="f", table="itme")])
+        DeviceTableStore(
+            [TableSpec(name="item", vocab_size=3, dim=2)], [FeatureSpec(name="f", table="itme")]
+        )
     with pytest.raises(ValueError, match="duplicate feature name 'f'"):
-        DeviceTableStore([TableSpec(name="t", vocab_size=3, dim=2)],
-                            [FeatureSpec(name="f", table="t"), FeatureSpec(name="f", table="t")])
+        DeviceTableStore(
+            [TableSpec(name="t", vocab_size=3, dim=2)],
+            [FeatureSpec(name="f", table="t"), FeatureSpec(name="f", table="t")],
+        )
     with pytest.raises(ValueError, match=r"tables \['u'\] are declared but no feature"):
-        DeviceTableStore([TableSpec(name="t", vocab_size=3, dim=2),
-                             TableSpec(name="u", vocab_size=3, dim=2)],
-                            [FeatureSpec(name="f", table="t")])
+        DeviceTableStore(
+            [TableSpec(name="t", vocab_size=3, dim=2), TableSpec(name="u", vocab_size=3, dim=2)],
+            [FeatureSpec(name="f", table="t")],
+        )
     with pytest.raises(ValueError, match="combiner"):
         FeatureSpec(name="f", table="t", combiner="avg")
     with pytest.raises(ValueError, match="vocab_size"):
@@ -211,10 +235,12 @@ class _UserModel(nn.Module):
 
     @nn.compact
     def __call__(self, batch):
-        emb = snn.EmbeddingBagCollection(self.tables, self.features)(batch.features,
-                                                                     batch.batch_size)
-        x = jnp.concatenate([emb[f.name].reshape(batch.batch_size, -1)
-                             for f in self.features], axis=1)
+        emb = snn.EmbeddingBagCollection(self.tables, self.features)(
+            batch.features, batch.batch_size
+        )
+        x = jnp.concatenate(
+            [emb[f.name].reshape(batch.batch_size, -1) for f in self.features], axis=1
+        )
         return nn.Dense(1)(x)[:, 0]
 
 
@@ -229,12 +255,16 @@ def test_flax_layer_trains_sparsely_inside_any_model():
     assert not any("weights" in str(k) for k in jax.tree_util.tree_leaves_with_path(v["params"]))
 
     def loss(params, probe):
-        out, aux = model.apply({**v, "params": params, snn.EMBEDDING_GRADS: probe}, batch,
-                               mutable=[snn.EMBEDDING_LOOKUPS])
+        out, aux = model.apply(
+            {**v, "params": params, snn.EMBEDDING_GRADS: probe},
+            batch,
+            mutable=[snn.EMBEDDING_LOOKUPS],
+        )
         return jnp.mean((out - 1.0) ** 2), aux[snn.EMBEDDING_LOOKUPS]
 
     (_, lookups), (_, g_rows) = jax.value_and_grad(loss, (0, 1), has_aux=True)(
-        v["params"], v[snn.EMBEDDING_GRADS])
+        v["params"], v[snn.EMBEDDING_GRADS]
+    )
     new = snn.apply_embedding_gradients(v[snn.EMBEDDING], lookups, g_rows, step=1)
 
     def dense_loss(tables_var):  # the dense gradient w.r.t. the tables themselves
@@ -244,9 +274,10 @@ def test_flax_layer_trains_sparsely_inside_any_model():
     dense_g = jax.grad(dense_loss)(v[snn.EMBEDDING])
     want = jax.tree.map(lambda w, g: w - 0.3 * g, v[snn.EMBEDDING], dense_g)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new, want)
-    changed = sum(int((np.asarray(a) != np.asarray(b)).any(axis=-1).sum())
-                  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(v[snn.EMBEDDING]),
-                                  strict=True))
+    changed = sum(
+        int((np.asarray(a) != np.asarray(b)).any(axis=-1).sum())
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(v[snn.EMBEDDING]), strict=True)
+    )
     assert 0 < changed < sum(t.vocab_size for t in tables)
 
 
@@ -258,5 +289,8 @@ def test_specs_are_hashable_module_fields():
     d8 = stack_name(8, "float32", tables[0].optimizer)
     d4 = stack_name(4, "float32", tables[2].optimizer)
     groups = {name: [f.name for f in g.features] for name, g in m.store.groups.items()}
-    assert groups == {f"{d4}_max": ["tag_max"], f"{d4}_sum": ["tags"],
-                      f"{d8}_sum": ["user", "item", "clicked", "recent", "only"]}
+    assert groups == {
+        f"{d4}_max": ["tag_max"],
+        f"{d4}_sum": ["tags"],
+        f"{d8}_sum": ["user", "item", "clicked", "recent", "only"],
+    }

@@ -16,10 +16,11 @@ def jagged_batches(draw):
     vocab = draw(st.integers(1, 300))
     dim = draw(st.sampled_from([1, 2, 5, 8, 16]))
     lengths = draw(st.lists(st.integers(0, 12), min_size=1, max_size=10))
-    ids = draw(st.lists(st.integers(-1, vocab - 1), min_size=sum(lengths),
-                        max_size=sum(lengths)))
-    weights = draw(st.none() | st.lists(st.floats(-2, 2, width=32), min_size=sum(lengths),
-                                        max_size=sum(lengths)))
+    ids = draw(st.lists(st.integers(-1, vocab - 1), min_size=sum(lengths), max_size=sum(lengths)))
+    weights = draw(
+        st.none()
+        | st.lists(st.floats(-2, 2, width=32), min_size=sum(lengths), max_size=sum(lengths))
+    )
     if weights is not None and draw(st.booleans()):  # every weight of the batch tiny
         weights = [w * 1e-20 for w in weights]
     combiner = draw(st.sampled_from(ops.COMBINERS))
@@ -37,8 +38,14 @@ def test_embedding_bag_on_random_jagged_batches(implementation_name, batch):
     vocab, dim, ids, seg, num_segments, weights, combiner, seed = batch
     table = np.random.default_rng(seed).normal(size=(vocab, dim)).astype(np.float32)
     w = None if weights is None else np.asarray(weights, np.float32)
-    out = ops.embedding_bag(jnp.asarray(table), jnp.asarray(ids), jnp.asarray(seg), num_segments,
-                            weights=None if w is None else jnp.asarray(w), combiner=combiner,
-                            implementation=implementation_name)
+    out = ops.embedding_bag(
+        jnp.asarray(table),
+        jnp.asarray(ids),
+        jnp.asarray(seg),
+        num_segments,
+        weights=None if w is None else jnp.asarray(w),
+        combiner=combiner,
+        implementation=implementation_name,
+    )
     want = ref.embedding_bag(table, ids, seg, num_segments, w, combiner)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)

@@ -39,11 +39,15 @@ def _shards(seed):
 
 def _per_device(mesh, f, table, *sharded):
     """f(table, *one device's rows) on every device (table replicated), stacked."""
+
     def body(t, *xs):
         return jax.tree.map(lambda y: y[None], f(t, *(x[0] for x in xs)))
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), *[P("data")] * len(sharded)),
-                                 out_specs=P("data")))(table, *sharded)
+    return jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), *[P("data")] * len(sharded)), out_specs=P("data")
+        )
+    )(table, *sharded)
 
 
 @pytest.mark.parametrize("combiner", ops.COMBINERS)
@@ -51,40 +55,45 @@ def test_embedding_bag_under_shard_map(mesh, implementation, combiner):
     table, ids, seg, w, _ = _shards(0)
 
     def bag(t, i, s, w):
-        return ops.embedding_bag(t, i, s, S, weights=w, combiner=combiner,
-                                 implementation=implementation)
+        return ops.embedding_bag(
+            t, i, s, S, weights=w, combiner=combiner, implementation=implementation
+        )
 
     got = _per_device(mesh, bag, table, ids, seg, w)
     for b in range(DEVICES):
-        np.testing.assert_allclose(got[b], bag(table, ids[b], seg[b], w[b]), rtol=1e-6,
-                                   atol=1e-6)
+        np.testing.assert_allclose(got[b], bag(table, ids[b], seg[b], w[b]), rtol=1e-6, atol=1e-6)
 
 
 def test_lookup_spmm_and_dots_under_shard_map(mesh, implementation):
     table, ids, seg, w, _ = _shards(1)
     impl = dict(implementation=implementation)
     got = _per_device(mesh, lambda t, i: ops.embedding_lookup(t, i, **impl), table, ids)
-    got_spmm = _per_device(mesh, lambda t, v, i, s: ops.segment_spmm(v, i, s, t, S, **impl),
-                           table, w, ids, seg)
+    got_spmm = _per_device(
+        mesh, lambda t, v, i, s: ops.segment_spmm(v, i, s, t, S, **impl), table, w, ids, seg
+    )
     x = jnp.asarray(np.random.default_rng(2).normal(size=(DEVICES, 5, 4, D)), jnp.float32)
     got_dots = _per_device(mesh, lambda t, x: ops.pairwise_dots(x, **impl), table, x)
     for b in range(DEVICES):
         np.testing.assert_array_equal(got[b], ops.embedding_lookup(table, ids[b], **impl))
-        np.testing.assert_allclose(got_spmm[b], ops.segment_spmm(w[b], ids[b], seg[b], table, S),
-                                   rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(got_dots[b], ops.pairwise_dots_ref(x[b]), rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            got_spmm[b], ops.segment_spmm(w[b], ids[b], seg[b], table, S), rtol=1e-6, atol=1e-6
+        )
+        np.testing.assert_allclose(got_dots[b], ops.pairwise_dots_ref(x[b]), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("opt", [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
-                         ids=["RowWiseAdagrad", "LazyAdam"])
+@pytest.mark.parametrize(
+    "opt",
+    [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
+    ids=["RowWiseAdagrad", "LazyAdam"],
+)
 def test_sparse_apply_under_shard_map(mesh, implementation, opt):
     table, ids, seg, w, grad = _shards(3)
     slots = opt.init_slots(V, D)
 
     def apply(t, i, s, w, g):
-        return ops.sparse_apply(t, slots, i, s, g, optimizer=opt, step=1, weights=w,
-                                implementation=implementation)
+        return ops.sparse_apply(
+            t, slots, i, s, g, optimizer=opt, step=1, weights=w, implementation=implementation
+        )
 
     got_t, got_s = _per_device(mesh, apply, table, ids, seg, w, grad)
     for b in range(DEVICES):
@@ -104,9 +113,16 @@ def test_a_row_sharded_table_is_refused(call):
     f = {
         "embedding_bag": lambda t: ops.embedding_bag(t, ids, seg, 1, name="user"),
         "embedding_lookup": lambda t: ops.embedding_lookup(t, ids, name="user"),
-        "sparse_apply": lambda t: ops.sparse_apply(t, {}, ids, seg, jnp.ones((1, D)),
-                                                   optimizer=ops.SGD(learning_rate=1.0),
-                                                   step=1, name="user")[0],
+        "sparse_apply": lambda t: ops.sparse_apply(
+            t,
+            {},
+            ids,
+            seg,
+            jnp.ones((1, D)),
+            optimizer=ops.SGD(learning_rate=1.0),
+            step=1,
+            name="user",
+        )[0],
     }[call]
     message = r"table 'user' is sharded across devices.*use a sharded table store / shard_map"
     with pytest.raises(ValueError, match=message):
@@ -128,9 +144,12 @@ def test_unsharded_path_is_unchanged_hlo():
 
 
 def test_import_pulls_in_no_flax_orbax_or_matplotlib():
-    code = ("import sys, sparsejax.ops; "
-            "print(sorted(m for m in ('flax', 'orbax', 'matplotlib') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    code = (
+        "import sys, sparsejax.ops; "
+        "print(sorted(m for m in ('flax', 'orbax', 'matplotlib') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]", out

@@ -7,8 +7,17 @@ import pytest
 
 from sparsejax import ops
 
-SHAPES = [(5, 27, 64), (3, 1, 8), (4, 2, 3), (7, 13, 17), (2, 9, 40), (3, 30, 100), (6, 5, 1),
-          (1, 11, 12), (0, 4, 8)]
+SHAPES = [
+    (5, 27, 64),
+    (3, 1, 8),
+    (4, 2, 3),
+    (7, 13, 17),
+    (2, 9, 40),
+    (3, 30, 100),
+    (6, 5, 1),
+    (1, 11, 12),
+    (0, 4, 8),
+]
 
 
 def _x(seed, shape, dtype=np.float32):
@@ -47,8 +56,7 @@ def test_vjp_matches_numpy(implementation, shape):
     x = _x(100 + sum(shape), shape)
     b, f, _ = shape
     g = _x(200 + sum(shape), (b, f * (f - 1) // 2))
-    _, vjp = jax.vjp(lambda x: ops.pairwise_dots(x, implementation=implementation),
-                     jnp.asarray(x))
+    _, vjp = jax.vjp(lambda x: ops.pairwise_dots(x, implementation=implementation), jnp.asarray(x))
     (dx,) = jax.jit(vjp)(jnp.asarray(g))
     assert dx.shape == shape and dx.dtype == jnp.float32
     np.testing.assert_allclose(dx, _numpy_vjp(x, g), rtol=1e-5, atol=1e-4)
@@ -61,8 +69,9 @@ def test_grad_matches_the_reference_grad(implementation):
     def loss(fn, x):
         return jnp.sum(jnp.tanh(fn(x)) * probe)
 
-    got = jax.jit(jax.grad(lambda x: loss(
-        lambda v: ops.pairwise_dots(v, implementation=implementation), x)))(x)
+    got = jax.jit(
+        jax.grad(lambda x: loss(lambda v: ops.pairwise_dots(v, implementation=implementation), x))
+    )(x)
     want = jax.grad(lambda x: loss(ops.pairwise_dots_ref, x))(x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -74,13 +83,16 @@ def test_bfloat16_accumulates_in_float32(implementation):
     assert out.dtype == jnp.bfloat16
     want = _numpy_dots(np.asarray(x, np.float32))  # exact dots of the bf16 inputs
     # f32 accumulation, then one bf16 rounding (relative 2^-8) of the result.
-    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2 ** -8, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2**-8, atol=1e-3)
     g = jnp.asarray(_x(4, (4, 66)), jnp.bfloat16)
     (dx,) = jax.vjp(lambda x: ops.pairwise_dots(x, implementation=implementation), x)[1](g)
     assert dx.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(dx, np.float32),
-                               _numpy_vjp(np.asarray(x, np.float32), np.asarray(g, np.float32)),
-                               rtol=2 ** -8, atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(dx, np.float32),
+        _numpy_vjp(np.asarray(x, np.float32), np.asarray(g, np.float32)),
+        rtol=2**-8,
+        atol=1e-2,
+    )
 
 
 def test_vmap_over_an_extra_leading_axis(implementation):
@@ -97,8 +109,9 @@ def test_vmap_over_an_extra_leading_axis(implementation):
         out = jax.vmap(fn, in_axes=2)(xt)
         return jnp.sum(out * probe)
 
-    got = jax.grad(lambda v: loss(
-        lambda y: ops.pairwise_dots(y, implementation=implementation), v))(xt)
+    got = jax.grad(
+        lambda v: loss(lambda y: ops.pairwise_dots(y, implementation=implementation), v)
+    )(xt)
     want = jax.grad(lambda v: loss(ops.pairwise_dots_ref, v))(xt)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -106,8 +119,7 @@ def test_vmap_over_an_extra_leading_axis(implementation):
 def test_eager_call_and_pair_order():
     x = jnp.asarray([[[1.0, 0.0], [1.0, 2.0], [3.0, 4.0]]])
     for impl in [None, "xla"]:
-        np.testing.assert_array_equal(ops.pairwise_dots(x, implementation=impl),
-                                      [[1.0, 3.0, 11.0]])
+        np.testing.assert_array_equal(ops.pairwise_dots(x, implementation=impl), [[1.0, 3.0, 11.0]])
 
 
 def test_other_float_dtypes_run_xla_by_default():
@@ -123,12 +135,15 @@ def test_cpu_ffi_rejects_other_float_dtypes():
         ops.pairwise_dots(jnp.ones((2, 3, 4), jnp.float16), implementation="cpu_ffi")
 
 
-@pytest.mark.parametrize("x,error,match", [
-    (jnp.ones((3, 4)), ValueError, r"`x` must have rank 3, got shape \(3, 4\)"),
-    (jnp.ones((2, 3, 4, 5)), ValueError, "`x` must have rank 3"),
-    (jnp.ones((2, 3, 4), jnp.int32), TypeError, "`x` must be a float array, got int32"),
-    ([[[1.0]]], TypeError, "`x` must be an array"),
-])
+@pytest.mark.parametrize(
+    "x,error,match",
+    [
+        (jnp.ones((3, 4)), ValueError, r"`x` must have rank 3, got shape \(3, 4\)"),
+        (jnp.ones((2, 3, 4, 5)), ValueError, "`x` must have rank 3"),
+        (jnp.ones((2, 3, 4), jnp.int32), TypeError, "`x` must be a float array, got int32"),
+        ([[[1.0]]], TypeError, "`x` must be an array"),
+    ],
+)
 def test_trace_time_errors_name_the_argument(x, error, match):
     with pytest.raises(error, match=match):
         jax.jit(ops.pairwise_dots).lower(x) if hasattr(x, "shape") else ops.pairwise_dots(x)
@@ -144,5 +159,4 @@ def test_choice_is_logged_and_pallas_runs_xla(caplog):
 
     with caplog.at_level(logging.DEBUG, logger="sparsejax"):
         jax.jit(lambda x: ops.pairwise_dots(x, implementation="pallas"))(jnp.ones((2, 3, 4)))
-    assert any("pairwise_dots on cpu: requested pallas -> xla" in r.message
-               for r in caplog.records)
+    assert any("pairwise_dots on cpu: requested pallas -> xla" in r.message for r in caplog.records)

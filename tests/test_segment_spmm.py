@@ -29,9 +29,11 @@ def _case(seed, k=60, d=5, s=9, nnz=100):
 def test_matches_numpy(implementation):
     values, col, seg, dense = _case(0)
     out = jax.jit(lambda *a: ops.segment_spmm(*a, 9, implementation=implementation))(
-        values, col, seg, dense)
-    np.testing.assert_allclose(out, ref.segment_spmm(values, col, seg, dense, 9), rtol=1e-5,
-                               atol=1e-5)
+        values, col, seg, dense
+    )
+    np.testing.assert_allclose(
+        out, ref.segment_spmm(values, col, seg, dense, 9), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_grads_wrt_values_and_dense(implementation):
@@ -41,11 +43,13 @@ def test_grads_wrt_values_and_dense(implementation):
     def loss(fn, v, m):
         return jnp.sum(jnp.tanh(fn(v, jnp.asarray(col), jnp.asarray(seg), m, 9)) * probe)
 
-    got = jax.grad(lambda v, m: loss(
-        lambda *a: ops.segment_spmm(*a, implementation=implementation), v, m), argnums=(0, 1))(
-        jnp.asarray(values), jnp.asarray(dense))
+    got = jax.grad(
+        lambda v, m: loss(lambda *a: ops.segment_spmm(*a, implementation=implementation), v, m),
+        argnums=(0, 1),
+    )(jnp.asarray(values), jnp.asarray(dense))
     want = jax.grad(lambda v, m: loss(ops.segment_spmm_ref, v, m), argnums=(0, 1))(
-        jnp.asarray(values), jnp.asarray(dense))
+        jnp.asarray(values), jnp.asarray(dense)
+    )
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
 
@@ -55,29 +59,42 @@ def test_jvp_and_vmap_of_dense():
     f = lambda m: ops.segment_spmm(jnp.asarray(values), jnp.asarray(col), jnp.asarray(seg), m, 9)  # noqa: E731
     t = jnp.ones_like(jnp.asarray(dense))
     _, tangent = jax.jvp(f, (jnp.asarray(dense),), (t,))
-    np.testing.assert_allclose(tangent, ref.segment_spmm(values, col, seg, np.ones_like(dense), 9),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        tangent, ref.segment_spmm(values, col, seg, np.ones_like(dense), 9), rtol=1e-5, atol=1e-5
+    )
     stacked = jnp.stack([jnp.asarray(dense), 3 * jnp.asarray(dense)])
     out = jax.vmap(f)(stacked)
-    np.testing.assert_allclose(out[1], 3 * ref.segment_spmm(values, col, seg, dense, 9),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out[1], 3 * ref.segment_spmm(values, col, seg, dense, 9), rtol=1e-5, atol=1e-5
+    )
 
 
 # ------------------------------------------------------------------ xla: chunking
 @pytest.mark.parametrize("chunk_size", [1, 7, 32, 100, 1000])
 def test_chunked_xla_path_is_exact_for_any_chunk(chunk_size):
     values, col, seg, dense = _case(1, nnz=157)
-    out = base.segment_spmm(jnp.asarray(values), jnp.asarray(col), jnp.asarray(seg),
-                            jnp.asarray(dense), num_segments=9, chunk_size=chunk_size)
-    np.testing.assert_allclose(out, ref.segment_spmm(values, col, seg, dense, 9), rtol=1e-5,
-                               atol=1e-5)
+    out = base.segment_spmm(
+        jnp.asarray(values),
+        jnp.asarray(col),
+        jnp.asarray(seg),
+        jnp.asarray(dense),
+        num_segments=9,
+        chunk_size=chunk_size,
+    )
+    np.testing.assert_allclose(
+        out, ref.segment_spmm(values, col, seg, dense, 9), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_chunked_peak_memory_is_bounded():
     """The compiled chunked path never holds more than one chunk of gathered rows."""
     nnz, d, chunk = 1 << 15, 64, 1 << 10
-    args = (SDS((nnz,), jnp.float32), SDS((nnz,), jnp.int32), SDS((nnz,), jnp.int32),
-            SDS((100, d), jnp.float32))
+    args = (
+        SDS((nnz,), jnp.float32),
+        SDS((nnz,), jnp.int32),
+        SDS((nnz,), jnp.int32),
+        SDS((100, d), jnp.float32),
+    )
     f = jax.jit(lambda *a: base.segment_spmm(*a, num_segments=16, chunk_size=chunk))
     temp = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert temp < nnz * d * 4 / 4, temp  # well under one [nnz, D] gather (8 MiB)
@@ -154,8 +171,9 @@ def test_cpu_kernel_threads_bit_identical(monkeypatch):
     k, d = 500, 16
     for s, n in [(1, 6000), (3, 6000), (400, 9000)]:
         values, col, seg = ref.junk_entries(rng, n, k, s, sorted_segments=True)
-        _check_same_on_1_2_7_threads(monkeypatch, values, col, seg,
-                                     rng.standard_normal((k, d)).astype(np.float32), s)
+        _check_same_on_1_2_7_threads(
+            monkeypatch, values, col, seg, rng.standard_normal((k, d)).astype(np.float32), s
+        )
 
 
 @needs_cpu_ffi
@@ -190,8 +208,9 @@ def test_cpu_kernel_nearly_sorted_falls_back(monkeypatch, case):
         values, col, seg = (np.concatenate([x[h:], x[:h]]) for x in (values, col, seg))
     else:
         seg[valid[-1]] = 0
-    _check_same_on_1_2_7_threads(monkeypatch, values, col, seg,
-                                 rng.standard_normal((k, d)).astype(np.float32), s)
+    _check_same_on_1_2_7_threads(
+        monkeypatch, values, col, seg, rng.standard_normal((k, d)).astype(np.float32), s
+    )
 
 
 @needs_cpu_ffi
@@ -214,8 +233,13 @@ def test_unweighted_sum_bag_passes_no_coefficients():
 @needs_cpu_ffi
 def test_cpu_wrapper_validation():
     with pytest.raises(TypeError, match="dense must be float32 or bfloat16"):
-        _ffi_spmm(jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
-                  jnp.zeros((3, 2), jnp.int32), 1)
+        _ffi_spmm(
+            jnp.ones(1),
+            jnp.zeros(1, jnp.int32),
+            jnp.zeros(1, jnp.int32),
+            jnp.zeros((3, 2), jnp.int32),
+            1,
+        )
 
 
 # ------------------------------------------------------------------ pallas: the Triton kernel
@@ -225,8 +249,16 @@ def _pallas():
     return pallas_triton
 
 
-@pytest.mark.parametrize("dim,dtype", [(8, jnp.float32), (64, jnp.float32), (96, jnp.float32),
-                                       (128, jnp.float32), (96, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "dim,dtype",
+    [
+        (8, jnp.float32),
+        (64, jnp.float32),
+        (96, jnp.float32),
+        (128, jnp.float32),
+        (96, jnp.bfloat16),
+    ],
+)
 def test_pallas_kernel_hot_row_over_chunks(dim, dtype):
     rng = np.random.default_rng(dim)
     num_k, chunk = 30, 32
@@ -237,12 +269,14 @@ def test_pallas_kernel_hot_row_over_chunks(dim, dtype):
     f = jax.jit(functools.partial(_pallas().spmm, num_segments=10, chunk=chunk, interpret=True))
     out = f(jnp.asarray(val), jnp.asarray(col), jnp.asarray(seg), dense)
     assert out.shape == (10, dim) and out.dtype == dtype
-    np.testing.assert_allclose(ref.f64(out), ref.segment_spmm(val, col, seg, dense, 10),
-                               **ref.TOL[dtype])
+    np.testing.assert_allclose(
+        ref.f64(out), ref.segment_spmm(val, col, seg, dense, 10), **ref.TOL[dtype]
+    )
 
 
-@pytest.mark.parametrize("case", ["tiny_chunk", "one_chunk", "one_row", "all_invalid",
-                                  "column_blocks"])
+@pytest.mark.parametrize(
+    "case", ["tiny_chunk", "one_chunk", "one_row", "all_invalid", "column_blocks"]
+)
 def test_pallas_kernel_tilings(case):
     rng = np.random.default_rng(1)
     num_k, dim, chunk, block_d = 20, 64, 8, None
@@ -260,12 +294,17 @@ def test_pallas_kernel_tilings(case):
     if case == "column_blocks":
         dim, block_d = 128, 64
     dense = jnp.asarray(rng.normal(size=(num_k, dim)), jnp.float32)
-    f = jax.jit(functools.partial(_pallas().spmm, num_segments=num_segments, chunk=chunk,
-                                  block_d=block_d, interpret=True))
+    f = jax.jit(
+        functools.partial(
+            _pallas().spmm, num_segments=num_segments, chunk=chunk, block_d=block_d, interpret=True
+        )
+    )
     out = f(jnp.asarray(val), jnp.asarray(col), jnp.asarray(seg), dense)
-    np.testing.assert_allclose(np.asarray(out), ref.segment_spmm(val, col, seg, dense,
-                                                                 num_segments),
-                               **ref.TOL[jnp.float32])
+    np.testing.assert_allclose(
+        np.asarray(out),
+        ref.segment_spmm(val, col, seg, dense, num_segments),
+        **ref.TOL[jnp.float32],
+    )
 
 
 def test_pallas_kernel_empty():
@@ -273,8 +312,9 @@ def test_pallas_kernel_empty():
     e = jnp.zeros((0,), jnp.int32)
     out = _pallas().spmm(jnp.zeros((0,), jnp.float32), e, e, dense, 3, interpret=True)
     np.testing.assert_array_equal(np.asarray(out), np.zeros((3, 8)))
-    assert _pallas().spmm(jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
-                          dense, 0, interpret=True).shape == (0, 8)
+    assert _pallas().spmm(
+        jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), dense, 0, interpret=True
+    ).shape == (0, 8)
 
 
 def test_pallas_heuristic_config():
@@ -287,6 +327,11 @@ def test_pallas_heuristic_config():
 def test_pallas_kernel_lowers_for_cuda(dim, dtype):
     n, s, v = 4096, 256, 100_000
     i = SDS((n,), jnp.int32)
-    txt = ref.lower_for_cuda(functools.partial(_pallas().segment_spmm, num_segments=s),
-                             SDS((n,), jnp.float32), i, i, SDS((v, dim), dtype))
+    txt = ref.lower_for_cuda(
+        functools.partial(_pallas().segment_spmm, num_segments=s),
+        SDS((n,), jnp.float32),
+        i,
+        i,
+        SDS((v, dim), dtype),
+    )
     assert "__gpu$xla.gpu.triton" in txt

@@ -86,8 +86,9 @@ def _numpy_step(opt, table, slots, g, touched, step):
         # Dense form: every row decays at each period boundary; touched rows then update.
         period = step // opt.accumulator_decay_step
         if period > (step - 1) // opt.accumulator_decay_step:
-            new["accumulator"] = np.maximum(new["accumulator"] * opt.accumulator_decay_rate,
-                                            opt.initial_accumulator_value)
+            new["accumulator"] = np.maximum(
+                new["accumulator"] * opt.accumulator_decay_rate, opt.initial_accumulator_value
+            )
         acc = new["accumulator"][r] + g[r] ** 2
         w[r] -= lr * g[r] / np.sqrt(acc)
         new["accumulator"][r] = acc
@@ -101,8 +102,10 @@ def _effective_slots(opt, slots, step):
     slots = {k: np.asarray(v, np.float64) for k, v in slots.items()}
     if isinstance(opt, ops.AdagradDecay):
         behind = step // opt.accumulator_decay_step - slots["decay_power"]
-        decayed = np.maximum(slots["accumulator"] * opt.accumulator_decay_rate ** behind[:, None],
-                             opt.initial_accumulator_value)
+        decayed = np.maximum(
+            slots["accumulator"] * opt.accumulator_decay_rate ** behind[:, None],
+            opt.initial_accumulator_value,
+        )
         slots["accumulator"] = np.where(behind[:, None] > 0, decayed, slots["accumulator"])
         del slots["decay_power"]
     return slots
@@ -116,27 +119,43 @@ def test_matches_float64_reference_over_steps(implementation, opt, combiner):
     slots = {k: np.asarray(v) for k, v in opt.init_slots(V, D).items()}
     want_w = table.astype(np.float64)
     want_slots = {k: v.astype(np.float64) for k, v in slots.items()}
-    apply = jax.jit(functools.partial(ops.sparse_apply, optimizer=opt, combiner=combiner,
-                                      implementation=implementation))
+    apply = jax.jit(
+        functools.partial(
+            ops.sparse_apply, optimizer=opt, combiner=combiner, implementation=implementation
+        )
+    )
     got_w, got_slots = jnp.asarray(table), {k: jnp.asarray(v) for k, v in slots.items()}
     for step in range(1, 6):  # crosses an AdagradDecay period; rows skip some steps
         ids, seg, weights, grad = _batch(rng)
         g, touched = _dense_grad(np.asarray(got_w), ids, seg, weights, grad, combiner)
         want_w, want_slots = _numpy_step(opt, want_w, want_slots, g, touched, step)
-        got_w, got_slots = apply(got_w, got_slots, jnp.asarray(ids), jnp.asarray(seg),
-                                 jnp.asarray(grad), step=step, weights=jnp.asarray(weights))
+        got_w, got_slots = apply(
+            got_w,
+            got_slots,
+            jnp.asarray(ids),
+            jnp.asarray(seg),
+            jnp.asarray(grad),
+            step=step,
+            weights=jnp.asarray(weights),
+        )
         np.testing.assert_allclose(got_w, want_w, rtol=2e-5, atol=2e-5)
         for k, got in _effective_slots(opt, got_slots, step).items():
             np.testing.assert_allclose(got, want_slots[k], rtol=2e-5, atol=2e-5)
         want_w = np.asarray(got_w, np.float64)  # keep float32 drift from compounding
 
 
-@pytest.mark.parametrize("make_opt,tx", [
-    (lambda: ops.SGD(learning_rate=0.3), optax.sgd(0.3)),
-    (lambda: ops.Adagrad(learning_rate=0.3, initial_accumulator_value=0.1, eps=1e-7),
-     optax.adagrad(0.3, initial_accumulator_value=0.1, eps=1e-7)),
-    (lambda: ops.LazyAdam(learning_rate=0.01), optax.adam(0.01)),
-], ids=["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize(
+    "make_opt,tx",
+    [
+        (lambda: ops.SGD(learning_rate=0.3), optax.sgd(0.3)),
+        (
+            lambda: ops.Adagrad(learning_rate=0.3, initial_accumulator_value=0.1, eps=1e-7),
+            optax.adagrad(0.3, initial_accumulator_value=0.1, eps=1e-7),
+        ),
+        (lambda: ops.LazyAdam(learning_rate=0.01), optax.adam(0.01)),
+    ],
+    ids=["sgd", "adagrad", "adam"],
+)
 def test_matches_optax_when_every_row_is_touched(implementation, make_opt, tx):
     opt = make_opt()
     rng = np.random.default_rng(4)
@@ -146,14 +165,25 @@ def test_matches_optax_when_every_row_is_touched(implementation, make_opt, tx):
     for step in range(1, 5):
         ids, seg, weights, grad = _batch(rng, cover_all=True)
         args = (jnp.asarray(ids), jnp.asarray(seg), S)
-        g = jax.grad(lambda t, args=args, w=weights, g=grad: jnp.vdot(
-            ops.embedding_bag_ref(t, *args, weights=w), g))(dense)
+        g = jax.grad(
+            lambda t, args=args, w=weights, g=grad: jnp.vdot(
+                ops.embedding_bag_ref(t, *args, weights=w), g
+            )
+        )(dense)
         with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes int and float
             upd, state = tx.update(g, state, dense)
         dense = optax.apply_updates(dense, upd)
-        table, slots = ops.sparse_apply(table, slots, args[0], args[1], jnp.asarray(grad),
-                                        optimizer=opt, step=step, weights=jnp.asarray(weights),
-                                        implementation=implementation)
+        table, slots = ops.sparse_apply(
+            table,
+            slots,
+            args[0],
+            args[1],
+            jnp.asarray(grad),
+            optimizer=opt,
+            step=step,
+            weights=jnp.asarray(weights),
+            implementation=implementation,
+        )
         np.testing.assert_allclose(table, dense, rtol=1e-5, atol=1e-6)
 
 
@@ -165,8 +195,9 @@ def test_untouched_rows_bit_identical_even_with_nan_grads(implementation, opt):
     ids = jnp.array([3, 3, 17, -1, 25], jnp.int32)
     seg = jnp.array([0, 1, 1, 2, 2], jnp.int32)
     grad = jnp.asarray(rng.normal(size=(3, D)), jnp.float32).at[1, 2].set(jnp.nan)
-    new, new_slots = ops.sparse_apply(table, slots, ids, seg, grad, optimizer=opt, step=1,
-                                      implementation=implementation)
+    new, new_slots = ops.sparse_apply(
+        table, slots, ids, seg, grad, optimizer=opt, step=1, implementation=implementation
+    )
     touched = np.zeros(V, bool)
     touched[[3, 17, 25]] = True
     old_bits = np.asarray(table).view(np.uint16)
@@ -184,12 +215,15 @@ def test_update_is_in_place_under_donation(impl):
     opt = ops.RowWiseAdagrad(learning_rate=0.1)
     table = jnp.asarray(np.random.default_rng(0).normal(size=(5000, 16)), jnp.float32)
     slots = opt.init_slots(5000, 16)
-    step = jax.jit(functools.partial(ops.sparse_apply, optimizer=opt, step=1,
-                                     implementation=impl), donate_argnums=(0, 1))
+    step = jax.jit(
+        functools.partial(ops.sparse_apply, optimizer=opt, step=1, implementation=impl),
+        donate_argnums=(0, 1),
+    )
     before = (table.unsafe_buffer_pointer(), slots["accumulator"].unsafe_buffer_pointer())
     ids = jnp.array([1, 4000, 4000], jnp.int32)
-    table, slots = step(table, slots, ids, jnp.array([0, 0, 1], jnp.int32),
-                        jnp.ones((2, 16), jnp.float32))
+    table, slots = step(
+        table, slots, ids, jnp.array([0, 0, 1], jnp.int32), jnp.ones((2, 16), jnp.float32)
+    )
     after = (table.unsafe_buffer_pointer(), slots["accumulator"].unsafe_buffer_pointer())
     assert before == after
 
@@ -201,15 +235,26 @@ def test_bad_slots_and_shapes_are_named():
     with pytest.raises(ValueError, match="needs slots"):
         ops.sparse_apply(table, {}, ids, seg, jnp.zeros((2, 4)), optimizer=opt, step=1)
     with pytest.raises(ValueError, match="slot 'accumulator' must be float32\\[10, 4\\]"):
-        ops.sparse_apply(table, {"accumulator": jnp.zeros((10,))}, ids, seg, jnp.zeros((2, 4)),
-                         optimizer=opt, step=1)
+        ops.sparse_apply(
+            table,
+            {"accumulator": jnp.zeros((10,))},
+            ids,
+            seg,
+            jnp.zeros((2, 4)),
+            optimizer=opt,
+            step=1,
+        )
     with pytest.raises(ValueError, match="`grad` has dim 5"):
-        ops.sparse_apply(table, opt.init_slots(10, 4), ids, seg, jnp.zeros((2, 5)),
-                         optimizer=opt, step=1)
+        ops.sparse_apply(
+            table, opt.init_slots(10, 4), ids, seg, jnp.zeros((2, 5)), optimizer=opt, step=1
+        )
 
 
-@pytest.mark.parametrize("opt", [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
-                         ids=["RowWiseAdagrad", "LazyAdam"])
+@pytest.mark.parametrize(
+    "opt",
+    [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
+    ids=["RowWiseAdagrad", "LazyAdam"],
+)
 def test_vmap_equals_a_loop_of_single_calls(implementation, opt):
     rng = np.random.default_rng(13)
     batch = [_batch(rng) for _ in range(3)]
@@ -218,16 +263,19 @@ def test_vmap_equals_a_loop_of_single_calls(implementation, opt):
     slots = opt.init_slots(V, D)
 
     def apply(t, sl, i, s, g, w):
-        return ops.sparse_apply(t, sl, i, s, g, optimizer=opt, step=2, weights=w,
-                                implementation=implementation)
+        return ops.sparse_apply(
+            t, sl, i, s, g, optimizer=opt, step=2, weights=w, implementation=implementation
+        )
 
     # vmap over the batches with a shared table: one updated table per batch
     got_t, got_s = jax.jit(jax.vmap(apply, in_axes=(None, None, 0, 0, 0, 0)))(
-        table, slots, ids, seg, grad, weights)
+        table, slots, ids, seg, grad, weights
+    )
     # ... and over stacked tables too
     tables = jnp.stack([table, 2 * table, -table])
     got_t2, _ = jax.vmap(apply, in_axes=(0, None, 0, 0, 0, 0))(
-        tables, slots, ids, seg, grad, weights)
+        tables, slots, ids, seg, grad, weights
+    )
     for b in range(3):
         want_t, want_s = apply(table, slots, ids[b], seg[b], grad[b], weights[b])
         np.testing.assert_allclose(got_t[b], want_t, rtol=1e-6, atol=1e-6)
@@ -238,8 +286,10 @@ def test_vmap_equals_a_loop_of_single_calls(implementation, opt):
 
 
 # ------------------------------------------------------------------ cpu_ffi: the C++ kernel
-CPU_TOL = {np.dtype(np.float32): dict(rtol=2e-5, atol=2e-6),
-           np.dtype(ref.BF16): dict(rtol=2.0**-7, atol=1e-6)}  # a 1-ulp f32 difference may
+CPU_TOL = {
+    np.dtype(np.float32): dict(rtol=2e-5, atol=2e-6),
+    np.dtype(ref.BF16): dict(rtol=2.0**-7, atol=1e-6),
+}  # a 1-ulp f32 difference may
 # flip a bf16 rounding
 
 
@@ -262,24 +312,36 @@ def _run_cpu(opt, table, slots, ids, seg, coef, grad, step):
     from sparsejax.ops._sparse_apply import cpu_ffi
 
     names = [sp.name for sp in opt.slots()]
-    outs = cpu_ffi.sparse_apply(jnp.asarray(table), *(jnp.asarray(slots[n]) for n in names),
-                                ids, seg, coef, grad, opt.hparams(), step, optimizer=opt)
+    outs = cpu_ffi.sparse_apply(
+        jnp.asarray(table),
+        *(jnp.asarray(slots[n]) for n in names),
+        ids,
+        seg,
+        coef,
+        grad,
+        opt.hparams(),
+        step,
+        optimizer=opt,
+    )
     return np.asarray(outs[0]), {n: np.asarray(x) for n, x in zip(names, outs[1:], strict=True)}
 
 
 def _check_cpu(opt, table, slots, ids, seg, coef, grad, step):
     out_t, out_s = _run_cpu(opt, table, slots, ids, seg, coef, grad, step)
     by_row = ref.row_grads(ids, seg, coef, grad, table.shape[0])
-    touched = ref.check_apply(opt, table, slots, out_t, out_s, by_row, step,
-                              CPU_TOL[np.dtype(table.dtype)])
+    touched = ref.check_apply(
+        opt, table, slots, out_t, out_s, by_row, step, CPU_TOL[np.dtype(table.dtype)]
+    )
     return out_t, out_s, touched
 
 
 @needs_cpu_ffi
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=ref.OPT_IDS)
-@pytest.mark.parametrize("dtype,d", [(np.float32, 1), (np.float32, 3), (np.float32, 129),
-                                     (ref.BF16, 64)],
-                         ids=["f32-d1", "f32-d3", "f32-d129", "bf16-d64"])
+@pytest.mark.parametrize(
+    "dtype,d",
+    [(np.float32, 1), (np.float32, 3), (np.float32, 129), (ref.BF16, 64)],
+    ids=["f32-d1", "f32-d3", "f32-d129", "bf16-d64"],
+)
 def test_cpu_kernel_on_junk_ids(opt, dtype, d):
     rng = np.random.default_rng(zlib.crc32(f"{type(opt).__name__}-{d}".encode()))
     v, s, n = 60, 7, 120
@@ -307,7 +369,8 @@ def test_cpu_kernel_zero_coef_row_is_touched(opt):
     assert touched[3]
     if isinstance(opt, ops.LazyAdam | ops.AdagradDecay):
         assert not np.array_equal(out_t[3], table[3]) or any(
-            not np.array_equal(out_s[k][3], slots[k][3]) for k in slots)
+            not np.array_equal(out_s[k][3], slots[k][3]) for k in slots
+        )
 
 
 @needs_cpu_ffi
@@ -392,13 +455,15 @@ def test_cpu_kernel_donated_in_place(dtype):
     v, d, s, n = 500, 16, 8, 64
     table_np, ids, seg, coef, grad = _junk_apply_inputs(rng, v, d, s, n, dtype)
     slots_np = ref.random_slots(opt, v, d, rng)
-    want_t, want_s = ref.apply_row_grads(opt, table_np, slots_np,
-                                         ref.row_grads(ids, seg, coef, grad, v), STEP)
+    want_t, want_s = ref.apply_row_grads(
+        opt, table_np, slots_np, ref.row_grads(ids, seg, coef, grad, v), STEP
+    )
 
     @jax.jit
     def step_keep(table, mu, nu):
-        return cpu_ffi.sparse_apply(table, mu, nu, ids, seg, coef, grad, opt.hparams(), STEP,
-                                    optimizer=opt)
+        return cpu_ffi.sparse_apply(
+            table, mu, nu, ids, seg, coef, grad, opt.hparams(), STEP, optimizer=opt
+        )
 
     step_donate = jax.jit(step_keep.__wrapped__, donate_argnums=(0, 1, 2))
 
@@ -424,14 +489,26 @@ def test_cpu_wrapper_validation_and_codes():
     from sparsejax.ops._sparse_apply import cpu_ffi
 
     with pytest.raises(ValueError, match="takes 1 slots, got 0"):
-        cpu_ffi.sparse_apply(jnp.zeros((4, 2)), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
-                             jnp.ones(1), jnp.zeros((1, 2)), jnp.zeros(8), 1,
-                             optimizer=ref.optimizer("Adagrad"))
+        cpu_ffi.sparse_apply(
+            jnp.zeros((4, 2)),
+            jnp.zeros(1, jnp.int32),
+            jnp.zeros(1, jnp.int32),
+            jnp.ones(1),
+            jnp.zeros((1, 2)),
+            jnp.zeros(8),
+            1,
+            optimizer=ref.optimizer("Adagrad"),
+        )
     # optimizers.py is the one Python source of codes and slot counts.
     assert _cpu_ffi.NUM_SLOTS == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 2}
     assert {c: cls.__name__ for c, cls in optimizers.OPTIMIZERS_BY_CODE.items()} == {
-        0: "SGD", 1: "Adagrad", 2: "RowWiseAdagrad", 3: "LazyAdam", 4: "FTRL",
-        5: "AdagradDecay"}
+        0: "SGD",
+        1: "Adagrad",
+        2: "RowWiseAdagrad",
+        3: "LazyAdam",
+        4: "FTRL",
+        5: "AdagradDecay",
+    }
 
 
 @needs_cpu_ffi
@@ -482,11 +559,18 @@ def test_pallas_apply_rows(opt):
     table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32)
     slots = ref.random_slots(opt, vocab, dim, rng)
     f = jax.jit(functools.partial(_pallas().apply_rows, optimizer=opt, interpret=True))
-    new_table, new_slots = f(table, _slot_tuple(opt, slots), jnp.asarray(uids),
-                             jnp.asarray(grads), opt.hparams(), jnp.int32(STEP))
+    new_table, new_slots = f(
+        table,
+        _slot_tuple(opt, slots),
+        jnp.asarray(uids),
+        jnp.asarray(grads),
+        opt.hparams(),
+        jnp.int32(STEP),
+    )
     by_row = {int(u): grads[i].astype(np.float64) for i, u in enumerate(uids) if 0 <= u < vocab}
-    ref.check_apply(opt, table, slots, new_table, _slot_dict(opt, new_slots), by_row, STEP,
-                    ref.TOL[jnp.float32])
+    ref.check_apply(
+        opt, table, slots, new_table, _slot_dict(opt, new_slots), by_row, STEP, ref.TOL[jnp.float32]
+    )
 
 
 def test_pallas_apply_rows_bf16_table():
@@ -496,20 +580,37 @@ def test_pallas_apply_rows_bf16_table():
     grads = rng.normal(size=(6, dim)).astype(np.float32)
     table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.bfloat16)
     slots = ref.random_slots(opt, vocab, dim, rng)
-    f = jax.jit(functools.partial(_pallas().apply_rows, optimizer=opt, rows_per_step=4,
-                                  interpret=True))
-    new_table, new_slots = f(table, _slot_tuple(opt, slots), jnp.asarray(uids),
-                             jnp.asarray(grads), opt.hparams(), jnp.int32(1))
+    f = jax.jit(
+        functools.partial(_pallas().apply_rows, optimizer=opt, rows_per_step=4, interpret=True)
+    )
+    new_table, new_slots = f(
+        table,
+        _slot_tuple(opt, slots),
+        jnp.asarray(uids),
+        jnp.asarray(grads),
+        opt.hparams(),
+        jnp.int32(1),
+    )
     by_row = {int(u): grads[i].astype(np.float64) for i, u in enumerate(uids) if 0 <= u < vocab}
-    ref.check_apply(opt, table, slots, new_table, _slot_dict(opt, new_slots), by_row, 1,
-                    ref.TOL[jnp.bfloat16])
+    ref.check_apply(
+        opt, table, slots, new_table, _slot_dict(opt, new_slots), by_row, 1, ref.TOL[jnp.bfloat16]
+    )
 
 
 def _pallas_apply(opt, table, slots, ids, seg, coef, grad, step, config=None):
-    f = jax.jit(functools.partial(_pallas().sparse_apply, optimizer=opt, config=config,
-                                  interpret=True))
-    outs = f(table, *_slot_tuple(opt, slots), jnp.asarray(ids), jnp.asarray(seg),
-             jnp.asarray(coef), jnp.asarray(grad), opt.hparams(), jnp.int32(step))
+    f = jax.jit(
+        functools.partial(_pallas().sparse_apply, optimizer=opt, config=config, interpret=True)
+    )
+    outs = f(
+        table,
+        *_slot_tuple(opt, slots),
+        jnp.asarray(ids),
+        jnp.asarray(seg),
+        jnp.asarray(coef),
+        jnp.asarray(grad),
+        opt.hparams(),
+        jnp.int32(step),
+    )
     return outs[0], _slot_dict(opt, outs[1:])
 
 
@@ -535,15 +636,25 @@ def test_pallas_hot_id_over_many_chunks(opt):
 def test_pallas_bf16_table_small_dim_and_chunk():
     rng = np.random.default_rng(12)
     opt, vocab, num_segments, dim = ref.optimizer("Adagrad"), 25, 7, 8
-    ids, seg, coef = ref.make_lookups(rng, ref.bag_lengths(rng, num_segments, long=30), vocab,
-                                      n_bad=6)
+    ids, seg, coef = ref.make_lookups(
+        rng, ref.bag_lengths(rng, num_segments, long=30), vocab, n_bad=6
+    )
     grad = rng.normal(size=(num_segments, dim)).astype(np.float32)
     table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.bfloat16)
     slots = ref.random_slots(opt, vocab, dim, rng)
-    new_table, new_slots = _pallas_apply(opt, table, slots, ids, seg, coef, grad, 2,
-                                         config=_pallas().Config(chunk=8))
-    ref.check_apply(opt, table, slots, new_table, new_slots,
-                    ref.row_grads(ids, seg, coef, grad, vocab), 2, ref.TOL[jnp.bfloat16])
+    new_table, new_slots = _pallas_apply(
+        opt, table, slots, ids, seg, coef, grad, 2, config=_pallas().Config(chunk=8)
+    )
+    ref.check_apply(
+        opt,
+        table,
+        slots,
+        new_table,
+        new_slots,
+        ref.row_grads(ids, seg, coef, grad, vocab),
+        2,
+        ref.TOL[jnp.bfloat16],
+    )
 
 
 def test_pallas_nothing_valid():
@@ -552,16 +663,18 @@ def test_pallas_nothing_valid():
     slots = opt.init_slots(5, 8)
     ids = np.array([-1, 5, 9, 2], np.int32)
     seg = np.array([0, 1, 1, 4], np.int32)  # id 2 is valid but its segment is not
-    new_table, new_slots = _pallas_apply(opt, table, slots, ids, seg, np.ones(4, np.float32),
-                                         np.ones((3, 8), np.float32), 1)
+    new_table, new_slots = _pallas_apply(
+        opt, table, slots, ids, seg, np.ones(4, np.float32), np.ones((3, 8), np.float32), 1
+    )
     np.testing.assert_array_equal(np.asarray(new_table), np.asarray(table))
     for k in slots:
         np.testing.assert_array_equal(np.asarray(new_slots[k]), np.asarray(slots[k]))
 
 
 def _slot_structs(opt, vocab, dim):
-    return tuple(SDS((vocab,) if s.per_row else (vocab, dim), jnp.dtype(s.dtype))
-                 for s in opt.slots())
+    return tuple(
+        SDS((vocab,) if s.per_row else (vocab, dim), jnp.dtype(s.dtype)) for s in opt.slots()
+    )
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=ref.OPT_IDS)
@@ -572,9 +685,16 @@ def test_pallas_kernels_lower_for_cuda_with_donation(opt):
     hp, step = SDS((8,), jnp.float32), SDS((), jnp.int32)
     i = SDS((n,), jnp.int32)
     n_state = 1 + len(slots)
-    txt = ref.lower_for_cuda(functools.partial(_pallas().apply_rows, optimizer=opt),
-                             table, slots, i, SDS((n, dim), jnp.float32), hp, step,
-                             donate_argnums=(0, 1))
+    txt = ref.lower_for_cuda(
+        functools.partial(_pallas().apply_rows, optimizer=opt),
+        table,
+        slots,
+        i,
+        SDS((n, dim), jnp.float32),
+        hp,
+        step,
+        donate_argnums=(0, 1),
+    )
     assert "__gpu$xla.gpu.triton" in txt
     # Donated table and slots alias the jit outputs and, inside, the kernel's outputs:
     # the update is in place.
@@ -582,8 +702,16 @@ def test_pallas_kernels_lower_for_cuda_with_donation(opt):
     assert txt.count("stablehlo.output_operand_alias<") == n_state
     txt = ref.lower_for_cuda(
         lambda t, sl, *a: _pallas().sparse_apply(t, *sl, *a, optimizer=opt),
-        table, slots, i, i, SDS((n,), jnp.float32), SDS((s, dim), jnp.float32), hp, step,
-        donate_argnums=(0, 1))
+        table,
+        slots,
+        i,
+        i,
+        SDS((n,), jnp.float32),
+        SDS((s, dim), jnp.float32),
+        hp,
+        step,
+        donate_argnums=(0, 1),
+    )
     assert txt.count("__gpu$xla.gpu.triton") >= 2  # spmm + apply_rows
     assert txt.count("tf.aliasing_output") == n_state
 
@@ -593,9 +721,16 @@ def test_pallas_bf16_table_optimizer_lowers_for_cuda():
     i = SDS((n,), jnp.int32)
     txt = ref.lower_for_cuda(
         lambda t, sl, *a: _pallas().sparse_apply(t, *sl, *a, optimizer=opt),
-        SDS((v, 128), jnp.bfloat16), _slot_structs(opt, v, 128), i, i, SDS((n,), jnp.float32),
-        SDS((s, 128), jnp.float32), SDS((8,), jnp.float32), SDS((), jnp.int32),
-        donate_argnums=(0, 1))
+        SDS((v, 128), jnp.bfloat16),
+        _slot_structs(opt, v, 128),
+        i,
+        i,
+        SDS((n,), jnp.float32),
+        SDS((s, 128), jnp.float32),
+        SDS((8,), jnp.float32),
+        SDS((), jnp.int32),
+        donate_argnums=(0, 1),
+    )
     assert "__gpu$xla.gpu.triton" in txt
 
 

@@ -17,9 +17,15 @@ import sparsejax.checkpoint
 from sparsejax import runner, train
 from sparsejax.train import CheckpointError
 
-TINY = ["log_every=5", "data.batch_size=64", "data.eval_batches=2",
-        "data.synthetic_options={vocab_sizes: [300, 50, 7, 120], num_dense: 3}",
-        "progress=false", "model.embedding_dim=8", "model.options={bottom: [16, 8], top: [16, 1]}"]
+TINY = [
+    "log_every=5",
+    "data.batch_size=64",
+    "data.eval_batches=2",
+    "data.synthetic_options={vocab_sizes: [300, 50, 7, 120], num_dense: 3}",
+    "progress=false",
+    "model.embedding_dim=8",
+    "model.options={bottom: [16, 8], top: [16, 1]}",
+]
 
 
 def _cfg(tmp_path, *overrides):
@@ -37,7 +43,7 @@ def test_metrics_against_brute_force():
     y = rng.integers(0, 2, 300)
     s = rng.integers(0, 15, 300).astype(np.float64)  # many ties
     pos, neg = s[y == 1], s[y == 0]
-    brute = ((pos[:, None] > neg[None]).mean() + 0.5 * (pos[:, None] == neg[None]).mean())
+    brute = (pos[:, None] > neg[None]).mean() + 0.5 * (pos[:, None] == neg[None]).mean()
     assert train.auc(y, s) == pytest.approx(brute, abs=1e-12)
     mask = (rng.random(300) < 0.7).astype(np.float32)
     keep = mask > 0
@@ -57,8 +63,9 @@ def test_resume_after_process_restart_is_bit_identical(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "sparsejax", "train", *TINY, f"out_dir={tmp_path}"]
     subprocess.run([*cmd, "name=split", "steps=12"], check=True, env=env, capture_output=True)
-    out = subprocess.run([*cmd, "name=split", "steps=24"], check=True, env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [*cmd, "name=split", "steps=24"], check=True, env=env, capture_output=True, text=True
+    )
     assert "resumed from" in out.stdout
     subprocess.run([*cmd, "name=whole", "steps=24"], check=True, env=env, capture_output=True)
     step_a, a = _state_arrays(_cfg(tmp_path, "name=split", "steps=24"))
@@ -66,9 +73,11 @@ def test_resume_after_process_restart_is_bit_identical(tmp_path):
     assert step_a == step_b == 24
     jax.tree.map(np.testing.assert_array_equal, a, b)
     # the resumed run's log continues the first one without duplicates
-    steps = [json.loads(line)["step"] for line in
-             (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
-             if json.loads(line)["kind"] == "train"]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
     assert steps == [5, 10, 12, 15, 20, 24]  # 12: the end of the first run
 
 
@@ -83,9 +92,12 @@ def test_truncated_checkpoint_is_named_and_earlier_ones_stay_usable(tmp_path):
             if os.path.getsize(path) > 64:
                 with open(path, "r+b") as fh:
                     fh.truncate(os.path.getsize(path) // 2)
-    run = runner.build_run(runner.load_config([], [*TINY, f"out_dir={tmp_path}", "name=t",
-                                                   "steps=10", "resume=false"]),
-                           log=lambda *_: None)
+    run = runner.build_run(
+        runner.load_config(
+            [], [*TINY, f"out_dir={tmp_path}", "name=t", "steps=10", "resume=false"]
+        ),
+        log=lambda *_: None,
+    )
     with pytest.raises(CheckpointError, match=r"checkpoint 10 .*other checkpoints: \[5\]"):
         run.checkpointer.restore(run.state)
     state, meta = run.checkpointer.restore(run.state, step=5)
@@ -94,33 +106,57 @@ def test_truncated_checkpoint_is_named_and_earlier_ones_stay_usable(tmp_path):
 
 def test_mismatched_checkpoint_names_the_table(tmp_path):
     runner.train(_cfg(tmp_path, "name=m", "steps=3"), log=lambda *_: None)
-    with pytest.raises(CheckpointError, match=r"table 'C1' was saved with dim=8, the model has "
-                                              r"dim=4"):
-        runner.build_run(_cfg(tmp_path, "name=m", "steps=3", "model.embedding_dim=4",
-                              "model.options={bottom: [16, 4], top: [16, 1]}"),
-                         log=lambda *_: None)
+    with pytest.raises(
+        CheckpointError,
+        match=r"table 'C1' was saved with dim=8, the model has "
+        r"dim=4",
+    ):
+        runner.build_run(
+            _cfg(
+                tmp_path,
+                "name=m",
+                "steps=3",
+                "model.embedding_dim=4",
+                "model.options={bottom: [16, 4], top: [16, 1]}",
+            ),
+            log=lambda *_: None,
+        )
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
-    explode = ["name=nan", "steps=40", "checkpoint_every=1", "optimizer.dense=sgd",
-               "optimizer.dense_learning_rate=1e30", "optimizer.sparse=sgd",
-               "optimizer.sparse_learning_rate=1e30"]
+    explode = [
+        "name=nan",
+        "steps=40",
+        "checkpoint_every=1",
+        "optimizer.dense=sgd",
+        "optimizer.dense_learning_rate=1e30",
+        "optimizer.sparse=sgd",
+        "optimizer.sparse_learning_rate=1e30",
+    ]
     cfg = _cfg(tmp_path, *explode)
     with pytest.raises(FloatingPointError, match=r"(at step \d+|not saving step \d+)") as e:
         runner.train(cfg, log=lambda *_: None)
     failed = int(__import__("re").search(r"step (\d+)", str(e.value)).group(1))
     step, state = _state_arrays(_cfg(tmp_path, *explode))
     assert step < failed
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state)
-               if np.issubdtype(x.dtype, np.floating))
+    assert all(
+        np.isfinite(x).all() for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)
+    )
 
 
 def test_bfloat16_mixed_precision_trains(tmp_path):
-    cfg = _cfg(tmp_path, "name=bf16", "steps=40", "model.dtype=bfloat16",
-               "model.table_dtype=bfloat16", "eval_every=null")
+    cfg = _cfg(
+        tmp_path,
+        "name=bf16",
+        "steps=40",
+        "model.dtype=bfloat16",
+        "model.table_dtype=bfloat16",
+        "eval_every=null",
+    )
     run = runner.build_run(cfg, log=lambda *_: None)
-    assert all(x.dtype == np.dtype("bfloat16") for x in jax.tree.leaves(run.state.tables)
-               if x.ndim == 2)
+    assert all(
+        x.dtype == np.dtype("bfloat16") for x in jax.tree.leaves(run.state.tables) if x.ndim == 2
+    )
     first = run.trainer.evaluate(run.state, run.data.eval_batches)["loss"]
     summary = runner.train_run(run, log=lambda *_: None)
     assert summary["eval"]["loss"] < first - 0.05
@@ -137,8 +173,10 @@ def _small(tmp_path, *overrides):
 def _batches(data, n):
     """Training batches 0..n-1 of a synthetic source, packed on the host."""
     b = data.packer.batch_size
-    return [data.packer.pack(s, labels=y, dense=d)
-            for s, y, d in (data.train_source.batch(i, b) for i in range(n))]
+    return [
+        data.packer.pack(s, labels=y, dense=d)
+        for s, y, d in (data.train_source.batch(i, b) for i in range(n))
+    ]
 
 
 class _Recorder(train.Hook):
@@ -171,8 +209,16 @@ def test_fit_calls_hooks_every_step_and_a_hook_stops_training(tmp_path):
     trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer))
     state = trainer.init(jax.random.key(0), first)
     hook = _Recorder()
-    result = train.fit(trainer, state, _batches(data, 7), steps=7, log_every=3,
-                       eval_batches=data.eval_batches, eval_every=2, hooks=[hook])
+    result = train.fit(
+        trainer,
+        state,
+        _batches(data, 7),
+        steps=7,
+        log_every=3,
+        eval_batches=data.eval_batches,
+        eval_every=2,
+        hooks=[hook],
+    )
     assert hook.before == [s for s, _ in hook.after] == [1, 2, 3, 4, 5, 6, 7]
     assert all(np.isfinite(loss) for _, loss in hook.after)
     assert hook.logs == [3, 6, 7] and hook.evals == [2, 4, 6, 7]
@@ -180,14 +226,16 @@ def test_fit_calls_hooks_every_step_and_a_hook_stops_training(tmp_path):
     assert result.eval["examples"] == sum(int(b.mask.sum()) for b in data.eval_batches)
 
     stopper = _Recorder(stop_at=10)
-    result = train.fit(trainer, result.state, _batches(data, 20), steps=20, log_every=5,
-                       hooks=[stopper])
+    result = train.fit(
+        trainer, result.state, _batches(data, 20), steps=20, log_every=5, hooks=[stopper]
+    )
     assert stopper.before == [8, 9, 10] and stopper.ended == (10, 10)
     assert int(result.state.step) == 10 and stopper.logs == [10]  # the partial window
 
     short = _Recorder()  # the data runs out before `steps`: the last batch ends training
-    result = train.fit(trainer, result.state, _batches(data, 3), steps=20, log_every=5,
-                       hooks=[short])
+    result = train.fit(
+        trainer, result.state, _batches(data, 3), steps=20, log_every=5, hooks=[short]
+    )
     assert short.before == [11, 12, 13] and short.logs == [13] and short.ended == (13, 13)
     assert int(result.state.step) == 13
 
@@ -199,8 +247,11 @@ def test_fit_stops_on_a_nan_loss_naming_the_step(tmp_path):
     batches = _batches(data, 6)
     batches[3] = dataclasses.replace(batches[3], dense=np.full_like(batches[3].dense, np.nan))
     hook = _Recorder()
-    with pytest.raises(train.NonFiniteLossError, match=r"training loss is nan at step 4; "
-                                                       r"stopped \(no checkpoint"):
+    with pytest.raises(
+        train.NonFiniteLossError,
+        match=r"training loss is nan at step 4; "
+        r"stopped \(no checkpoint",
+    ):
         train.fit(trainer, state, batches, steps=6, hooks=[hook])
     assert hook.before[-1] in (4, 5)  # checked while the next step runs
 
@@ -216,16 +267,23 @@ def test_checkpointer_needs_the_layouts_and_serving_restores_tables_alone(tmp_pa
     ckpt = train.Checkpointer(tmp_path / "ok", layouts)
     empty = train.Checkpointer(tmp_path / "empty", {})
     state = trainer.init(jax.random.key(0), first)
-    with pytest.raises(CheckpointError, match=r"table state 'embedding/.*' of an embedding "
-                                              r"layer this checkpointer has no layout for"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"table state 'embedding/.*' of an embedding "
+        r"layer this checkpointer has no layout for",
+    ):
         empty.save(state)
     assert empty.steps() == []
     ckpt.save(state)
     tables, meta = ckpt.restore_tables()  # no trainer, no template
     assert meta["step"] == 0 and sorted(meta["tables"]["embedding"]) == sorted(
-        t.name for t in model.tables)
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, tables),
-                 jax.tree.map(np.asarray, state.tables))
+        t.name for t in model.tables
+    )
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.tree.map(np.asarray, tables),
+        jax.tree.map(np.asarray, state.tables),
+    )
     by_name = trainer.tables_by_name(state)["embedding"]
     assert set(by_name) == {t.name for t in model.tables}
     ckpt.close()
@@ -242,8 +300,10 @@ def test_data_parallel_step_on_4_devices_matches_one_device(tmp_path, implementa
     one = train.Trainer(model, tx)
     four = train.Trainer(model, tx, mesh=Mesh(np.array(devices[:4]), ("data",)))
     s1, s4 = one.init(jax.random.key(0), first), four.init(jax.random.key(0), first)
-    assert all(len(x.sharding.device_set) == 4 and x.sharding.is_fully_replicated
-               for x in jax.tree.leaves(s4))
+    assert all(
+        len(x.sharding.device_set) == 4 and x.sharding.is_fully_replicated
+        for x in jax.tree.leaves(s4)
+    )
     batches = _batches(data, 3)
     assert four.batch_sharding(64).dense.spec == P("data")
     assert four.batch_sharding(63).dense.spec == P()  # does not divide: replicated
@@ -254,8 +314,11 @@ def test_data_parallel_step_on_4_devices_matches_one_device(tmp_path, implementa
         s4, m4 = four.train_step(s4, placed)
         np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-5)
     assert int(s4.step) == 3
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                         rtol=1e-4, atol=1e-6), s4, s1)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
+        s4,
+        s1,
+    )
     e1, e4 = one.evaluate(s1, data.eval_batches), four.evaluate(s4, data.eval_batches)
     assert e4["auc"] == pytest.approx(e1["auc"], abs=1e-5)
 
@@ -263,7 +326,6 @@ def test_data_parallel_step_on_4_devices_matches_one_device(tmp_path, implementa
 def test_a_mesh_axis_the_table_store_cannot_use_is_named(tmp_path):
     _, _, model, first = _small(tmp_path)
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "expert"))
-    trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer),
-                            mesh=mesh)
+    trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer), mesh=mesh)
     with pytest.raises(ValueError, match="mesh axis 'expert'"):
         trainer.init(jax.random.key(0), first)

@@ -33,8 +33,11 @@ class NonFiniteStateError(FloatingPointError):
 
 def _first_non_finite(tree) -> str | None:
     """Path of the first float leaf holding NaN/inf (one fused pass per leaf), or None."""
-    floats = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    floats = [
+        (p, x)
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+    ]
     flags = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
     for (path, _), ok in zip(floats, flags, strict=True):
         if not ok:
@@ -61,21 +64,28 @@ class Checkpointer:
       max_to_keep: older checkpoints are deleted beyond this many.
     """
 
-    def __init__(self, directory: str | os.PathLike, layouts: Layouts, *,
-                 max_to_keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, layouts: Layouts, *, max_to_keep: int = 3):
         self.directory = os.path.abspath(directory)
         self.layouts = dict(layouts)
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+        )
 
     def _specs(self) -> dict:
-        return {layer_key(p): {name: {"vocab_size": t.vocab_size, "dim": t.dim,
-                                       "dtype": t.dtype,
-                                       # the slots depend on the kind, not on the rates
-                                       "optimizer": type(t.optimizer).__name__}
-                                for name, t in store.tables.items()}
-                for p, store in self.layouts.items()}
+        return {
+            layer_key(p): {
+                name: {
+                    "vocab_size": t.vocab_size,
+                    "dim": t.dim,
+                    "dtype": t.dtype,
+                    # the slots depend on the kind, not on the rates
+                    "optimizer": type(t.optimizer).__name__,
+                }
+                for name, t in store.tables.items()
+            }
+            for p, store in self.layouts.items()
+        }
 
     def _split(self, state) -> tuple[dict, dict]:
         """(tables by name, every other field) of `state`."""
@@ -84,9 +94,11 @@ class Checkpointer:
             raise CheckpointError(
                 f"the state holds table state {bad!r} of an embedding layer this checkpointer "
                 f"has no layout for (layouts: {sorted(map(layer_key, self.layouts))}); build "
-                f"it with embedding_layouts(model, batch)")
-        rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-                if f.name != "tables"}
+                f"it with embedding_layouts(model, batch)"
+            )
+        rest = {
+            f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "tables"
+        }
         return tables_by_name(self.layouts, state.tables), rest
 
     def save(self, state, *, data_position: Any = None, extra: Mapping | None = None) -> int:
@@ -101,13 +113,25 @@ class Checkpointer:
         tables, rest = self._split(state)
         bad = _first_non_finite({"tables": tables, **rest})
         if bad is not None:
-            raise NonFiniteStateError(f"not saving step {step}: {bad} holds NaN or inf; the "
-                                      f"last checkpoint ({self.latest_step()}) is kept")
-        meta = {"step": step, "tables": self._specs(), "data_position": data_position,
-                "extra": dict(extra or {})}
-        self.manager.save(step, args=ocp.args.Composite(
-            tables=ocp.args.StandardSave(tables), state=ocp.args.StandardSave(rest),
-            meta=ocp.args.JsonSave(meta)), force=True)
+            raise NonFiniteStateError(
+                f"not saving step {step}: {bad} holds NaN or inf; the "
+                f"last checkpoint ({self.latest_step()}) is kept"
+            )
+        meta = {
+            "step": step,
+            "tables": self._specs(),
+            "data_position": data_position,
+            "extra": dict(extra or {}),
+        }
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                tables=ocp.args.StandardSave(tables),
+                state=ocp.args.StandardSave(rest),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
         self.manager.wait_until_finished()
         return step
 
@@ -119,31 +143,40 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
 
     def _read(self, step: int | None, **items) -> tuple[int, dict, dict]:
         """(step, restored items, meta) after checking the table specs."""
         steps = self.steps()
         step = steps[-1] if step is None and steps else step
         if step is None or step not in steps:
-            raise CheckpointError(f"no checkpoint {'' if step is None else step} in "
-                                  f"{self.directory} (available: {steps})")
+            raise CheckpointError(
+                f"no checkpoint {'' if step is None else step} in "
+                f"{self.directory} (available: {steps})"
+            )
         others = [s for s in steps if s != step]
         try:
             meta = self.read_meta(step)
         except Exception as e:  # noqa: BLE001 - any read failure means the same to the user
-            raise CheckpointError(f"checkpoint {step} in {self.directory} is unreadable "
-                                  f"({type(e).__name__}: {e}); other checkpoints: {others}"
-                                  ) from e
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} is unreadable "
+                f"({type(e).__name__}: {e}); other checkpoints: {others}"
+            ) from e
         self._check_specs(meta["tables"], step)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**{
-                k: ocp.args.StandardRestore(v) for k, v in items.items()}))
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    **{k: ocp.args.StandardRestore(v) for k, v in items.items()}
+                ),
+            )
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be restored "
-                                  f"({type(e).__name__}: {e}); other checkpoints: {others}"
-                                  ) from e
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} cannot be restored "
+                f"({type(e).__name__}: {e}); other checkpoints: {others}"
+            ) from e
         return step, {k: restored[k] for k in items}, meta
 
     def restore(self, template, step: int | None = None) -> tuple[Any, dict]:
@@ -155,15 +188,18 @@ class Checkpointer:
         """
         tables, rest = self._split(template)
         _, got, meta = self._read(step, tables=_abstract(tables), state=_abstract(rest))
-        state = dataclasses.replace(template, tables=stack_tables(self.layouts, got["tables"]),
-                                    **got["state"])
+        state = dataclasses.replace(
+            template, tables=stack_tables(self.layouts, got["tables"]), **got["state"]
+        )
         return state, meta
 
     def restore_tables(self, step: int | None = None) -> tuple[dict, dict]:
         """The "embedding" collection at `step` (default: latest), built from the layouts
         alone (no train state, no dense parameters), and the JSON record."""
-        shapes = {layer_key(p): jax.eval_shape(store.export_tables, store.abstract_state())
-                  for p, store in self.layouts.items()}
+        shapes = {
+            layer_key(p): jax.eval_shape(store.export_tables, store.abstract_state())
+            for p, store in self.layouts.items()
+        }
         _, got, meta = self._read(step, tables=shapes)
         return stack_tables(self.layouts, got["tables"]), meta
 
@@ -173,17 +209,22 @@ class Checkpointer:
             s, c = saved.get(layer, {}), current.get(layer, {})
             for name in sorted(set(s) | set(c)):
                 if name not in s:
-                    raise CheckpointError(f"checkpoint {step}: table {name!r} (layer {layer}) "
-                                          f"is not in the checkpoint (saved: {sorted(s)})")
+                    raise CheckpointError(
+                        f"checkpoint {step}: table {name!r} (layer {layer}) "
+                        f"is not in the checkpoint (saved: {sorted(s)})"
+                    )
                 if name not in c:
-                    raise CheckpointError(f"checkpoint {step}: table {name!r} (layer {layer}) "
-                                          f"was saved but the model has no such table "
-                                          f"(model: {sorted(c)})")
+                    raise CheckpointError(
+                        f"checkpoint {step}: table {name!r} (layer {layer}) "
+                        f"was saved but the model has no such table "
+                        f"(model: {sorted(c)})"
+                    )
                 for key in ("vocab_size", "dim", "dtype", "optimizer"):
                     if s[name][key] != c[name][key]:
                         raise CheckpointError(
                             f"checkpoint {step}: table {name!r} was saved with {key}="
-                            f"{s[name][key]!r}, the model has {key}={c[name][key]!r}")
+                            f"{s[name][key]!r}, the model has {key}={c[name][key]!r}"
+                        )
 
     def close(self) -> None:
         self.manager.close()

@@ -36,8 +36,7 @@ def trace_layouts(model: nn.Module, batch) -> tuple[dict, Mapping]:
     found: dict[tuple[str, ...], TableStore] = {}
 
     def interceptor(next_fun, args, kwargs, context):
-        if isinstance(context.module, EmbeddingBagCollection) and \
-                context.method_name == "__call__":
+        if isinstance(context.module, EmbeddingBagCollection) and context.method_name == "__call__":
             found[tuple(context.module.path)] = context.module.store
         return next_fun(*args, **kwargs)
 
@@ -60,8 +59,10 @@ def _subtree(tables: Mapping, path: tuple[str, ...]):
 
 def tables_by_name(layouts: Layouts, tables: Mapping) -> dict:
     """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection."""
-    return {layer_key(path): store.export_tables(_subtree(tables, path))
-            for path, store in layouts.items()}
+    return {
+        layer_key(path): store.export_tables(_subtree(tables, path))
+        for path, store in layouts.items()
+    }
 
 
 def tables_from_layers(layouts: Layouts, layers: Mapping) -> dict:
@@ -77,9 +78,10 @@ def tables_from_layers(layouts: Layouts, layers: Mapping) -> dict:
 
 def stack_tables(layouts: Layouts, by_name: Mapping) -> dict:
     """Inverse of `tables_by_name`: the nested "embedding" collection."""
-    return tables_from_layers(layouts, {
-        path: store.import_tables(by_name[layer_key(path)])
-        for path, store in layouts.items()})
+    return tables_from_layers(
+        layouts,
+        {path: store.import_tables(by_name[layer_key(path)]) for path, store in layouts.items()},
+    )
 
 
 def uncovered_layer(layouts: Layouts, tables: Mapping) -> str | None:

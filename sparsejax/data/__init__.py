@@ -46,7 +46,10 @@ def __getattr__(name: str):
     """Deprecated aliases: `Jagged` read backwards to a TorchRec user (it held padded ids)."""
     if name in _DEPRECATED:
         new = _DEPRECATED[name]
-        _warnings.warn(f"sparsejax.data.{name} is deprecated; use sparsejax.data.{new.__name__}",
-                       DeprecationWarning, stacklevel=2)
+        _warnings.warn(
+            f"sparsejax.data.{name} is deprecated; use sparsejax.data.{new.__name__}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return new
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,8 +30,9 @@ class PaddedIds:
     weights: jax.Array | np.ndarray | None = None  # f32[capacity] or None
 
 
-jax.tree_util.register_dataclass(PaddedIds, data_fields=["ids", "segments", "weights"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    PaddedIds, data_fields=["ids", "segments", "weights"], meta_fields=[]
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,9 @@ class SparseBatch:
         return int(self.mask.shape[0])
 
 
-jax.tree_util.register_dataclass(SparseBatch, data_fields=["features", "dense", "labels", "mask"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    SparseBatch, data_fields=["features", "dense", "labels", "mask"], meta_fields=[]
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,11 @@ class JaggedIds:
             ids = ids[:, None]
             weights = None if weights is None else np.asarray(weights)[:, None]
         present = ids >= 0
-        return cls(lengths=present.sum(1), values=ids[present],
-                   weights=None if weights is None else np.asarray(weights)[present])
+        return cls(
+            lengths=present.sum(1),
+            values=ids[present],
+            weights=None if weights is None else np.asarray(weights)[present],
+        )
 
 
 class BatchPacker:
@@ -91,8 +96,14 @@ class BatchPacker:
     sliding window of a behavior sequence); that is the one documented truncation.
     """
 
-    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *,
-                 batch_size: int, num_dense: int = 0):
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        features: Sequence[FeatureSpec],
+        *,
+        batch_size: int,
+        num_dense: int = 0,
+    ):
         check_specs(tables, features)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -101,9 +112,15 @@ class BatchPacker:
         self.batch_size = batch_size
         self.num_dense = num_dense
 
-    def pack(self, sparse: Mapping[str, JaggedIds | np.ndarray], *, labels: np.ndarray,
-             dense: np.ndarray | None = None, mask: np.ndarray | None = None,
-             first_example: int = 0) -> SparseBatch:
+    def pack(
+        self,
+        sparse: Mapping[str, JaggedIds | np.ndarray],
+        *,
+        labels: np.ndarray,
+        dense: np.ndarray | None = None,
+        mask: np.ndarray | None = None,
+        first_example: int = 0,
+    ) -> SparseBatch:
         """Build a batch; fewer than `batch_size` examples are padded (mask 0).
 
         `first_example` only offsets the example numbers in error messages (e.g. the
@@ -116,8 +133,10 @@ class BatchPacker:
             raise ValueError(f"{n} examples do not fit a batch of {b}")
         unknown = set(sparse) - {f.name for f in self.features}
         if unknown:
-            raise ValueError(f"unknown sparse features {sorted(unknown)}; the specs declare "
-                             f"{[f.name for f in self.features]}")
+            raise ValueError(
+                f"unknown sparse features {sorted(unknown)}; the specs declare "
+                f"{[f.name for f in self.features]}"
+            )
         out = {}
         for spec in self.features:
             if spec.name not in sparse:
@@ -127,12 +146,16 @@ class BatchPacker:
             out[spec.name] = self._pack_feature(spec, col, n, first_example)
         dense_out = np.zeros((b, self.num_dense), np.float32)
         if not self.num_dense and dense is not None and np.size(dense):
-            raise ValueError(f"dense features of shape {np.shape(dense)} given, but the packer "
-                             f"was built with num_dense=0")
+            raise ValueError(
+                f"dense features of shape {np.shape(dense)} given, but the packer "
+                f"was built with num_dense=0"
+            )
         if self.num_dense:
             if dense is None or np.shape(dense) != (n, self.num_dense):
-                raise ValueError(f"dense features must have shape ({n}, {self.num_dense}), "
-                                 f"got {None if dense is None else np.shape(dense)}")
+                raise ValueError(
+                    f"dense features must have shape ({n}, {self.num_dense}), "
+                    f"got {None if dense is None else np.shape(dense)}"
+                )
             dense_out[:n] = dense
         labels_out = np.zeros((b, *labels.shape[1:]), np.float32)
         labels_out[:n] = labels
@@ -140,29 +163,35 @@ class BatchPacker:
         mask_out[:n] = 1.0 if mask is None else mask
         return SparseBatch(features=out, dense=dense_out, labels=labels_out, mask=mask_out)
 
-    def _pack_feature(self, spec: FeatureSpec, col: JaggedIds, n: int,
-                      first: int) -> PaddedIds:
+    def _pack_feature(self, spec: FeatureSpec, col: JaggedIds, n: int, first: int) -> PaddedIds:
         lengths = np.asarray(col.lengths, np.int64)
         values = np.asarray(col.values)
         name = f"feature {spec.name!r}"
         if lengths.shape != (n,):
             raise ValueError(f"{name}: {lengths.shape[0]} examples, the labels have {n}")
         if lengths.size and lengths.min() < 0:
-            raise ValueError(f"{name}: negative length {lengths.min()} for example "
-                             f"{first + int(np.argmin(lengths))}")
+            raise ValueError(
+                f"{name}: negative length {lengths.min()} for example "
+                f"{first + int(np.argmin(lengths))}"
+            )
         if values.shape[0] != lengths.sum():
-            raise ValueError(f"{name}: {values.shape[0]} ids for lengths summing to "
-                             f"{lengths.sum()}")
+            raise ValueError(
+                f"{name}: {values.shape[0]} ids for lengths summing to {lengths.sum()}"
+            )
         if (col.weights is not None) != spec.weighted:
-            raise ValueError(f"{name}: weights {'missing' if spec.weighted else 'given'}, "
-                             f"but FeatureSpec.weighted={spec.weighted}")
+            raise ValueError(
+                f"{name}: weights {'missing' if spec.weighted else 'given'}, "
+                f"but FeatureSpec.weighted={spec.weighted}"
+            )
         vocab = self.vocab[spec.table]
         bad = np.flatnonzero((values < 0) | (values >= vocab))
         if bad.size:
             k = bad[0]
             example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
-            raise ValueError(f"{name}: id {int(values[k])} of example {first + example} is "
-                             f"outside table {spec.table!r} of {vocab} rows")
+            raise ValueError(
+                f"{name}: id {int(values[k])} of example {first + example} is "
+                f"outside table {spec.table!r} of {vocab} rows"
+            )
         example = np.repeat(np.arange(n), lengths)
         starts = np.cumsum(lengths) - lengths
         pos = np.arange(values.shape[0]) - starts[example]
@@ -178,14 +207,18 @@ class BatchPacker:
             long = np.flatnonzero(lengths > spec.max_ids)
             if long.size:
                 i = long[0]
-                raise ValueError(f"{name}: example {first + i} has {lengths[i]} ids, more "
-                                 f"than FeatureSpec.max_ids={spec.max_ids}")
+                raise ValueError(
+                    f"{name}: example {first + i} has {lengths[i]} ids, more "
+                    f"than FeatureSpec.max_ids={spec.max_ids}"
+                )
             segments = example
             num_bags = self.batch_size
         cap = spec.capacity_for(self.batch_size)
         if values.shape[0] > cap:
-            raise ValueError(f"{name}: the batch holds {values.shape[0]} ids but the "
-                             f"capacity is {cap}; set FeatureSpec(capacity>={values.shape[0]})")
+            raise ValueError(
+                f"{name}: the batch holds {values.shape[0]} ids but the "
+                f"capacity is {cap}; set FeatureSpec(capacity>={values.shape[0]})"
+            )
         ids_out = np.full(cap, -1, np.int32)
         seg_out = np.full(cap, num_bags - 1, np.int32)
         ids_out[: values.shape[0]] = values

@@ -62,30 +62,44 @@ class SyntheticBehavior:
             cand_cat = prefs[users, rng.integers(0, self.preferred, batch_size)]
             labels = np.ones(batch_size, np.float32)
         else:
-            cand_cat = np.where(rng.random(batch_size) < 0.5,
-                                prefs[users, rng.integers(0, self.preferred, batch_size)],
-                                rng.integers(0, self.num_categories, batch_size))
+            cand_cat = np.where(
+                rng.random(batch_size) < 0.5,
+                prefs[users, rng.integers(0, self.preferred, batch_size)],
+                rng.integers(0, self.num_categories, batch_size),
+            )
             liked = (prefs[users] == cand_cat[:, None]).any(1)
             labels = (rng.random(batch_size) < np.where(liked, 0.8, 0.1)).astype(np.float32)
         cand = self._items_in(rng, cand_cat)
         one = np.ones(batch_size, np.int64)
-        sparse = {"user": JaggedIds(one, users), "item": JaggedIds(one, cand),
-                  "category": JaggedIds(one, cand_cat), "history": JaggedIds(lengths, hist)}
+        sparse = {
+            "user": JaggedIds(one, users),
+            "item": JaggedIds(one, cand),
+            "category": JaggedIds(one, cand_cat),
+            "history": JaggedIds(lengths, hist),
+        }
         return sparse, labels, np.zeros((batch_size, 0), np.float32)
 
     @functools.cached_property
     def _prefs(self) -> np.ndarray:
         return np.random.default_rng([self.seed, 0xBE]).integers(
-            0, self.num_categories, (self.num_users, self.preferred))
+            0, self.num_categories, (self.num_users, self.preferred)
+        )
 
     def specs(self, *, dim: int, **table_kwargs) -> tuple[list[TableSpec], list[FeatureSpec]]:
         """Tables user/item/category; features user, item, category (one id each) and
         history (a sequence over the item table)."""
-        tables = [TableSpec(name=n, vocab_size=v, dim=dim, **table_kwargs) for n, v in
-                  (("user", self.num_users), ("item", self.num_items),
-                   ("category", self.num_categories))]
-        features = [FeatureSpec(name="user", table="user"), FeatureSpec(name="item", table="item"),
-                    FeatureSpec(name="category", table="category"),
-                    FeatureSpec(name="history", table="item", combiner=None,
-                                max_ids=self.max_history)]
+        tables = [
+            TableSpec(name=n, vocab_size=v, dim=dim, **table_kwargs)
+            for n, v in (
+                ("user", self.num_users),
+                ("item", self.num_items),
+                ("category", self.num_categories),
+            )
+        ]
+        features = [
+            FeatureSpec(name="user", table="user"),
+            FeatureSpec(name="item", table="item"),
+            FeatureSpec(name="category", table="category"),
+            FeatureSpec(name="history", table="item", combiner=None, max_ids=self.max_history),
+        ]
         return tables, features

@@ -91,12 +91,12 @@ def _check_line(fields: list[bytes], labeled: bool):
             return None, ("bad_label", "label", fields[0].decode(errors="replace"))
         label = int(fields[0])
     dense = []
-    for name, f in zip(DENSE_NAMES, fields[off:off + NUM_DENSE], strict=True):
+    for name, f in zip(DENSE_NAMES, fields[off : off + NUM_DENSE], strict=True):
         if f and not _DENSE_RE.fullmatch(f):
             return None, ("bad_dense", name, f.decode(errors="replace"))
         dense.append(int(f) if f else 0)
     cats = []
-    for name, f in zip(CATEGORICAL_NAMES, fields[off + NUM_DENSE:], strict=True):
+    for name, f in zip(CATEGORICAL_NAMES, fields[off + NUM_DENSE :], strict=True):
         if f and not _HEX_RE.fullmatch(f):
             return None, ("bad_categorical", name, f.decode(errors="replace"))
         cats.append(int(f, 16) if f else MISSING)
@@ -144,10 +144,11 @@ def _parse_chunk(data: bytes, first_line: int, labeled: bool, errs: _Errors):
     for i in np.flatnonzero(bad):  # exact re-check names the reason (or accepts the line)
         line_no = first_line + int(i)
         lo = int(sep[line_first[i] - 1]) + 1 if i > 0 else 0
-        fields = data[lo:int(sep[line_last[i]])].split(b"\t")
+        fields = data[lo : int(sep[line_last[i]])].split(b"\t")
         if len(fields) != n_fields:
-            errs.add(line_no, "field_count", "(line)", f"{len(fields)} fields",
-                     f"expected {n_fields}")
+            errs.add(
+                line_no, "field_count", "(line)", f"{len(fields)} fields", f"expected {n_fields}"
+            )
             continue
         parsed, err = _check_line(fields, labeled)
         if err is not None:
@@ -164,15 +165,21 @@ def _parse_chunk(data: bytes, first_line: int, labeled: bool, errs: _Errors):
 def _examples(labels: np.ndarray, dense: np.ndarray, raw: np.ndarray) -> Examples:
     n = labels.shape[0]
     ones = np.ones(n, np.int32)
-    sparse = {name: JaggedIds(lengths=ones, values=np.ascontiguousarray(raw[:, j]))
-              for j, name in enumerate(CATEGORICAL_NAMES)}
+    sparse = {
+        name: JaggedIds(lengths=ones, values=np.ascontiguousarray(raw[:, j]))
+        for j, name in enumerate(CATEGORICAL_NAMES)
+    }
     return Examples(labels=labels, dense=dense, sparse=sparse)
 
 
-def iter_criteo_chunks(path: str | PathLike, *, chunk_lines: int = 1 << 15,
-                       labeled: bool = True, strict: bool = False,
-                       max_lines: int | None = None
-                       ) -> Iterator[tuple[Examples, ParseReport]]:
+def iter_criteo_chunks(
+    path: str | PathLike,
+    *,
+    chunk_lines: int = 1 << 15,
+    labeled: bool = True,
+    strict: bool = False,
+    max_lines: int | None = None,
+) -> Iterator[tuple[Examples, ParseReport]]:
     """Read a Criteo TSV file `chunk_lines` lines at a time (for files larger than memory);
     yields `(Examples of raw ids, ParseReport of that chunk)`; `ParseReport.merge` joins
     the reports. See `read_criteo` for the format and preprocessing."""
@@ -195,9 +202,14 @@ def iter_criteo_chunks(path: str | PathLike, *, chunk_lines: int = 1 << 15,
             yield _examples(labels, dense, raw), errs.report(n_lines, labels.shape[0])
 
 
-def read_criteo(path: str | PathLike, *, labeled: bool = True, strict: bool = False,
-                max_lines: int | None = None, chunk_lines: int = 1 << 15
-                ) -> tuple[Examples, ParseReport]:
+def read_criteo(
+    path: str | PathLike,
+    *,
+    labeled: bool = True,
+    strict: bool = False,
+    max_lines: int | None = None,
+    chunk_lines: int = 1 << 15,
+) -> tuple[Examples, ParseReport]:
     """Read a Criteo Kaggle DAC file into `Examples` of raw ids, and a `ParseReport`.
 
     Format: one example per line, tab-separated, `label I1..I13 C1..C26` (40 fields), or
@@ -220,13 +232,19 @@ def read_criteo(path: str | PathLike, *, labeled: bool = True, strict: bool = Fa
         train, valid = train.map_ids(vocab), valid.map_ids(vocab)
     """
     chunks, report = [], ParseReport(path=str(path))
-    for ex, rep in iter_criteo_chunks(path, chunk_lines=chunk_lines, labeled=labeled,
-                                      strict=strict, max_lines=max_lines):
+    for ex, rep in iter_criteo_chunks(
+        path, chunk_lines=chunk_lines, labeled=labeled, strict=strict, max_lines=max_lines
+    ):
         chunks.append(ex)
         report = report.merge(rep)
     if not chunks:
-        chunks = [_examples(np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.float32),
-                            np.zeros((0, NUM_CATEGORICAL), np.int64))]
+        chunks = [
+            _examples(
+                np.zeros(0, np.float32),
+                np.zeros((0, NUM_DENSE), np.float32),
+                np.zeros((0, NUM_CATEGORICAL), np.int64),
+            )
+        ]
     return (chunks[0] if len(chunks) == 1 else Examples.concat(chunks)), report
 
 
@@ -283,8 +301,9 @@ class VocabMapping:
         return np.where(found, i + 1, 0)
 
 
-def fit_vocab(train: Examples, *, min_count: int = 1,
-              features: Sequence[str] | None = None) -> dict[str, VocabMapping]:
+def fit_vocab(
+    train: Examples, *, min_count: int = 1, features: Sequence[str] | None = None
+) -> dict[str, VocabMapping]:
     """A `VocabMapping` per sparse feature (default: all), fitted on `train`'s raw ids."""
     names = train.feature_names if features is None else tuple(features)
     return {name: VocabMapping.fit(train.sparse[name].values, min_count) for name in names}
@@ -295,11 +314,14 @@ def vocab_sizes(mappings: Mapping[str, HashMapping | VocabMapping]) -> dict[str,
     return {name: m.vocab_size for name, m in mappings.items()}
 
 
-def specs_for_vocab(vocab: Mapping[str, int], *, dim: int, combiner: str = "sum",
-                    **table_kwargs) -> tuple[tuple[TableSpec, ...], tuple[FeatureSpec, ...]]:
+def specs_for_vocab(
+    vocab: Mapping[str, int], *, dim: int, combiner: str = "sum", **table_kwargs
+) -> tuple[tuple[TableSpec, ...], tuple[FeatureSpec, ...]]:
     """One table per feature (named after it) of `vocab[name]` rows and width `dim`, and
     a one-id `FeatureSpec` reading it; `table_kwargs` go to every `TableSpec`."""
-    tables = tuple(TableSpec(name=name, vocab_size=int(v), dim=dim, **table_kwargs)
-                   for name, v in vocab.items())
+    tables = tuple(
+        TableSpec(name=name, vocab_size=int(v), dim=dim, **table_kwargs)
+        for name, v in vocab.items()
+    )
     features = tuple(FeatureSpec(name=name, table=name, combiner=combiner) for name in vocab)
     return tables, features

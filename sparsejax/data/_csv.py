@@ -46,10 +46,13 @@ class ParseReport:
         errors = dict(self.errors)
         for k, v in other.errors.items():
             errors[k] = errors.get(k, 0) + v
-        return ParseReport(path=self.path, lines_read=self.lines_read + other.lines_read,
-                           lines_kept=self.lines_kept + other.lines_kept, errors=errors,
-                           first_errors=(self.first_errors + other.first_errors)[
-                               : self.MAX_FIRST_ERRORS])
+        return ParseReport(
+            path=self.path,
+            lines_read=self.lines_read + other.lines_read,
+            lines_kept=self.lines_kept + other.lines_kept,
+            errors=errors,
+            first_errors=(self.first_errors + other.first_errors)[: self.MAX_FIRST_ERRORS],
+        )
 
     def summary(self) -> str:
         s = f"{self.path}: kept {self.lines_kept:,} of {self.lines_read:,} lines"
@@ -73,15 +76,22 @@ class _Errors:
 
     def add(self, line_no: int, reason: str, field: str, value: str, detail: str = "") -> None:
         if self.strict:
-            raise ValueError(f"{self.path}:{line_no}: {reason}: field {field} = {value!r}"
-                             + (f" ({detail})" if detail else ""))
+            raise ValueError(
+                f"{self.path}:{line_no}: {reason}: field {field} = {value!r}"
+                + (f" ({detail})" if detail else "")
+            )
         self.counts[reason] = self.counts.get(reason, 0) + 1
         if len(self.first) < ParseReport.MAX_FIRST_ERRORS:
             self.first.append((line_no, reason, field, value))
 
     def report(self, lines_read: int, lines_kept: int) -> ParseReport:
-        return ParseReport(path=self.path, lines_read=lines_read, lines_kept=lines_kept,
-                           errors=dict(self.counts), first_errors=tuple(self.first))
+        return ParseReport(
+            path=self.path,
+            lines_read=lines_read,
+            lines_kept=lines_kept,
+            errors=dict(self.counts),
+            first_errors=tuple(self.first),
+        )
 
 
 def open_text(path: str | PathLike, mode: str = "rb"):
@@ -151,16 +161,14 @@ class TableSchema:
         for name in ("dense", "categorical", "multi_hot", "sequence", "weighted"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, Sequence):
-                raise TypeError(f"TableSchema.{name} must be a list of column names, "
-                                f"got {value!r}")
+                raise TypeError(f"TableSchema.{name} must be a list of column names, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         if self.columns is not None:
             object.__setattr__(self, "columns", tuple(self.columns))
         elif not self.header:
             raise ValueError("TableSchema: `columns` is required when header=False")
         if len(self.delimiter) != 1:
-            raise ValueError(f"TableSchema.delimiter must be one character, "
-                             f"got {self.delimiter!r}")
+            raise ValueError(f"TableSchema.delimiter must be one character, got {self.delimiter!r}")
         roles = [*self.dense, *self.categorical, *self.multi_hot, *self.sequence]
         if self.label is not None:
             roles.append(self.label)
@@ -169,8 +177,7 @@ class TableSchema:
             raise ValueError(f"TableSchema: columns {sorted(dup)} have more than one role")
         not_multi = set(self.weighted) - set(self.multi_hot)
         if not_multi:
-            raise ValueError(f"TableSchema.weighted: {sorted(not_multi)} are not multi_hot "
-                             "columns")
+            raise ValueError(f"TableSchema.weighted: {sorted(not_multi)} are not multi_hot columns")
         if self.columns is not None:
             self.check_columns(self.columns)
 
@@ -183,8 +190,7 @@ class TableSchema:
             if key not in valid:
                 close = difflib.get_close_matches(str(key), valid, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"TableSchema: unknown key {key!r}{hint} (valid keys: "
-                                 f"{valid})")
+                raise ValueError(f"TableSchema: unknown key {key!r}{hint} (valid keys: {valid})")
         return cls(**d)
 
     @property
@@ -198,8 +204,9 @@ class TableSchema:
             if c not in names:
                 close = difflib.get_close_matches(c, list(names), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"TableSchema: column {c!r} is not in the file's columns "
-                                 f"{list(names)}{hint}")
+                raise ValueError(
+                    f"TableSchema: column {c!r} is not in the file's columns {list(names)}{hint}"
+                )
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,9 +219,13 @@ class _Bad(Exception):
         self.reason, self.field, self.value, self.detail = reason, field, value, detail
 
 
-def read_delimited(path: str | PathLike, schema: TableSchema | Mapping, *,
-                   strict: bool = False, max_lines: int | None = None
-                   ) -> tuple[Examples, ParseReport]:
+def read_delimited(
+    path: str | PathLike,
+    schema: TableSchema | Mapping,
+    *,
+    strict: bool = False,
+    max_lines: int | None = None,
+) -> tuple[Examples, ParseReport]:
     """Read a delimited text file as `schema` says into `Examples` of raw ids.
 
     Malformed lines (wrong number of fields, a bad label/dense/id/weight) are skipped and
@@ -272,8 +283,7 @@ def read_delimited(path: str | PathLike, schema: TableSchema | Mapping, *,
         label_i = pos[schema.label] if schema.label else None
         dense_i = [pos[c] for c in schema.dense]
         cat_i = [(c, pos[c]) for c in schema.categorical]
-        bag_i = [(c, pos[c], c in schema.weighted) for c in (*schema.multi_hot,
-                                                              *schema.sequence)]
+        bag_i = [(c, pos[c], c in schema.weighted) for c in (*schema.multi_hot, *schema.sequence)]
         read = 0
         for line_no, line in enumerate(f, first_line):
             if max_lines is not None and read >= max_lines:
@@ -282,14 +292,18 @@ def read_delimited(path: str | PathLike, schema: TableSchema | Mapping, *,
             fields = line.rstrip("\r\n").split(schema.delimiter)
             try:
                 if len(fields) != n_fields:
-                    raise _Bad("field_count", "(line)", f"{len(fields)} fields",
-                               f"expected {n_fields}")
+                    raise _Bad(
+                        "field_count", "(line)", f"{len(fields)} fields", f"expected {n_fields}"
+                    )
                 y = 0.0
                 if label_i is not None:
                     y = to_float("bad_label", schema.label, fields[label_i])
-                row = [schema.dense_missing if fields[i] == "" else
-                       to_float("bad_dense", schema.dense[k], fields[i])
-                       for k, i in enumerate(dense_i)]
+                row = [
+                    schema.dense_missing
+                    if fields[i] == ""
+                    else to_float("bad_dense", schema.dense[k], fields[i])
+                    for k, i in enumerate(dense_i)
+                ]
                 cats = [MISSING if fields[i] == "" else to_id(c, fields[i]) for c, i in cat_i]
                 bags = []
                 for c, i, is_weighted in bag_i:
@@ -323,10 +337,15 @@ def read_delimited(path: str | PathLike, schema: TableSchema | Mapping, *,
     dense = np.asarray(dense_rows, np.float64).reshape(n, nd)
     if schema.dense_log1p:
         dense = np.log1p(np.maximum(dense, 0.0))
-    sparse = {c: JaggedIds(lengths=np.asarray(lengths[c], np.int32),
-                           values=np.asarray(values[c], np.int64),
-                           weights=np.asarray(weights[c], np.float32) if c in weights else None)
-              for c in schema.sparse_columns}
-    examples = Examples(labels=np.asarray(labels, np.float32), dense=dense.astype(np.float32),
-                        sparse=sparse)
+    sparse = {
+        c: JaggedIds(
+            lengths=np.asarray(lengths[c], np.int32),
+            values=np.asarray(values[c], np.int64),
+            weights=np.asarray(weights[c], np.float32) if c in weights else None,
+        )
+        for c in schema.sparse_columns
+    }
+    examples = Examples(
+        labels=np.asarray(labels, np.float32), dense=dense.astype(np.float32), sparse=sparse
+    )
     return examples, errs.report(read, n)

@@ -42,7 +42,8 @@ class Examples:
     dense: np.ndarray  # f32[n, num_dense]
     sparse: Mapping[str, JaggedIds]  # name -> JaggedIds over all n examples
     _offsets: dict[str, np.ndarray | None] = dataclasses.field(
-        init=False, repr=False, compare=False)
+        init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         labels = np.asarray(self.labels, np.float32)
@@ -51,25 +52,30 @@ class Examples:
         if dense.ndim == 1 and dense.size == 0:
             dense = dense.reshape(n, 0)
         if dense.ndim != 2 or dense.shape[0] != n:
-            raise ValueError(f"Examples: dense must have shape ({n}, num_dense), got "
-                             f"{dense.shape}")
+            raise ValueError(f"Examples: dense must have shape ({n}, num_dense), got {dense.shape}")
         sparse, offsets = {}, {}
         for name, col in self.sparse.items():
             lengths = np.asarray(col.lengths)
             values = np.asarray(col.values)
             if lengths.shape != (n,):
-                raise ValueError(f"Examples: feature {name!r} has lengths of shape "
-                                 f"{lengths.shape}, expected ({n},)")
+                raise ValueError(
+                    f"Examples: feature {name!r} has lengths of shape "
+                    f"{lengths.shape}, expected ({n},)"
+                )
             off = _offsets(lengths)
             if values.shape != (off[-1],):
-                raise ValueError(f"Examples: feature {name!r} has {values.shape[0]} values "
-                                 f"but its lengths sum to {off[-1]}")
+                raise ValueError(
+                    f"Examples: feature {name!r} has {values.shape[0]} values "
+                    f"but its lengths sum to {off[-1]}"
+                )
             weights = col.weights
             if weights is not None:
                 weights = np.asarray(weights, np.float32)
                 if weights.shape != values.shape:
-                    raise ValueError(f"Examples: feature {name!r} has {weights.shape[0]} "
-                                     f"weights for {values.shape[0]} values")
+                    raise ValueError(
+                        f"Examples: feature {name!r} has {weights.shape[0]} "
+                        f"weights for {values.shape[0]} values"
+                    )
             sparse[name] = JaggedIds(lengths=lengths, values=values, weights=weights)
             # One id per example (the common case): a batch is a plain gather.
             offsets[name] = None if off[-1] == n and np.all(lengths == 1) else off
@@ -104,15 +110,15 @@ class Examples:
             off = self._offsets[name]
             if off is None:
                 w = None if col.weights is None else col.weights[idx]
-                out[name] = JaggedIds(lengths=col.lengths[idx], values=col.values[idx],
-                                      weights=w)
+                out[name] = JaggedIds(lengths=col.lengths[idx], values=col.values[idx], weights=w)
                 continue
             lengths = col.lengths[idx]
             starts = off[idx]
             ends = np.cumsum(lengths)
             # Flat source index of every value: its example's start + its position in it.
-            src = np.arange(ends[-1] if ends.size else 0) + np.repeat(starts - (ends - lengths),
-                                                                       lengths)
+            src = np.arange(ends[-1] if ends.size else 0) + np.repeat(
+                starts - (ends - lengths), lengths
+            )
             w = None if col.weights is None else col.weights[src]
             out[name] = JaggedIds(lengths=lengths, values=col.values[src], weights=w)
         return out
@@ -129,11 +135,12 @@ class Examples:
         for name, col in self.sparse.items():
             off = self._offsets[name]
             lo, hi = (start, stop) if off is None else (int(off[start]), int(off[stop]))
-            sparse[name] = JaggedIds(lengths=col.lengths[start:stop],
-                                     values=col.values[lo:hi],
-                                     weights=None if col.weights is None else col.weights[lo:hi])
-        return Examples(labels=self.labels[start:stop], dense=self.dense[start:stop],
-                        sparse=sparse)
+            sparse[name] = JaggedIds(
+                lengths=col.lengths[start:stop],
+                values=col.values[lo:hi],
+                weights=None if col.weights is None else col.weights[lo:hi],
+            )
+        return Examples(labels=self.labels[start:stop], dense=self.dense[start:stop], sparse=sparse)
 
     def split(self, n_first: int) -> tuple[Examples, Examples]:
         """`(self[:n_first], self[n_first:])`: e.g. the first days for train, the rest eval."""
@@ -150,32 +157,44 @@ class Examples:
         names = chunks[0].feature_names
         for c in chunks[1:]:
             if c.feature_names != names or c.num_dense != chunks[0].num_dense:
-                raise ValueError(f"Examples.concat: chunks differ in features ({names} vs "
-                                 f"{c.feature_names}) or dense width")
+                raise ValueError(
+                    f"Examples.concat: chunks differ in features ({names} vs "
+                    f"{c.feature_names}) or dense width"
+                )
         sparse = {}
         for name in names:
             cols = [c.sparse[name] for c in chunks]
             has_w = {col.weights is not None for col in cols}
             if len(has_w) > 1:
-                raise ValueError(f"Examples.concat: feature {name!r} is weighted in some "
-                                 "chunks only")
+                raise ValueError(
+                    f"Examples.concat: feature {name!r} is weighted in some chunks only"
+                )
             sparse[name] = JaggedIds(
                 lengths=np.concatenate([col.lengths for col in cols]),
                 values=np.concatenate([col.values for col in cols]),
-                weights=np.concatenate([col.weights for col in cols]) if has_w == {True}
-                else None)
-        return cls(labels=np.concatenate([c.labels for c in chunks]),
-                   dense=np.concatenate([c.dense for c in chunks]), sparse=sparse)
+                weights=np.concatenate([col.weights for col in cols]) if has_w == {True} else None,
+            )
+        return cls(
+            labels=np.concatenate([c.labels for c in chunks]),
+            dense=np.concatenate([c.dense for c in chunks]),
+            sparse=sparse,
+        )
 
     def map_ids(self, mappings: Mapping[str, Callable[[np.ndarray], np.ndarray]]) -> Examples:
         """Apply an id mapping per feature (e.g. `HashMapping`, a fitted `VocabMapping`);
         features without a mapping keep their values. Fit on train, apply to both splits."""
         unknown = set(mappings) - set(self.sparse)
         if unknown:
-            raise ValueError(f"map_ids: unknown features {sorted(unknown)}; the examples have "
-                             f"{list(self.sparse)}")
-        sparse = {name: dataclasses.replace(col, values=mappings[name](col.values))
-                  if name in mappings else col for name, col in self.sparse.items()}
+            raise ValueError(
+                f"map_ids: unknown features {sorted(unknown)}; the examples have "
+                f"{list(self.sparse)}"
+            )
+        sparse = {
+            name: dataclasses.replace(col, values=mappings[name](col.values))
+            if name in mappings
+            else col
+            for name, col in self.sparse.items()
+        }
         return Examples(labels=self.labels, dense=self.dense, sparse=sparse)
 
 
@@ -235,8 +254,9 @@ def _epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
 
 
-def _schedule(start: LoaderPosition, epochs: int | None, per_epoch: int | None
-              ) -> Iterator[tuple[int, int]]:
+def _schedule(
+    start: LoaderPosition, epochs: int | None, per_epoch: int | None
+) -> Iterator[tuple[int, int]]:
     """(epoch, batch) of every batch from `start` on."""
     epoch, b = start.epoch, start.batch
     while epochs is None or epoch < epochs:
@@ -246,8 +266,12 @@ def _schedule(start: LoaderPosition, epochs: int | None, per_epoch: int | None
             epoch, b = epoch + 1, 0
 
 
-def _produce(make: Callable[[int, int], Any], schedule: Iterator[tuple[int, int]],
-             q: queue.Queue, stop: threading.Event) -> None:
+def _produce(
+    make: Callable[[int, int], Any],
+    schedule: Iterator[tuple[int, int]],
+    q: queue.Queue,
+    stop: threading.Event,
+) -> None:
     def put(item) -> bool:
         while not stop.is_set():
             try:
@@ -294,11 +318,19 @@ class Loader:
                 if want_checkpoint: save(state, loader.position.to_dict())
     """
 
-    def __init__(self, source: Examples | BatchSource, packer: BatchPacker, *,
-                 shuffle: bool = True, seed: int = 0, epochs: int | None = 1,
-                 drop_remainder: bool = False, prefetch: int = 2,
-                 device_put: bool | jax.Device | jax.sharding.Sharding = False,
-                 position: LoaderPosition | Mapping[str, int] | None = None):
+    def __init__(
+        self,
+        source: Examples | BatchSource,
+        packer: BatchPacker,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        epochs: int | None = 1,
+        drop_remainder: bool = False,
+        prefetch: int = 2,
+        device_put: bool | jax.Device | jax.sharding.Sharding = False,
+        position: LoaderPosition | Mapping[str, int] | None = None,
+    ):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if epochs is not None and epochs < 0:
@@ -318,13 +350,17 @@ class Loader:
             n = len(source)
             self.batches_per_epoch = n // b if drop_remainder else math.ceil(n / b)
             if self.batches_per_epoch == 0 and epochs != 0:
-                raise ValueError(f"{n} examples make no batch of {b}"
-                                 + (" with drop_remainder" if drop_remainder else ""))
+                raise ValueError(
+                    f"{n} examples make no batch of {b}"
+                    + (" with drop_remainder" if drop_remainder else "")
+                )
         elif callable(getattr(source, "batch", None)):
             self.batches_per_epoch = None
         else:
-            raise TypeError("Loader source must be Examples or have batch(index, batch_size), "
-                            f"got {type(source).__name__}")
+            raise TypeError(
+                "Loader source must be Examples or have batch(index, batch_size), "
+                f"got {type(source).__name__}"
+            )
         self._position = position or LoaderPosition()
         self._normalize()
         self._thread: threading.Thread | None = None
@@ -358,7 +394,7 @@ class Loader:
                 if epoch not in cache:
                     cache.clear()
                     cache[epoch] = _epoch_order(len(source), shuffle, seed, epoch)
-                sparse, labels, dense = source.take(cache[epoch][index * bs:(index + 1) * bs])
+                sparse, labels, dense = source.take(cache[epoch][index * bs : (index + 1) * bs])
             batch = packer.pack(sparse, labels=labels, dense=dense, first_example=index * bs)
             if target is True:
                 batch = jax.device_put(batch)
@@ -374,9 +410,16 @@ class Loader:
         stop = threading.Event()
         # The thread gets no reference to `self`, so dropping the loader shuts it down.
         self._thread = threading.Thread(
-            target=_produce, args=(self._make(), _schedule(self._position, self.epochs,
-                                                    self.batches_per_epoch), self._queue,
-                                   stop), name="sparsejax-loader", daemon=True)
+            target=_produce,
+            args=(
+                self._make(),
+                _schedule(self._position, self.epochs, self.batches_per_epoch),
+                self._queue,
+                stop,
+            ),
+            name="sparsejax-loader",
+            daemon=True,
+        )
         self._thread.start()
         self._finalizer = weakref.finalize(self, _shutdown, stop, self._queue, self._thread)
 

@@ -13,9 +13,34 @@ from ._batch import JaggedIds
 from ._criteo import specs_for_vocab
 from ._loader import HostBatch
 
-KAGGLE_CARDINALITIES = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
-                        8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18,
-                        15, 286181, 105, 142572)
+KAGGLE_CARDINALITIES = (
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
 """Distinct values of C1..C26 in the full Criteo Kaggle DAC train set."""
 
 
@@ -66,8 +91,9 @@ class SyntheticCriteo:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"SyntheticCriteo: vocab_sizes must be positive, got {sizes}")
         if self.zipf_exponent <= 0:
-            raise ValueError(f"SyntheticCriteo: zipf_exponent must be > 0, "
-                             f"got {self.zipf_exponent}")
+            raise ValueError(
+                f"SyntheticCriteo: zipf_exponent must be > 0, got {self.zipf_exponent}"
+            )
         object.__setattr__(self, "vocab_sizes", sizes)
         rng = np.random.default_rng([self.seed, 1 << 30])
         mult, add = [], []
@@ -80,8 +106,12 @@ class SyntheticCriteo:
         object.__setattr__(self, "_vocab", np.asarray(sizes, np.int64))
         object.__setattr__(self, "_mult", np.asarray(mult, np.int64))
         object.__setattr__(self, "_add", np.asarray(add, np.int64))
-        object.__setattr__(self, "_dense_w", rng.normal(size=self.num_dense).astype(np.float32)
-                           / np.float32(math.sqrt(max(self.num_dense, 1))))
+        object.__setattr__(
+            self,
+            "_dense_w",
+            rng.normal(size=self.num_dense).astype(np.float32)
+            / np.float32(math.sqrt(max(self.num_dense, 1))),
+        )
         scale = np.exp(rng.uniform(0, 5, self.num_dense)).astype(np.float32)
         object.__setattr__(self, "_dense_scale", scale)
         sample = self._dense(np.random.default_rng([self.seed, 1 << 31]), 1 << 14)
@@ -96,8 +126,9 @@ class SyntheticCriteo:
         """Rows per feature, for `specs_for_vocab` / `TableSpec`s."""
         return dict(zip(self.feature_names, self.vocab_sizes, strict=True))
 
-    def specs(self, *, dim: int, **table_kwargs
-              ) -> tuple[tuple[TableSpec, ...], tuple[FeatureSpec, ...]]:
+    def specs(
+        self, *, dim: int, **table_kwargs
+    ) -> tuple[tuple[TableSpec, ...], tuple[FeatureSpec, ...]]:
         """One table per feature with this generator's vocab sizes."""
         return specs_for_vocab(self.vocab, dim=dim, **table_kwargs)
 
@@ -110,17 +141,20 @@ class SyntheticCriteo:
             x = np.exp(u * np.log(top))
         else:
             e = np.float32(1.0 - s)
-            x = (np.float32(1) + u * (top ** e - np.float32(1))) ** (np.float32(1) / e)
+            x = (np.float32(1) + u * (top**e - np.float32(1))) ** (np.float32(1) / e)
         # f32 rounding can step one past either end; clip keeps every id in range
         return np.clip(x.astype(np.int64) - 1, 0, self._vocab - 1)
 
     def hidden_weights(self, ids: np.ndarray) -> np.ndarray:
         """The hidden per-id weights in [-1, 1) of ids[B, num_features] (f32)."""
         f = np.arange(ids.shape[1], dtype=np.uint64)
-        key = (ids.astype(np.uint64) * np.uint64(len(self.vocab_sizes)) + f
-               + np.uint64((self.seed * 0x9E3779B97F4A7C15) % (1 << 64)))
+        key = (
+            ids.astype(np.uint64) * np.uint64(len(self.vocab_sizes))
+            + f
+            + np.uint64((self.seed * 0x9E3779B97F4A7C15) % (1 << 64))
+        )
         bits = _mix64(key) >> np.uint64(40)  # 24 bits
-        return (bits.astype(np.float32) * np.float32(2.0 / (1 << 24)) - np.float32(1.0))
+        return bits.astype(np.float32) * np.float32(2.0 / (1 << 24)) - np.float32(1.0)
 
     def _dense(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:
         x = rng.standard_exponential((batch_size, self.num_dense), np.float32)
@@ -132,12 +166,14 @@ class SyntheticCriteo:
         ids = (self.ranks(rng, batch_size) * self._mult + self._add) % self._vocab
         dense = self._dense(rng, batch_size)
         score = self.hidden_weights(ids).sum(1) * np.float32(
-            math.sqrt(3.0 / ids.shape[1]))  # unit variance
+            math.sqrt(3.0 / ids.shape[1])
+        )  # unit variance
         score += (dense - self._dense_center) @ self._dense_w
         logit = np.float32(self.bias) + np.float32(self.signal) * score
-        labels = (rng.random(batch_size, np.float32) * (1 + np.exp(-logit)) < 1).astype(
-            np.float32)
+        labels = (rng.random(batch_size, np.float32) * (1 + np.exp(-logit)) < 1).astype(np.float32)
         ones = np.ones(batch_size, np.int32)
-        sparse = {name: JaggedIds(lengths=ones, values=ids[:, j])
-                  for j, name in enumerate(self.feature_names)}
+        sparse = {
+            name: JaggedIds(lengths=ones, values=ids[:, j])
+            for j, name in enumerate(self.feature_names)
+        }
         return sparse, labels, dense

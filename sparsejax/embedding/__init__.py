@@ -26,9 +26,23 @@ from ._store import TableStore as TableStore
 from ._store import default_mesh as default_mesh
 from ._store import make_store as make_store
 
-__all__ = ["MAX_STACK_ROWS", "MESH_AXES", "DeviceTableStore", "FeatureSpec", "GroupLookups",
-           "Stack", "TableSpec", "TableStore", "apply_group_gradients", "check_mesh",
-           "default_mesh", "make_store", "plan_stacks", "stack_name", "uniform_init"]
+__all__ = [
+    "MAX_STACK_ROWS",
+    "MESH_AXES",
+    "DeviceTableStore",
+    "FeatureSpec",
+    "GroupLookups",
+    "Stack",
+    "TableSpec",
+    "TableStore",
+    "apply_group_gradients",
+    "check_mesh",
+    "default_mesh",
+    "make_store",
+    "plan_stacks",
+    "stack_name",
+    "uniform_init",
+]
 
 _DEPRECATED = {"EmbeddingCollection": DeviceTableStore}
 
@@ -37,7 +51,10 @@ def __getattr__(name: str):
     """Deprecated aliases: `EmbeddingCollection` read as TorchRec's unpooled module."""
     if name in _DEPRECATED:
         new = _DEPRECATED[name]
-        _warnings.warn(f"sparsejax.embedding.{name} is deprecated; use "
-                       f"sparsejax.embedding.{new.__name__}", DeprecationWarning, stacklevel=2)
+        _warnings.warn(
+            f"sparsejax.embedding.{name} is deprecated; use sparsejax.embedding.{new.__name__}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return new
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

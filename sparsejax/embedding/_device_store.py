@@ -67,8 +67,11 @@ class GroupLookups:
     optimizer: SparseOptimizer
 
 
-jax.tree_util.register_dataclass(GroupLookups, data_fields=["ids", "segments", "coefficients"],
-                                 meta_fields=["stack", "combiner", "optimizer"])
+jax.tree_util.register_dataclass(
+    GroupLookups,
+    data_fields=["ids", "segments", "coefficients"],
+    meta_fields=["stack", "combiner", "optimizer"],
+)
 
 
 def _name_hash(name: str) -> int:
@@ -87,19 +90,23 @@ def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + 64, np.uint8)
     start = (-raw.ctypes.data) % 64
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def check_mesh(mesh: Mesh, owner: str = "DeviceTableStore") -> None:
     """Refuse a mesh axis the device store cannot use, naming it."""
     for axis, size in dict(mesh.shape).items():
         if axis not in MESH_AXES:
-            raise ValueError(f"{owner}: mesh axis {axis!r} is not one the device store can "
-                             f"use (it accepts {MESH_AXES}; tables are replicated)")
+            raise ValueError(
+                f"{owner}: mesh axis {axis!r} is not one the device store can "
+                f"use (it accepts {MESH_AXES}; tables are replicated)"
+            )
         if axis == "model" and size != 1:
-            raise ValueError(f"{owner}: mesh axis 'model' has size {size}; the device store "
-                             f"replicates tables and needs it of size 1 (splitting tables "
-                             f"over devices needs a sharded store)")
+            raise ValueError(
+                f"{owner}: mesh axis 'model' has size {size}; the device store "
+                f"replicates tables and needs it of size 1 (splitting tables "
+                f"over devices needs a sharded store)"
+            )
 
 
 class DeviceTableStore:
@@ -124,9 +131,15 @@ class DeviceTableStore:
       >>> state = store.apply_gradients(state, lookups, g, step=1)
     """
 
-    def __init__(self, tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *,
-                 mesh: Mesh | None = None, implementation: str | None = None,
-                 max_stack_rows: int = MAX_STACK_ROWS):
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        features: Sequence[FeatureSpec],
+        *,
+        mesh: Mesh | None = None,
+        implementation: str | None = None,
+        max_stack_rows: int = MAX_STACK_ROWS,
+    ):
         tables, features = tuple(tables), tuple(features)
         check_specs(tables, features)
         self.mesh = default_mesh() if mesh is None else mesh
@@ -156,14 +169,17 @@ class DeviceTableStore:
         return hash(self._key())
 
     def __repr__(self):
-        return (f"{type(self).__name__}(stacks={list(self.stacks)}, mesh={dict(self.mesh.shape)}, "
-                f"implementation={self.implementation!r})")
+        return (
+            f"{type(self).__name__}(stacks={list(self.stacks)}, mesh={dict(self.mesh.shape)}, "
+            f"implementation={self.implementation!r})"
+        )
 
     def with_mesh(self, mesh: Mesh) -> DeviceTableStore:
         """The same store on `mesh`."""
         tables, features, max_rows = self._specs
-        return DeviceTableStore(tables, features, mesh=mesh, implementation=self.implementation,
-                                max_stack_rows=max_rows)
+        return DeviceTableStore(
+            tables, features, mesh=mesh, implementation=self.implementation, max_stack_rows=max_rows
+        )
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -178,13 +194,20 @@ class DeviceTableStore:
         r = self._replicated()
         out = {}
         for name, stack in self.stacks.items():
-            slots = {s.name: jax.ShapeDtypeStruct((stack.rows,) if s.per_row
-                                                  else (stack.rows, stack.dim),
-                                                  jnp.dtype(s.dtype), sharding=r)
-                     for s in stack.optimizer.slots()}
-            out[name] = {"weights": jax.ShapeDtypeStruct((stack.rows, stack.dim),
-                                                         jnp.dtype(stack.dtype), sharding=r),
-                         "slots": slots}
+            slots = {
+                s.name: jax.ShapeDtypeStruct(
+                    (stack.rows,) if s.per_row else (stack.rows, stack.dim),
+                    jnp.dtype(s.dtype),
+                    sharding=r,
+                )
+                for s in stack.optimizer.slots()
+            }
+            out[name] = {
+                "weights": jax.ShapeDtypeStruct(
+                    (stack.rows, stack.dim), jnp.dtype(stack.dtype), sharding=r
+                ),
+                "slots": slots,
+            }
         return out
 
     def abstract_tables(self) -> dict:
@@ -199,8 +222,7 @@ class DeviceTableStore:
         """`(weights, optimizer slots)` bytes of stack `name` (one replica)."""
         leaves = self.abstract_state()[name]
         size = lambda s: int(np.prod(s.shape)) * s.dtype.itemsize  # noqa: E731
-        return (size(leaves["weights"]),
-                sum(size(s) for s in jax.tree.leaves(leaves["slots"])))
+        return (size(leaves["weights"]), sum(size(s) for s in jax.tree.leaves(leaves["slots"])))
 
     def check_memory(self, name: str) -> None:
         """Refuse, before allocating, a stack that does not fit in the mesh's devices."""
@@ -212,13 +234,17 @@ class DeviceTableStore:
         for need, avail, why in checks:
             if avail is not None and need > avail[0]:
                 stack = self.stacks[name]
-                what = (f"table {stack.tables[0].name!r}" if len(stack.tables) == 1 else
-                        f"stack {name!r} (tables {[t.name for t in stack.tables]})")
+                what = (
+                    f"table {stack.tables[0].name!r}"
+                    if len(stack.tables) == 1
+                    else f"stack {name!r} (tables {[t.name for t in stack.tables]})"
+                )
                 raise MemoryError(
                     f"{type(self).__name__}.init: {what} needs {format_bytes(weights + slots)} "
                     f"(weights {format_bytes(weights)} + optimizer slots {format_bytes(slots)}) "
                     f"but {format_bytes(avail[0])} is available ({avail[1]}{why}); use fewer "
-                    f"or smaller tables, or a sharded store")
+                    f"or smaller tables, or a sharded store"
+                )
 
     def init_part(self, key: jax.Array, name: str) -> dict:
         """Weights and slots of stack `name`; each table's values depend on `key` and the
@@ -232,29 +258,39 @@ class DeviceTableStore:
         """
         stack = self.stacks[name]
         if isinstance(key, jax.core.Tracer):
-            weights = jnp.concatenate([
-                jnp.asarray(t.initializer(_table_key(key, t.name), (t.vocab_size, t.dim),
-                                          jnp.dtype(stack.dtype)), stack.dtype)
-                for t in stack.tables])
-            return {"weights": weights, "slots": stack.optimizer.init_slots(stack.rows,
-                                                                            stack.dim)}
+            weights = jnp.concatenate(
+                [
+                    jnp.asarray(
+                        t.initializer(
+                            _table_key(key, t.name), (t.vocab_size, t.dim), jnp.dtype(stack.dtype)
+                        ),
+                        stack.dtype,
+                    )
+                    for t in stack.tables
+                ]
+            )
+            return {"weights": weights, "slots": stack.optimizer.init_slots(stack.rows, stack.dim)}
         self.check_memory(name)
         key_data = np.asarray(jax.random.key_data(key)).ravel().tolist()
         weights = _aligned_empty((stack.rows, stack.dim), jnp.dtype(stack.dtype))
         for t, off in zip(stack.tables, stack.offsets, strict=True):
-            rows = weights[off:off + t.vocab_size]
+            rows = weights[off : off + t.vocab_size]
             init = t.initializer
             if hasattr(init, "fill"):
                 init.fill(np.random.default_rng([*key_data, _name_hash(t.name)]), rows)
             elif hasattr(init, "host"):
-                rows[...] = init.host(np.random.default_rng([*key_data, _name_hash(t.name)]),
-                                      rows.shape, rows.dtype)
+                rows[...] = init.host(
+                    np.random.default_rng([*key_data, _name_hash(t.name)]), rows.shape, rows.dtype
+                )
             else:
                 rows[...] = np.asarray(init(_table_key(key, t.name), rows.shape, rows.dtype))
         r = self._replicated()
-        slots = {s.name: jnp.full((stack.rows,) if s.per_row else (stack.rows, stack.dim),
-                                  s.init, s.dtype, device=r)
-                 for s in stack.optimizer.slots()}
+        slots = {
+            s.name: jnp.full(
+                (stack.rows,) if s.per_row else (stack.rows, stack.dim), s.init, s.dtype, device=r
+            )
+            for s in stack.optimizer.slots()
+        }
         return {"weights": jax.device_put(weights, r, may_alias=True), "slots": slots}
 
     def init(self, key: jax.Array) -> dict:
@@ -281,24 +317,28 @@ class DeviceTableStore:
             parts = []
             for t in stack.tables:
                 if t.name not in tables:
-                    raise KeyError(f"no saved state for table {t.name!r} (saved: "
-                                   f"{sorted(tables)})")
+                    raise KeyError(f"no saved state for table {t.name!r} (saved: {sorted(tables)})")
                 parts.append(tables[t.name])
                 w = parts[-1]["weights"]
                 if tuple(w.shape) != (t.vocab_size, t.dim):
-                    raise ValueError(f"table {t.name!r}: saved weights have shape "
-                                     f"{tuple(w.shape)}, the spec says {(t.vocab_size, t.dim)}")
+                    raise ValueError(
+                        f"table {t.name!r}: saved weights have shape "
+                        f"{tuple(w.shape)}, the spec says {(t.vocab_size, t.dim)}"
+                    )
             slot_names = [s.name for s in stack.optimizer.slots()]
             for t, p in zip(stack.tables, parts, strict=True):
                 if sorted(p["slots"]) != sorted(slot_names):
-                    raise ValueError(f"table {t.name!r}: saved optimizer slots "
-                                     f"{sorted(p['slots'])}, {type(stack.optimizer).__name__} "
-                                     f"needs {slot_names}")
+                    raise ValueError(
+                        f"table {t.name!r}: saved optimizer slots "
+                        f"{sorted(p['slots'])}, {type(stack.optimizer).__name__} "
+                        f"needs {slot_names}"
+                    )
             state[name] = {
-                "weights": jnp.concatenate([jnp.asarray(p["weights"], stack.dtype)
-                                            for p in parts]),
-                "slots": {s: jnp.concatenate([jnp.asarray(p["slots"][s]) for p in parts])
-                          for s in slot_names},
+                "weights": jnp.concatenate([jnp.asarray(p["weights"], stack.dtype) for p in parts]),
+                "slots": {
+                    s: jnp.concatenate([jnp.asarray(p["slots"][s]) for p in parts])
+                    for s in slot_names
+                },
             }
         return jax.device_put(state, self.state_shardings())
 
@@ -316,8 +356,9 @@ class DeviceTableStore:
         return self.init_part(key, stack_name)
 
     # ---- lookup and update ------------------------------------------------------------
-    def lookup(self, state: Mapping, features: Mapping, batch_size: int
-               ) -> tuple[dict[str, jax.Array], dict[str, GroupLookups]]:
+    def lookup(
+        self, state: Mapping, features: Mapping, batch_size: int
+    ) -> tuple[dict[str, jax.Array], dict[str, GroupLookups]]:
         """Pooled rows per group (`[bags, D]`) and what each group looked up.
 
         `features` maps feature name -> `PaddedIds` (see `sparsejax.data.SparseBatch`).
@@ -339,24 +380,45 @@ class DeviceTableStore:
                 i = jnp.asarray(jag.ids, jnp.int32)
                 s = jnp.asarray(jag.segments, jnp.int32)
                 w = None if jag.weights is None else jnp.asarray(jag.weights, jnp.float32)
-                check_lookups(f"{type(self).__name__}.lookup of feature {f.name!r}", f.table,
-                              table.vocab_size, bags, i, s, w)
+                check_lookups(
+                    f"{type(self).__name__}.lookup of feature {f.name!r}",
+                    f.table,
+                    table.vocab_size,
+                    bags,
+                    i,
+                    s,
+                    w,
+                )
                 if group.needs_coefficients and group.combiner == "sum":
-                    coefs.append(ops.pooling_coefficients(i, s, bags, table.vocab_size, w,
-                                                          f.combiner or "sum"))
+                    coefs.append(
+                        ops.pooling_coefficients(
+                            i, s, bags, table.vocab_size, w, f.combiner or "sum"
+                        )
+                    )
                 elif group.needs_coefficients:  # max: the weights scale the rows
                     coefs.append(jnp.ones(i.shape, jnp.float32) if w is None else w)
                 inside = (i >= 0) & (i < table.vocab_size)
                 ids.append(jnp.where(inside, i + start, -1))
                 segs.append(s + offset)
                 offset += bags
-            lk = GroupLookups(jnp.concatenate(ids), jnp.concatenate(segs),
-                              jnp.concatenate(coefs) if coefs else None, group.stack,
-                              group.combiner, stack.optimizer)
+            lk = GroupLookups(
+                jnp.concatenate(ids),
+                jnp.concatenate(segs),
+                jnp.concatenate(coefs) if coefs else None,
+                group.stack,
+                group.combiner,
+                stack.optimizer,
+            )
             outputs[gname] = ops.embedding_bag(
-                state[group.stack]["weights"], lk.ids, lk.segments, offset,
-                weights=lk.coefficients, combiner=group.combiner,
-                implementation=self.implementation, name=group.stack)
+                state[group.stack]["weights"],
+                lk.ids,
+                lk.segments,
+                offset,
+                weights=lk.coefficients,
+                combiner=group.combiner,
+                implementation=self.implementation,
+                name=group.stack,
+            )
             lookups[gname] = lk
         return outputs, lookups
 
@@ -372,25 +434,40 @@ class DeviceTableStore:
             sizes = [batch_size * f.bags_per_example() for f in group.features]
             pieces = jnp.split(outputs[gname], np.cumsum(sizes)[:-1].tolist())
             for f, rows in zip(group.features, pieces, strict=True):
-                out[f.name] = (rows.reshape(batch_size, f.max_ids, -1) if f.is_sequence
-                               else rows)
+                out[f.name] = rows.reshape(batch_size, f.max_ids, -1) if f.is_sequence else rows
         return {name: out[name] for name in self.features}
 
-    def apply_gradients(self, state: Mapping, lookups: Mapping[str, GroupLookups],
-                        grads: Mapping[str, jax.Array], *, step: jax.Array | int,
-                        learning_rate: jax.Array | float | None = None,
-                        implementation: str | None = None) -> dict:
+    def apply_gradients(
+        self,
+        state: Mapping,
+        lookups: Mapping[str, GroupLookups],
+        grads: Mapping[str, jax.Array],
+        *,
+        step: jax.Array | int,
+        learning_rate: jax.Array | float | None = None,
+        implementation: str | None = None,
+    ) -> dict:
         """Sparse optimizer step on the touched rows; see `apply_group_gradients`.
         `implementation` overrides the store's for this update."""
         return apply_group_gradients(
-            state, lookups, grads, step=step, learning_rate=learning_rate,
-            implementation=self.implementation if implementation is None else implementation)
+            state,
+            lookups,
+            grads,
+            step=step,
+            learning_rate=learning_rate,
+            implementation=self.implementation if implementation is None else implementation,
+        )
 
 
-def apply_group_gradients(state: Mapping, lookups: Mapping[str, GroupLookups],
-                          grads: Mapping[str, jax.Array], *, step: jax.Array | int,
-                          learning_rate: jax.Array | float | None = None,
-                          implementation: str | None = None) -> dict:
+def apply_group_gradients(
+    state: Mapping,
+    lookups: Mapping[str, GroupLookups],
+    grads: Mapping[str, jax.Array],
+    *,
+    step: jax.Array | int,
+    learning_rate: jax.Array | float | None = None,
+    implementation: str | None = None,
+) -> dict:
     """Update the rows each group touched, given the gradient of its pooled output.
 
     Donate `state` at the `jit` boundary and the update happens in place. A table read
@@ -403,8 +480,17 @@ def apply_group_gradients(state: Mapping, lookups: Mapping[str, GroupLookups],
         lk = lookups[gname]
         st = state[lk.stack]
         st["weights"], st["slots"] = ops.sparse_apply(
-            st["weights"], st["slots"], lk.ids, lk.segments, grads[gname],
-            optimizer=lk.optimizer, step=step, weights=lk.coefficients,
-            combiner=lk.combiner, learning_rate=learning_rate,
-            implementation=implementation, name=lk.stack)
+            st["weights"],
+            st["slots"],
+            lk.ids,
+            lk.segments,
+            grads[gname],
+            optimizer=lk.optimizer,
+            step=step,
+            weights=lk.coefficients,
+            combiner=lk.combiner,
+            learning_rate=learning_rate,
+            implementation=implementation,
+            name=lk.stack,
+        )
     return state

@@ -27,8 +27,7 @@ def _host_available() -> tuple[int, str] | None:
     except OSError:
         pass
     try:
-        return (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
-                "host available pages")
+        return (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host available pages")
     except (ValueError, OSError, AttributeError):
         return None
 
@@ -42,8 +41,9 @@ def available_memory(devices: Sequence[jax.Device]) -> tuple[int, str] | None:
     if cpu or not devices:
         host = _host_available()
         n = max(1, len(cpu))
-        return None if host is None else (host[0] // n,
-                                          host[1] + (f" / {n} devices" if n > 1 else ""))
+        return (
+            None if host is None else (host[0] // n, host[1] + (f" / {n} devices" if n > 1 else ""))
+        )
     free = []
     for d in devices:
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None

@@ -52,8 +52,8 @@ class uniform_init:  # noqa: N801 - used like a function: uniform_init(0.01)
         direct = out.dtype == np.float32
         tmp = None if direct else np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
         for start in range(0, out.shape[0], rows):
-            chunk = out[start:start + rows]
-            buf = chunk if direct else tmp[:len(chunk)]
+            chunk = out[start : start + rows]
+            buf = chunk if direct else tmp[: len(chunk)]
             rng.random(dtype=np.float32, out=buf)
             buf *= 2 * s
             buf -= s
@@ -81,7 +81,8 @@ class TableSpec:
     initializer: Initializer = dataclasses.field(default_factory=uniform_init)
     """`init(key, shape, dtype)`; default U(+-sqrt(1/vocab_size)) as in TorchRec."""
     optimizer: SparseOptimizer = dataclasses.field(
-        default_factory=lambda: RowWiseAdagrad(learning_rate=0.01))
+        default_factory=lambda: RowWiseAdagrad(learning_rate=0.01)
+    )
     """Sparse optimizer for this table's touched rows."""
     placement: str = "device"
     """Where the table lives; "device" for now (sharded and host-offloaded come later)."""
@@ -93,16 +94,21 @@ class TableSpec:
         _positive_int(owner, "vocab_size", self.vocab_size)
         _positive_int(owner, "dim", self.dim)
         if self.vocab_size >= 2**31:
-            raise ValueError(f"{owner}: vocab_size {self.vocab_size} exceeds the int32 row "
-                             f"ids of the kernels (< 2**31); shard the table")
+            raise ValueError(
+                f"{owner}: vocab_size {self.vocab_size} exceeds the int32 row "
+                f"ids of the kernels (< 2**31); shard the table"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"{owner}: `dtype` must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.optimizer, SparseOptimizer):
-            raise TypeError(f"{owner}: `optimizer` must be a sparsejax SparseOptimizer, "
-                            f"got {type(self.optimizer).__name__}")
+            raise TypeError(
+                f"{owner}: `optimizer` must be a sparsejax SparseOptimizer, "
+                f"got {type(self.optimizer).__name__}"
+            )
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"{owner}: `placement` must be one of {PLACEMENTS}, "
-                             f"got {self.placement!r}")
+            raise ValueError(
+                f"{owner}: `placement` must be one of {PLACEMENTS}, got {self.placement!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,8 +138,10 @@ class FeatureSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"FeatureSpec: `name` must be a non-empty str, got {self.name!r}")
         if self.combiner is not None and self.combiner not in COMBINERS:
-            raise ValueError(f"{owner}: `combiner` must be one of {COMBINERS} or None "
-                             f"(sequence), got {self.combiner!r}")
+            raise ValueError(
+                f"{owner}: `combiner` must be one of {COMBINERS} or None "
+                f"(sequence), got {self.combiner!r}"
+            )
         _positive_int(owner, "max_ids", self.max_ids)
         if self.capacity is not None:
             _positive_int(owner, "capacity", self.capacity)
@@ -166,8 +174,10 @@ def check_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec]) ->
 
             close = difflib.get_close_matches(f.table, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"feature {f.name!r} reads table {f.table!r}, which is not "
-                             f"declared (tables: {sorted(names)}){hint}")
+            raise ValueError(
+                f"feature {f.name!r} reads table {f.table!r}, which is not "
+                f"declared (tables: {sorted(names)}){hint}"
+            )
     unused = names - {f.table for f in features}
     if unused:
         raise ValueError(f"tables {sorted(unused)} are declared but no feature reads them")

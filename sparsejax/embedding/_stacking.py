@@ -56,8 +56,7 @@ def stack_name(dim: int, dtype: str, optimizer: SparseOptimizer) -> str:
     return f"d{dim}_{dtype}_{type(optimizer).__name__.lower()}_{digest}"
 
 
-def plan_stacks(tables: Sequence[TableSpec], *, max_rows: int = MAX_STACK_ROWS
-                ) -> dict[str, Stack]:
+def plan_stacks(tables: Sequence[TableSpec], *, max_rows: int = MAX_STACK_ROWS) -> dict[str, Stack]:
     """Stacks of `tables`, by name: one per (dim, dtype, optimizer), split so that none
     has more than `max_rows` rows. The result depends on the set of specs only."""
     by_key: dict[str, list[TableSpec]] = {}
@@ -69,8 +68,10 @@ def plan_stacks(tables: Sequence[TableSpec], *, max_rows: int = MAX_STACK_ROWS
         rows = 0
         for t in by_key[base]:
             if t.vocab_size > max_rows:
-                raise ValueError(f"table {t.name!r}: vocab_size {t.vocab_size} exceeds the "
-                                 f"{max_rows} rows of one stack")
+                raise ValueError(
+                    f"table {t.name!r}: vocab_size {t.vocab_size} exceeds the "
+                    f"{max_rows} rows of one stack"
+                )
             if parts[-1] and rows + t.vocab_size > max_rows:
                 parts.append([])
                 rows = 0
@@ -82,6 +83,7 @@ def plan_stacks(tables: Sequence[TableSpec], *, max_rows: int = MAX_STACK_ROWS
             for t in members[:-1]:
                 offsets.append(offsets[-1] + t.vocab_size)
             first = members[0]
-            stacks[name] = Stack(name, tuple(members), tuple(offsets), first.dim, first.dtype,
-                                 first.optimizer)
+            stacks[name] = Stack(
+                name, tuple(members), tuple(offsets), first.dim, first.dtype, first.optimizer
+            )
     return stacks

@@ -85,15 +85,21 @@ class TableStore(Protocol):
 
     def abstract_tables(self) -> dict: ...
 
-    def lookup(self, state: State, features: Mapping, batch_size: int
-               ) -> tuple[dict[str, jax.Array], Any]: ...
+    def lookup(
+        self, state: State, features: Mapping, batch_size: int
+    ) -> tuple[dict[str, jax.Array], Any]: ...
 
-    def split(self, outputs: Mapping[str, jax.Array], batch_size: int
-              ) -> dict[str, jax.Array]: ...
+    def split(self, outputs: Mapping[str, jax.Array], batch_size: int) -> dict[str, jax.Array]: ...
 
-    def apply_gradients(self, state: State, residuals: Any, grads: Mapping[str, jax.Array],
-                        *, step: jax.Array | int,
-                        learning_rate: jax.Array | float | None = None) -> State: ...
+    def apply_gradients(
+        self,
+        state: State,
+        residuals: Any,
+        grads: Mapping[str, jax.Array],
+        *,
+        step: jax.Array | int,
+        learning_rate: jax.Array | float | None = None,
+    ) -> State: ...
 
     def export_tables(self, state: State) -> dict: ...
 
@@ -102,8 +108,13 @@ class TableStore(Protocol):
     def with_mesh(self, mesh: Mesh) -> TableStore: ...
 
 
-def make_store(tables: Sequence[TableSpec], features: Sequence[FeatureSpec], *,
-               mesh: Mesh | None = None, implementation: str | None = None) -> TableStore:
+def make_store(
+    tables: Sequence[TableSpec],
+    features: Sequence[FeatureSpec],
+    *,
+    mesh: Mesh | None = None,
+    implementation: str | None = None,
+) -> TableStore:
     """The store for `tables`, chosen by their `placement` ("device" is the only one
     today: `DeviceTableStore`)."""
     from ._device_store import DeviceTableStore

@@ -50,8 +50,7 @@ class StoreLookups:
     residuals: Any
 
 
-jax.tree_util.register_dataclass(StoreLookups, data_fields=["residuals"],
-                                 meta_fields=["store"])
+jax.tree_util.register_dataclass(StoreLookups, data_fields=["residuals"], meta_fields=["store"])
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -77,8 +76,9 @@ class EmbeddingBagCollection(nn.Module):
     @property
     def store(self) -> TableStore:
         """The table store behind this layer (a pure function of the fields)."""
-        return make_store(self.tables, self.features, mesh=self.mesh,
-                          implementation=self.implementation)
+        return make_store(
+            self.tables, self.features, mesh=self.mesh, implementation=self.implementation
+        )
 
     @property
     def collection(self) -> TableStore:
@@ -90,21 +90,33 @@ class EmbeddingBagCollection(nn.Module):
         store = self.store
         state = {}
         for name in store.state_names:
-            var = self.variable(EMBEDDING, name,
-                                lambda n=name: store.init_part(self.make_rng("params"), n))
+            var = self.variable(
+                EMBEDDING, name, lambda n=name: store.init_part(self.make_rng("params"), n)
+            )
             state[name] = var.value
         outputs, residuals = store.lookup(state, features, batch_size)
-        outputs = {g: self.perturb(g, out, collection=EMBEDDING_GRADS)
-                   for g, out in outputs.items()}
-        self.sow(EMBEDDING_LOOKUPS, _LOOKUPS, StoreLookups(store, residuals),
-                 init_fn=lambda: None, reduce_fn=lambda _, new: new)
+        outputs = {
+            g: self.perturb(g, out, collection=EMBEDDING_GRADS) for g, out in outputs.items()
+        }
+        self.sow(
+            EMBEDDING_LOOKUPS,
+            _LOOKUPS,
+            StoreLookups(store, residuals),
+            init_fn=lambda: None,
+            reduce_fn=lambda _, new: new,
+        )
         return store.split(outputs, batch_size)
 
 
-def apply_embedding_gradients(tables: Mapping, lookups: Mapping, grads: Mapping, *,
-                              step: jax.Array | int,
-                              learning_rate: jax.Array | float | None = None,
-                              implementation: str | None = None) -> dict:
+def apply_embedding_gradients(
+    tables: Mapping,
+    lookups: Mapping,
+    grads: Mapping,
+    *,
+    step: jax.Array | int,
+    learning_rate: jax.Array | float | None = None,
+    implementation: str | None = None,
+) -> dict:
     """Sparse update of every `EmbeddingBagCollection` in a model, each by its store.
 
     Args:
@@ -119,14 +131,20 @@ def apply_embedding_gradients(tables: Mapping, lookups: Mapping, grads: Mapping,
     """
     tables, grads = _unfreeze(tables), _unfreeze(grads)
     flat_lookups = traverse_util.flatten_dict(
-        _unfreeze(lookups), is_leaf=lambda _, v: isinstance(v, StoreLookups))
+        _unfreeze(lookups), is_leaf=lambda _, v: isinstance(v, StoreLookups)
+    )
     new = dict(tables)
     for path, lk in flat_lookups.items():
         layer = path[:-1]  # path = (*layer_path, "lookups")
         kw = {} if implementation is None else {"implementation": implementation}
-        updated = lk.store.apply_gradients(_subtree(tables, layer), lk.residuals,
-                                           _subtree(grads, layer), step=step,
-                                           learning_rate=learning_rate, **kw)
+        updated = lk.store.apply_gradients(
+            _subtree(tables, layer),
+            lk.residuals,
+            _subtree(grads, layer),
+            step=step,
+            learning_rate=learning_rate,
+            **kw,
+        )
         new = _replace_subtree(new, layer, {**_subtree(tables, layer), **updated})
     return new
 

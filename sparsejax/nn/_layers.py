@@ -25,8 +25,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         for i, width in enumerate(self.features):
-            x = nn.Dense(width, dtype=self.dtype, kernel_init=default_kernel_init,
-                         name=f"dense_{i}")(x)
+            x = nn.Dense(
+                width, dtype=self.dtype, kernel_init=default_kernel_init, name=f"dense_{i}"
+            )(x)
             if i < len(self.features) - 1 or self.final_activation:
                 x = nn.relu(x)
                 if self.dropout > 0:
@@ -56,13 +57,20 @@ class CrossNetwork(nn.Module):
         x, d = x0, x0.shape[-1]
         for i in range(self.num_layers):
             if self.rank is None:
-                wx = nn.Dense(d, dtype=self.dtype, kernel_init=default_kernel_init,
-                              name=f"cross_{i}")(x)
+                wx = nn.Dense(
+                    d, dtype=self.dtype, kernel_init=default_kernel_init, name=f"cross_{i}"
+                )(x)
             else:
-                v = nn.Dense(self.rank, use_bias=False, dtype=self.dtype,
-                             kernel_init=default_kernel_init, name=f"cross_{i}_v")(x)
-                wx = nn.Dense(d, dtype=self.dtype, kernel_init=default_kernel_init,
-                              name=f"cross_{i}_u")(v)
+                v = nn.Dense(
+                    self.rank,
+                    use_bias=False,
+                    dtype=self.dtype,
+                    kernel_init=default_kernel_init,
+                    name=f"cross_{i}_v",
+                )(x)
+                wx = nn.Dense(
+                    d, dtype=self.dtype, kernel_init=default_kernel_init, name=f"cross_{i}_u"
+                )(v)
             x = x0 * wx + x
         return x
 

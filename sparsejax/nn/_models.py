@@ -31,8 +31,9 @@ def linear_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec]):
     features are left out."""
     pooled = [f for f in features if not f.is_sequence]
     used = {f.table for f in pooled}
-    lin_tables = [dataclasses.replace(t, name=f"{t.name}_linear", dim=1)
-                  for t in tables if t.name in used]
+    lin_tables = [
+        dataclasses.replace(t, name=f"{t.name}_linear", dim=1) for t in tables if t.name in used
+    ]
     lin_features = [dataclasses.replace(f, table=f"{f.table}_linear") for f in pooled]
     return lin_tables, lin_features
 
@@ -47,8 +48,9 @@ class _CTRModel(nn.Module):
     task: ClassVar[str] = "binary"
 
     def embed(self, batch, name="embedding"):
-        out = EmbeddingBagCollection(self.tables, self.features, self.implementation,
-                                     name=name)(batch.features, batch.batch_size)
+        out = EmbeddingBagCollection(self.tables, self.features, self.implementation, name=name)(
+            batch.features, batch.batch_size
+        )
         return {k: v.astype(self.dtype or jnp.float32) for k, v in out.items()}
 
     def pooled_stack(self, emb) -> jax.Array:
@@ -65,19 +67,22 @@ class _CTRModel(nn.Module):
 
     def flat_with_dense(self, vecs, batch) -> jax.Array:
         """[B, F*D + num_dense]: the embeddings side by side, then the dense features."""
-        return jnp.concatenate([vecs.reshape(vecs.shape[0], -1),
-                                batch.dense.astype(vecs.dtype)], axis=1)
+        return jnp.concatenate(
+            [vecs.reshape(vecs.shape[0], -1), batch.dense.astype(vecs.dtype)], axis=1
+        )
 
     def deep_logit(self, hidden, vecs, batch, train) -> jax.Array:
         """[B] f32: the "deep" MLP (hidden widths, then 1) on `flat_with_dense`."""
         out = MLP((*hidden, 1), dtype=self.dtype, name="deep")(
-            self.flat_with_dense(vecs, batch), train=train)
+            self.flat_with_dense(vecs, batch), train=train
+        )
         return out[:, 0].astype(jnp.float32)
 
     def first_order(self, batch) -> jax.Array:
         lin_tables, lin_features = linear_specs(self.tables, self.features)
-        lin = EmbeddingBagCollection(lin_tables, lin_features, self.implementation,
-                                     name="linear")(batch.features, batch.batch_size)
+        lin = EmbeddingBagCollection(lin_tables, lin_features, self.implementation, name="linear")(
+            batch.features, batch.batch_size
+        )
         total = sum(v[:, 0].astype(jnp.float32) for v in lin.values())
         if batch.dense.shape[1]:
             total = total + nn.Dense(1, use_bias=False, name="dense_linear")(batch.dense)[:, 0]
@@ -97,16 +102,20 @@ class DLRM(_CTRModel):
         vecs = self.pooled_stack(emb)
         parts = []
         if batch.dense.shape[1]:
-            x = MLP(self.bottom, final_activation=True, dtype=self.dtype,
-                    name="bottom")(batch.dense.astype(self.dtype or jnp.float32))
+            x = MLP(self.bottom, final_activation=True, dtype=self.dtype, name="bottom")(
+                batch.dense.astype(self.dtype or jnp.float32)
+            )
             if x.shape[-1] != vecs.shape[-1]:
-                raise ValueError(f"DLRM: the bottom MLP ends at width {x.shape[-1]}, the "
-                                 f"embeddings have dim {vecs.shape[-1]}; they must match")
+                raise ValueError(
+                    f"DLRM: the bottom MLP ends at width {x.shape[-1]}, the "
+                    f"embeddings have dim {vecs.shape[-1]}; they must match"
+                )
             vecs = jnp.concatenate([x[:, None, :], vecs], axis=1)
             parts.append(x)
         parts.append(DotInteraction()(vecs))
         return MLP(self.top, dtype=self.dtype, name="top")(
-            jnp.concatenate(parts, axis=1), train=train)[:, 0].astype(jnp.float32)
+            jnp.concatenate(parts, axis=1), train=train
+        )[:, 0].astype(jnp.float32)
 
 
 class DeepFM(_CTRModel):
@@ -119,8 +128,12 @@ class DeepFM(_CTRModel):
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
         vecs = self.pooled_stack(self.embed(batch))
         bias = self.param("bias", nn.initializers.zeros, ())
-        return (bias + self.first_order(batch) + FactorizationMachine()(vecs).astype(jnp.float32)
-                + self.deep_logit(self.hidden, vecs, batch, train))
+        return (
+            bias
+            + self.first_order(batch)
+            + FactorizationMachine()(vecs).astype(jnp.float32)
+            + self.deep_logit(self.hidden, vecs, batch, train)
+        )
 
 
 class WideAndDeep(_CTRModel):
@@ -149,13 +162,17 @@ class DCNv2(_CTRModel):
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
         if self.structure not in ("stacked", "parallel"):
-            raise ValueError(f"DCNv2: structure must be 'stacked' or 'parallel', "
-                             f"got {self.structure!r}")
+            raise ValueError(
+                f"DCNv2: structure must be 'stacked' or 'parallel', got {self.structure!r}"
+            )
         x0 = self.flat_with_dense(self.pooled_stack(self.embed(batch)), batch)
         cross = CrossNetwork(self.cross_layers, self.rank, dtype=self.dtype, name="cross")(x0)
         mlp = MLP(self.hidden, final_activation=True, dtype=self.dtype, name="deep")
-        h = (mlp(cross, train=train) if self.structure == "stacked"
-             else jnp.concatenate([cross, mlp(x0, train=train)], axis=1))
+        h = (
+            mlp(cross, train=train)
+            if self.structure == "stacked"
+            else jnp.concatenate([cross, mlp(x0, train=train)], axis=1)
+        )
         return nn.Dense(1, dtype=self.dtype, name="out")(h)[:, 0].astype(jnp.float32)
 
 
@@ -176,19 +193,23 @@ class DIN(_CTRModel):
         specs = {f.name: f for f in self.features}
         for name, want_seq in ((self.target, False), (self.history, True)):
             if name not in specs or specs[name].is_sequence != want_seq:
-                raise ValueError(f"DIN: feature {name!r} must be a "
-                                 f"{'sequence' if want_seq else 'pooled'} feature")
+                raise ValueError(
+                    f"DIN: feature {name!r} must be a "
+                    f"{'sequence' if want_seq else 'pooled'} feature"
+                )
         emb = self.embed(batch)
         hist = specs[self.history]
         mask = sequence_mask(batch.features[self.history], batch.batch_size, hist.max_ids)
         attended = TargetAttention(self.attention_hidden, dtype=self.dtype, name="attention")(
-            emb[self.history], emb[self.target], mask)
-        others = [emb[f.name] for f in self.features
-                  if not f.is_sequence and f.name != self.target]
-        x = jnp.concatenate([attended, emb[self.target], *others,
-                             batch.dense.astype(attended.dtype)], axis=1)
-        return MLP((*self.hidden, 1), dtype=self.dtype, name="mlp")(
-            x, train=train)[:, 0].astype(jnp.float32)
+            emb[self.history], emb[self.target], mask
+        )
+        others = [emb[f.name] for f in self.features if not f.is_sequence and f.name != self.target]
+        x = jnp.concatenate(
+            [attended, emb[self.target], *others, batch.dense.astype(attended.dtype)], axis=1
+        )
+        return MLP((*self.hidden, 1), dtype=self.dtype, name="mlp")(x, train=train)[:, 0].astype(
+            jnp.float32
+        )
 
 
 class TwoTower(nn.Module):
@@ -209,19 +230,23 @@ class TwoTower(nn.Module):
     task: ClassVar[str] = "retrieval"
 
     def towers(self, batch) -> tuple[jax.Array, jax.Array]:
-        emb = EmbeddingBagCollection(self.tables, self.features, self.implementation,
-                                     name="embedding")(batch.features, batch.batch_size)
+        emb = EmbeddingBagCollection(
+            self.tables, self.features, self.implementation, name="embedding"
+        )(batch.features, batch.batch_size)
         names = {f.name for f in self.features}
         for side, feats in (("user", self.user_features), ("item", self.item_features)):
             if not feats or set(feats) - names:
-                raise ValueError(f"TwoTower: {side}_features {list(feats)} must be non-empty "
-                                 f"and among the features {sorted(names)}")
+                raise ValueError(
+                    f"TwoTower: {side}_features {list(feats)} must be non-empty "
+                    f"and among the features {sorted(names)}"
+                )
         specs = {f.name: f for f in self.features}
         for f in self.user_features + self.item_features:
             if specs[f].is_sequence:  # a history enters a tower as its mean
                 mask = sequence_mask(batch.features[f], batch.batch_size, specs[f].max_ids)
-                emb[f] = (jnp.einsum("bl,bld->bd", mask.astype(emb[f].dtype), emb[f])
-                          / jnp.maximum(mask.sum(1, keepdims=True), 1).astype(emb[f].dtype))
+                emb[f] = jnp.einsum("bl,bld->bd", mask.astype(emb[f].dtype), emb[f]) / jnp.maximum(
+                    mask.sum(1, keepdims=True), 1
+                ).astype(emb[f].dtype)
         out = []
         for side, feats in (("user", self.user_features), ("item", self.item_features)):
             x = jnp.concatenate([emb[f].astype(self.dtype or jnp.float32) for f in feats], 1)
@@ -235,5 +260,11 @@ class TwoTower(nn.Module):
         return user @ item.T / self.temperature
 
 
-MODELS = {"dlrm": DLRM, "deepfm": DeepFM, "wide_deep": WideAndDeep, "dcnv2": DCNv2,
-          "din": DIN, "two_tower": TwoTower}
+MODELS = {
+    "dlrm": DLRM,
+    "deepfm": DeepFM,
+    "wide_deep": WideAndDeep,
+    "dcnv2": DCNv2,
+    "din": DIN,
+    "two_tower": TwoTower,
+}

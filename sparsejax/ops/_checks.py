@@ -115,7 +115,9 @@ def check_lookups(op, table_name, vocab, num_segments, ids, segment_ids=None, we
     elif _CHECKS:
         jax.debug.callback(
             lambda i, s, w: host_check_lookups(op, table_name, vocab, num_segments, i, s, w),
-            ids, segment_ids, weights,
+            ids,
+            segment_ids,
+            weights,
         )
 
 
@@ -144,4 +146,5 @@ def check_unsharded(op: str, name: str, table) -> None:
             f"sparsejax.ops.{op}: table {name!r} is sharded across devices ({spec}); the "
             "kernels need the whole table on each device: use a sharded table store / "
             "shard_map (ids split over devices, table replicated) instead of jit on a "
-            "sharded table")
+            "sharded table"
+        )

@@ -39,4 +39,3 @@ def compiler_params(num_warps: int) -> pltr.CompilerParams:
 
 def iota(n: int) -> jax.Array:
     return lax.iota(jnp.int32, n)
-

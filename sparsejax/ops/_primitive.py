@@ -86,8 +86,10 @@ def define_primitive(
             # Lowering comes after type checking: inside `jax.shard_map` the primitive's
             # outputs already have their types, and the backend (a Pallas interpreter
             # loop, say) sees plain local arrays, without manual-axis annotations.
-            ctx = ctx.replace(avals_in=[_local(a) for a in ctx.avals_in],
-                              avals_out=[_local(a) for a in ctx.avals_out])
+            ctx = ctx.replace(
+                avals_in=[_local(a) for a in ctx.avals_in],
+                avals_out=[_local(a) for a in ctx.avals_out],
+            )
             with _jax_config._check_vma(False):
                 return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, *args)
 
@@ -102,8 +104,7 @@ def define_primitive(
     mlir.register_lowering(prim, lowering("xla_only"))
     for platform in _PLATFORMS:
         mlir.register_lowering(prim, lowering(platform), platform=platform)
-    batching.primitive_batchers[prim] = batch_rule or functools.partial(
-        sequential_batch_rule, prim)
+    batching.primitive_batchers[prim] = batch_rule or functools.partial(sequential_batch_rule, prim)
     if jvp is not None:
         ad.primitive_jvps[prim] = jvp
     if transpose is not None:

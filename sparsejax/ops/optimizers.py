@@ -61,8 +61,10 @@ class SparseOptimizer:
         code = cls.__dict__.get("code")
         if code is not None:
             if code in OPTIMIZERS_BY_CODE:
-                raise ValueError(f"optimizer code {code} of {cls.__name__} is already used by "
-                                 f"{OPTIMIZERS_BY_CODE[code].__name__}")
+                raise ValueError(
+                    f"optimizer code {code} of {cls.__name__} is already used by "
+                    f"{OPTIMIZERS_BY_CODE[code].__name__}"
+                )
             OPTIMIZERS_BY_CODE[code] = cls
 
     @classmethod
@@ -78,8 +80,10 @@ class SparseOptimizer:
         lr = self.learning_rate if learning_rate is None else learning_rate
         extra = [float(x) for x in self._extra_hparams()]
         return jnp.concatenate(
-            [jnp.reshape(jnp.asarray(lr, jnp.float32), (1,)),
-             jnp.asarray(extra + [0.0] * (7 - len(extra)), jnp.float32)]
+            [
+                jnp.reshape(jnp.asarray(lr, jnp.float32), (1,)),
+                jnp.asarray(extra + [0.0] * (7 - len(extra)), jnp.float32),
+            ]
         )
 
     def _extra_hparams(self) -> tuple[float, ...]:
@@ -235,11 +239,15 @@ class AdagradDecay(SparseOptimizer):
 
     def __post_init__(self):
         if self.initial_accumulator_value <= 0:
-            raise ValueError("AdagradDecay: initial_accumulator_value must be > 0, got "
-                             f"{self.initial_accumulator_value}")
+            raise ValueError(
+                "AdagradDecay: initial_accumulator_value must be > 0, got "
+                f"{self.initial_accumulator_value}"
+            )
         if not 0 < self.accumulator_decay_step < 2**24:
-            raise ValueError("AdagradDecay: accumulator_decay_step must be in [1, 2**24), "
-                             f"got {self.accumulator_decay_step}")
+            raise ValueError(
+                "AdagradDecay: accumulator_decay_step must be in [1, 2**24), "
+                f"got {self.accumulator_decay_step}"
+            )
 
     def slots(self):
         return (
@@ -248,8 +256,11 @@ class AdagradDecay(SparseOptimizer):
         )
 
     def _extra_hparams(self):
-        return (self.accumulator_decay_rate, self.initial_accumulator_value,
-                float(self.accumulator_decay_step))
+        return (
+            self.accumulator_decay_rate,
+            self.initial_accumulator_value,
+            float(self.accumulator_decay_step),
+        )
 
     def update_rows(self, hp, rows, slots, grads, step, *, dim):
         lr, rate, baseline, period_len = hp[0], hp[1], hp[2], hp[3]

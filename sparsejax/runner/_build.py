@@ -61,8 +61,9 @@ def build_data(cfg: RunConfig) -> DataBundle:
     report = None
     if d.kind in ("synthetic", "behavior"):
         if d.kind == "synthetic":
-            gen = sd.SyntheticCriteo(max_vocab=d.max_vocab, zipf_exponent=d.zipf, seed=cfg.seed,
-                                     **d.synthetic_options)
+            gen = sd.SyntheticCriteo(
+                max_vocab=d.max_vocab, zipf_exponent=d.zipf, seed=cfg.seed, **d.synthetic_options
+            )
             num_dense = gen.num_dense
         else:
             gen = sd.SyntheticBehavior(seed=cfg.seed, **d.synthetic_options)
@@ -83,13 +84,15 @@ def build_data(cfg: RunConfig) -> DataBundle:
         else:
             if d.schema is None:
                 raise ConfigError("data.kind='delimited' needs data.schema")
-            examples, rep = sd.read_delimited(path, sd.TableSchema.from_dict(d.schema),
-                                              strict=d.strict)
+            examples, rep = sd.read_delimited(
+                path, sd.TableSchema.from_dict(d.schema), strict=d.strict
+            )
         report = rep.summary()
         n_train = d.train_rows if d.train_rows is not None else int(0.8 * len(examples))
         if not 0 < n_train < len(examples):
-            raise ConfigError(f"data.train_rows={n_train} must leave both splits "
-                                      f"non-empty ({len(examples)} rows)")
+            raise ConfigError(
+                f"data.train_rows={n_train} must leave both splits non-empty ({len(examples)} rows)"
+            )
         train, held = examples.split(n_train)
         names = train.feature_names
         if d.id_mapping == "vocab":
@@ -103,8 +106,7 @@ def build_data(cfg: RunConfig) -> DataBundle:
         eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
         eval_batches = sd.pack_examples(held, eval_packer)
     packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
-    return DataBundle(tuple(tables), tuple(features), packer, train_source, eval_batches,
-                      report)
+    return DataBundle(tuple(tables), tuple(features), packer, train_source, eval_batches, report)
 
 
 def _file_specs(d: DataConfig, train: Examples, vocab: dict, dim: int, table_kw: dict):
@@ -118,11 +120,13 @@ def _file_specs(d: DataConfig, train: Examples, vocab: dict, dim: int, table_kw:
         tables.append(TableSpec(name=name, vocab_size=int(vocab[name]), dim=dim, **table_kw))
         longest = int(np.max(train.sparse[name].lengths, initial=1))
         if name in seq:
-            features.append(FeatureSpec(name=name, table=name, combiner=None,
-                                        max_ids=max(longest, 1)))
+            features.append(
+                FeatureSpec(name=name, table=name, combiner=None, max_ids=max(longest, 1))
+            )
         elif name in multi:
-            features.append(FeatureSpec(name=name, table=name, combiner="mean",
-                                        max_ids=max(longest, 1)))
+            features.append(
+                FeatureSpec(name=name, table=name, combiner="mean", max_ids=max(longest, 1))
+            )
         else:
             features.append(FeatureSpec(name=name, table=name))
     return tables, features
@@ -136,12 +140,22 @@ def build_model(cfg: RunConfig, tables: Sequence[TableSpec], features: Sequence[
     if m.name == "dlrm" and "bottom" not in opts:
         opts["bottom"] = (64, m.embedding_dim)
     dtype = None if m.dtype == "float32" else m.dtype
-    return cls(tables=tuple(tables), features=tuple(features), dtype=dtype,
-               implementation=m.implementation, **opts)
+    return cls(
+        tables=tuple(tables),
+        features=tuple(features),
+        dtype=dtype,
+        implementation=m.implementation,
+        **opts,
+    )
 
 
 def first_train_batch(data: DataBundle) -> SparseBatch:
     """The first training batch, in order (fixes the shapes of a model's init)."""
-    with Loader(data.train_source, data.packer, shuffle=False, epochs=None if not isinstance(
-            data.train_source, Examples) else 1, prefetch=1) as loader:
+    with Loader(
+        data.train_source,
+        data.packer,
+        shuffle=False,
+        epochs=None if not isinstance(data.train_source, Examples) else 1,
+        prefetch=1,
+    ) as loader:
         return next(iter(loader))

@@ -37,8 +37,9 @@ def merge(base: Mapping, over: Mapping) -> dict:
     """Deep merge: mappings merge key by key, anything else in `over` replaces."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(
-            out.get(k), Mapping) else v
+        out[k] = (
+            merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+        )
     return out
 
 
@@ -62,8 +63,7 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
     bases = [base] if isinstance(base, str) else list(base)
     merged: dict = {}
     for b in bases:
-        merged = merge(merged, load_yaml(os.path.join(os.path.dirname(path), b),
-                                         (*_seen, path)))
+        merged = merge(merged, load_yaml(os.path.join(os.path.dirname(path), b), (*_seen, path)))
     return merge(merged, data)
 
 
@@ -128,8 +128,9 @@ def convert(tp, value, key: str):
         return from_dict(tp, value, prefix=key + ".")
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"config key {key!r}: {value!r} is not one of "
-                              f"{list(typing.get_args(tp))}")
+            raise ConfigError(
+                f"config key {key!r}: {value!r} is not one of {list(typing.get_args(tp))}"
+            )
         return value
     if origin in (tuple, list, Sequence) or tp in (tuple, list):
         if not isinstance(value, (list, tuple)):
@@ -203,7 +204,11 @@ def field_docs(cls) -> dict[str, str]:
         return {}
     docs, body = {}, tree.body[0].body
     for a, b in zip(body, body[1:], strict=False):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(
-                b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+        if (
+            isinstance(a, ast.AnnAssign)
+            and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr)
+            and isinstance(getattr(b, "value", None), ast.Constant)
+        ):
             docs[a.target.id] = str(b.value.value).strip()
     return docs

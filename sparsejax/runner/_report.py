@@ -16,8 +16,14 @@ from ..train import Hook
 
 def plain(d: Mapping) -> dict:
     """Metrics as JSON-able Python floats."""
-    return {k: (float(v) if isinstance(v, (np.floating, float, np.ndarray, jax.Array))
-                and not isinstance(v, int) else v) for k, v in d.items()}
+    return {
+        k: (
+            float(v)
+            if isinstance(v, (np.floating, float, np.ndarray, jax.Array)) and not isinstance(v, int)
+            else v
+        )
+        for k, v in d.items()
+    }
 
 
 def format_metrics(result: Mapping) -> str:

@@ -59,8 +59,11 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     model = build_model(cfg, data.tables, data.features)
     trainer = Trainer(model, dense_optimizer(cfg.optimizer))
     first = first_train_batch(data)
-    ckpt = Checkpointer(os.path.join(cfg.run_dir, "checkpoints"),
-                        embedding_layouts(model, first), max_to_keep=cfg.keep_checkpoints)
+    ckpt = Checkpointer(
+        os.path.join(cfg.run_dir, "checkpoints"),
+        embedding_layouts(model, first),
+        max_to_keep=cfg.keep_checkpoints,
+    )
     state = trainer.init(jax.random.key(cfg.seed), first)
     position: dict = {"epoch": 0, "batch": 0}
     if cfg.resume and ckpt.latest_step() is not None:
@@ -84,7 +87,8 @@ def train(cfg: RunConfig, *, log: Callable[[str], None] = print) -> dict:
         run.checkpointer.close()
         raise ConfigError(
             f"{cfg.run_dir} already holds checkpoints (latest step {existing}) and resume=false;"
-            f" choose another name= or out_dir=, or resume=true to continue that run")
+            f" choose another name= or out_dir=, or resume=true to continue that run"
+        )
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
     try:
@@ -99,38 +103,68 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     cfg = run.cfg
     total, start = run.total_steps, int(run.state.step)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
-    log(f"training {cfg.model.name} for {total} steps (from step {start}), batch "
+    log(
+        f"training {cfg.model.name} for {total} steps (from step {start}), batch "
         f"{run.data.packer.batch_size}, {len(run.data.features)} sparse features, "
-        f"{sum(t.vocab_size for t in run.data.tables):,} table rows, run dir {cfg.run_dir}")
-    epochs = None if run.data.steps_per_epoch is None else math.ceil(
-        total / run.data.steps_per_epoch) + 1
-    loader = Loader(run.data.train_source, run.data.packer, shuffle=cfg.data.shuffle,
-                    seed=cfg.seed, epochs=epochs, prefetch=cfg.data.prefetch,
-                    device_put=True, position=run.position)
+        f"{sum(t.vocab_size for t in run.data.tables):,} table rows, run dir {cfg.run_dir}"
+    )
+    epochs = (
+        None
+        if run.data.steps_per_epoch is None
+        else math.ceil(total / run.data.steps_per_epoch) + 1
+    )
+    loader = Loader(
+        run.data.train_source,
+        run.data.packer,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.seed,
+        epochs=epochs,
+        prefetch=cfg.data.prefetch,
+        device_put=True,
+        position=run.position,
+    )
     console = Console(log, progress=cfg.progress, total=total, start=start)
     try:
-        result = fit(run.trainer, run.state, loader, steps=total,
-                     eval_batches=run.data.eval_batches, eval_every=cfg.eval_every,
-                     checkpointer=run.checkpointer, checkpoint_every=cfg.checkpoint_every,
-                     data_position=lambda: loader.position.to_dict(),
-                     checkpoint_extra={"config": to_dict(cfg)}, log_every=cfg.log_every,
-                     hooks=[MetricsLog(metrics_path, start), console])
+        result = fit(
+            run.trainer,
+            run.state,
+            loader,
+            steps=total,
+            eval_batches=run.data.eval_batches,
+            eval_every=cfg.eval_every,
+            checkpointer=run.checkpointer,
+            checkpoint_every=cfg.checkpoint_every,
+            data_position=lambda: loader.position.to_dict(),
+            checkpoint_extra={"config": to_dict(cfg)},
+            log_every=cfg.log_every,
+            hooks=[MetricsLog(metrics_path, start), console],
+        )
     finally:
         loader.close()
         console.close()
     run.state = result.state
-    summary = {"step": int(result.state.step), "eval": plain(result.eval),
-               "train_samples_per_s": result.samples_per_s,
-               "run_dir": os.path.abspath(cfg.run_dir)}
+    summary = {
+        "step": int(result.state.step),
+        "eval": plain(result.eval),
+        "train_samples_per_s": result.samples_per_s,
+        "run_dir": os.path.abspath(cfg.run_dir),
+    }
     write_summary(os.path.join(cfg.run_dir, "summary.json"), summary)
     plot_curves(metrics_path, os.path.join(cfg.run_dir, "curves.png"))
-    log(f"done: step {summary['step']}, run dir {cfg.run_dir} (metrics.jsonl, curves.png, "
-        f"checkpoints/)")
+    log(
+        f"done: step {summary['step']}, run dir {cfg.run_dir} (metrics.jsonl, curves.png, "
+        f"checkpoints/)"
+    )
     return summary
 
 
-def evaluate_run(run_dir: str, *, step: int | None = None, overrides: Sequence[str] = (),
-                 log: Callable[[str], None] = print) -> dict:
+def evaluate_run(
+    run_dir: str,
+    *,
+    step: int | None = None,
+    overrides: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> dict:
     """Evaluate a run's checkpoint (default: latest) on its eval split."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(cfg_path):

@@ -81,8 +81,9 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    sparse: Literal["sgd", "adagrad", "rowwise_adagrad", "lazy_adam", "ftrl",
-                    "adagrad_decay"] = "rowwise_adagrad"
+    sparse: Literal["sgd", "adagrad", "rowwise_adagrad", "lazy_adam", "ftrl", "adagrad_decay"] = (
+        "rowwise_adagrad"
+    )
     """Optimizer of the embedding tables (touched rows only)."""
     sparse_learning_rate: float = 0.05
     sparse_options: dict = dataclasses.field(default_factory=dict)
@@ -126,8 +127,9 @@ class RunConfig:
         return os.path.join(self.out_dir, self.name)
 
 
-def load_config(files: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = ()
-                ) -> RunConfig:
+def load_config(
+    files: Sequence[str | os.PathLike] = (), overrides: Sequence[str] = ()
+) -> RunConfig:
     """Layer YAML files and `key=value` overrides into a validated `RunConfig`."""
     return config_from_dict(layered(files, overrides))
 
@@ -143,16 +145,26 @@ def config_from_dict(data: dict) -> RunConfig:
 def _check_model_options(m: ModelConfig) -> None:
     cls = MODELS[m.name]
     settable = {f.name for f in dataclasses.fields(cls) if f.init} - {
-        "tables", "features", "dtype", "implementation", "parent", "name"}
+        "tables",
+        "features",
+        "dtype",
+        "implementation",
+        "parent",
+        "name",
+    }
     for k in m.options:
         if k not in settable:
             raise unknown_key_error("model.options.", k, settable)
 
 
-_SPARSE = {"sgd": sparse_optimizers.SGD, "adagrad": sparse_optimizers.Adagrad,
-           "rowwise_adagrad": sparse_optimizers.RowWiseAdagrad,
-           "lazy_adam": sparse_optimizers.LazyAdam, "ftrl": sparse_optimizers.FTRL,
-           "adagrad_decay": sparse_optimizers.AdagradDecay}
+_SPARSE = {
+    "sgd": sparse_optimizers.SGD,
+    "adagrad": sparse_optimizers.Adagrad,
+    "rowwise_adagrad": sparse_optimizers.RowWiseAdagrad,
+    "lazy_adam": sparse_optimizers.LazyAdam,
+    "ftrl": sparse_optimizers.FTRL,
+    "adagrad_decay": sparse_optimizers.AdagradDecay,
+}
 _DENSE = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd, "adamw": optax.adamw}
 
 

@@ -63,18 +63,33 @@ def _check_finite(step: int, loss, checkpointer) -> float:
     value = float(loss)
     if not math.isfinite(value):
         last = None if checkpointer is None else checkpointer.latest_step()
-        where = (f"the last good checkpoint is step {last} in {checkpointer.directory}"
-                 if last is not None else "no checkpoint was written before it")
-        raise NonFiniteLossError(f"training loss is {value} at step {step}; stopped ({where}). "
-                                 f"Lower the learning rates or check the data.")
+        where = (
+            f"the last good checkpoint is step {last} in {checkpointer.directory}"
+            if last is not None
+            else "no checkpoint was written before it"
+        )
+        raise NonFiniteLossError(
+            f"training loss is {value} at step {step}; stopped ({where}). "
+            f"Lower the learning rates or check the data."
+        )
     return value
 
 
-def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
-        eval_batches: Sequence = (), eval_every: int | None = None,
-        checkpointer=None, checkpoint_every: int | None = None,
-        data_position: Callable[[], Any] | None = None, checkpoint_extra: Mapping | None = None,
-        log_every: int | None = None, hooks: Sequence[Hook] = ()) -> FitResult:
+def fit(
+    trainer: Trainer,
+    state: TrainState,
+    batches: Iterable,
+    *,
+    steps: int,
+    eval_batches: Sequence = (),
+    eval_every: int | None = None,
+    checkpointer=None,
+    checkpoint_every: int | None = None,
+    data_position: Callable[[], Any] | None = None,
+    checkpoint_extra: Mapping | None = None,
+    log_every: int | None = None,
+    hooks: Sequence[Hook] = (),
+) -> FitResult:
     """Train `state` from its step to `steps`, on `batches` (an iterable of batches from
     the data position matching the state's step; training ends early if it runs out).
 
@@ -106,8 +121,11 @@ def fit(trainer: Trainer, state: TrainState, batches: Iterable, *, steps: int,
             h.on_eval(step, eval_result)
 
     def save():
-        checkpointer.save(state, data_position=None if data_position is None
-                          else data_position(), extra=checkpoint_extra)
+        checkpointer.save(
+            state,
+            data_position=None if data_position is None else data_position(),
+            extra=checkpoint_extra,
+        )
 
     def rate():  # samples/s of training since the first step (evals and saves excluded)
         elapsed = time.perf_counter() - t_start - paused

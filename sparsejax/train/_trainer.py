@@ -52,6 +52,7 @@ def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
 
 LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
 
+
 class Trainer:
     """Builds the train and eval steps of `model` (a Flax module taking a `SparseBatch`;
     its `task` class attribute picks the loss: "binary" or "retrieval").
@@ -70,8 +71,9 @@ class Trainer:
         and replicated otherwise.
     """
 
-    def __init__(self, model: nn.Module, tx: optax.GradientTransformation, *,
-                 mesh: Mesh | None = None):
+    def __init__(
+        self, model: nn.Module, tx: optax.GradientTransformation, *, mesh: Mesh | None = None
+    ):
         self.model = model
         self.tx = tx
         self.mesh = default_mesh() if mesh is None else mesh
@@ -94,8 +96,9 @@ class Trainer:
         """The `NamedSharding`s of the state (after `init`), as a `TrainState` prefix
         tree: dense fields replicated, tables as their stores place them."""
         r = self._replicated()
-        tables = tables_from_layers(self.layouts, {
-            path: store.state_shardings() for path, store in self._stores().items()})
+        tables = tables_from_layers(
+            self.layouts, {path: store.state_shardings() for path, store in self._stores().items()}
+        )
         return TrainState(step=r, params=r, opt_state=r, tables=tables, rng=r)
 
     def batch_sharding(self, batch_size: int):
@@ -126,8 +129,12 @@ class Trainer:
         if fn is None:
             shardings = (self.state_sharding(), self._batch_prefix(batch))
             if kind == "train":
-                fn = jax.jit(self._train_step, donate_argnums=0, in_shardings=shardings,
-                             out_shardings=(self.state_sharding(), self._replicated()))
+                fn = jax.jit(
+                    self._train_step,
+                    donate_argnums=0,
+                    in_shardings=shardings,
+                    out_shardings=(self.state_sharding(), self._replicated()),
+                )
             else:
                 fn = jax.jit(self._eval_step, in_shardings=shardings)
             self._steps[(kind, size)] = fn
@@ -147,8 +154,10 @@ class Trainer:
         """Each embedding layer's `TableStore`, by module path, as of `init`
         (`sparsejax.checkpoint.embedding_layouts(model, batch)` computes it anywhere)."""
         if self._layouts is None:
-            raise RuntimeError("Trainer.layouts: call Trainer.init first, or use "
-                               "sparsejax.checkpoint.embedding_layouts(model, batch)")
+            raise RuntimeError(
+                "Trainer.layouts: call Trainer.init first, or use "
+                "sparsejax.checkpoint.embedding_layouts(model, batch)"
+            )
         return self._layouts
 
     def init(self, key: jax.Array, batch) -> TrainState:
@@ -164,17 +173,29 @@ class Trainer:
         layouts, shapes = trace_layouts(self.model, batch)
         unknown = set(shapes) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
         if unknown:
-            raise ValueError(f"the model has variable collections {sorted(unknown)} that the "
-                             f"trainer does not know how to update")
+            raise ValueError(
+                f"the model has variable collections {sorted(unknown)} that the "
+                f"trainer does not know how to update"
+            )
         self._layouts, self._steps = layouts, {}
         # tables are dropped inside the jit, so XLA never compiles their initializers
         params = jax.jit(lambda k: self.model.init(k, batch).get("params", {}))(k_init)
-        tables = tables_from_layers(layouts, {
-            path: store.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
-            for path, store in self._stores().items()})
-        return self.put_state(TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-            tables=tables, rng=jax.random.key_data(k_rng)))
+        tables = tables_from_layers(
+            layouts,
+            {
+                path: store.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
+                for path, store in self._stores().items()
+            },
+        )
+        return self.put_state(
+            TrainState(
+                step=jnp.zeros((), jnp.int32),
+                params=params,
+                opt_state=self.tx.init(params),
+                tables=tables,
+                rng=jax.random.key_data(k_rng),
+            )
+        )
 
     def tables_by_name(self, state: TrainState) -> dict:
         """`{layer path: {table: {"weights", "slots"}}}`, unstacked (e.g. to inspect)."""
@@ -184,16 +205,19 @@ class Trainer:
         variables = {"params": params, EMBEDDING: state.tables}
         if probe is not None:
             variables[EMBEDDING_GRADS] = probe
-        out, aux = self.model.apply(variables, batch, train=train,
-                                    mutable=[EMBEDDING_LOOKUPS],
-                                    rngs=None if rng is None else {"dropout": rng})
+        out, aux = self.model.apply(
+            variables,
+            batch,
+            train=train,
+            mutable=[EMBEDDING_LOOKUPS],
+            rngs=None if rng is None else {"dropout": rng},
+        )
         return out, aux.get(EMBEDDING_LOOKUPS, {})
 
     def _zeros_probe(self, batch):
         """Zeros shaped like the pooled rows of every embedding layer at this batch size."""
         shapes = jax.eval_shape(lambda: self.model.init(jax.random.key(0), batch))
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                            shapes.get(EMBEDDING_GRADS, {}))
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get(EMBEDDING_GRADS, {}))
 
     def _train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -203,7 +227,8 @@ class Trainer:
             return self.loss_fn(out, batch), lookups
 
         (loss, lookups), (g_params, g_rows) = jax.value_and_grad(
-            loss_fn, argnums=(0, 1), has_aux=True)(state.params, self._zeros_probe(batch))
+            loss_fn, argnums=(0, 1), has_aux=True
+        )(state.params, self._zeros_probe(batch))
         step = state.step + 1
         tables = apply_embedding_gradients(state.tables, lookups, g_rows, step=step)
         with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int counts and floats
@@ -216,8 +241,9 @@ class Trainer:
         out, _ = self._apply(state, state.params, None, batch, False)
         return out
 
-    def evaluate(self, state: TrainState, batches, *, recall_k: tuple[int, ...] = (1, 10)
-                 ) -> dict[str, float]:
+    def evaluate(
+        self, state: TrainState, batches, *, recall_k: tuple[int, ...] = (1, 10)
+    ) -> dict[str, float]:
         """Metrics over all `batches` (padded rows excluded): loss, and AUC, logloss and
         calibration for "binary", recall@k for "retrieval" (in-batch)."""
         outs, labels, masks, losses, recalls = [], [], [], [], {k: [] for k in recall_k}
@@ -238,8 +264,11 @@ class Trainer:
         result = {"loss": sum(v * n for v, n in losses) / total, "examples": int(total)}
         if self.task == "binary":
             y, z, m = np.concatenate(labels), np.concatenate(outs), np.concatenate(masks)
-            result |= {"auc": _metrics.auc(y, z, m), "logloss": _metrics.logloss(y, z, m),
-                       "calibration": _metrics.calibration(y, z, m)}
+            result |= {
+                "auc": _metrics.auc(y, z, m),
+                "logloss": _metrics.logloss(y, z, m),
+                "calibration": _metrics.calibration(y, z, m),
+            }
         else:
             for k, vals in recalls.items():
                 result[f"recall@{k}"] = sum(v * n for v, n in vals) / total

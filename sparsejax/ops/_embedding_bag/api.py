@@ -81,25 +81,29 @@ def embedding_bag(
              [2., 3.]], dtype=float32)
     """
     op = "embedding_bag"
-    num_segments = validate_bag(op, table, ids, segment_ids, num_segments, weights, combiner,
-                                implementation)
+    num_segments = validate_bag(
+        op, table, ids, segment_ids, num_segments, weights, combiner, implementation
+    )
     _checks.check_unsharded(op, name, table)
     _checks.check_lookups(op, name, table.shape[0], num_segments, ids, segment_ids, weights)
     ids = jnp.asarray(ids, jnp.int32)
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
-    coef = base.pooling_coefficients(ids, segment_ids, num_segments, table.shape[0], weights,
-                                     combiner)
+    coef = base.pooling_coefficients(
+        ids, segment_ids, num_segments, table.shape[0], weights, combiner
+    )
     params = dict(num_segments=num_segments, implementation=implementation)
     if combiner == "max":
         return segment_max_p.bind(coef, ids, segment_ids, table, **params)[0]
     # Unweighted sum: coef is 1 on every valid lookup, which kernels may assume.
     unit = combiner == "sum" and weights is None
-    return segment_spmm_p.bind(coef, ids, segment_ids, table, sorted_segments=True,
-                               unit_values=unit, **params)
+    return segment_spmm_p.bind(
+        coef, ids, segment_ids, table, sorted_segments=True, unit_values=unit, **params
+    )
 
 
-def embedding_lookup(table: jax.Array, ids: jax.Array, *, implementation: str | None = None,
-                     name: str = "table") -> jax.Array:
+def embedding_lookup(
+    table: jax.Array, ids: jax.Array, *, implementation: str | None = None, name: str = "table"
+) -> jax.Array:
     """Unpooled lookup: `table[ids]` with shape `ids.shape + (D,)`; ids < 0 give zero rows.
 
     Uses the same kernels and autodiff as `embedding_bag` (one bag per id).
@@ -113,9 +117,16 @@ def embedding_lookup(table: jax.Array, ids: jax.Array, *, implementation: str | 
     flat = jnp.asarray(ids, jnp.int32).reshape(-1)
     n = flat.shape[0]
     coef = ((flat >= 0) & (flat < table.shape[0])).astype(jnp.float32)
-    out = segment_spmm_p.bind(coef, flat, jnp.arange(n, dtype=jnp.int32), table, num_segments=n,
-                              implementation=implementation, sorted_segments=True,
-                              unit_values=True)
+    out = segment_spmm_p.bind(
+        coef,
+        flat,
+        jnp.arange(n, dtype=jnp.int32),
+        table,
+        num_segments=n,
+        implementation=implementation,
+        sorted_segments=True,
+        unit_values=True,
+    )
     return out.reshape(*ids.shape, table.shape[1])
 
 
@@ -129,8 +140,9 @@ def _max_abstract_eval(values, col_ids, segment_ids, dense, *, num_segments, imp
 
 def _max_batch_rule(args, dims, *, num_segments, implementation):
     flat, size, nnz = fold_vmapped_lookups(args, dims, num_segments)
-    out, argk = segment_max_p.bind(*flat, num_segments=size * num_segments,
-                                   implementation=implementation)
+    out, argk = segment_max_p.bind(
+        *flat, num_segments=size * num_segments, implementation=implementation
+    )
     out = out.reshape(size, num_segments, -1)
     argk = argk.reshape(size, num_segments, -1)
     offsets = (jnp.arange(size, dtype=jnp.int32) * nnz)[:, None, None]
@@ -158,8 +170,11 @@ segment_max_p = define_primitive(
     "segment_max",
     log_name="embedding_bag[max]",
     abstract_eval=_max_abstract_eval,
-    implementations={"xla": base.segment_max, "cpu_ffi": cpu_ffi.segment_max,
-                     "pallas": f"{__package__}.pallas_triton:segment_max"},
+    implementations={
+        "xla": base.segment_max,
+        "cpu_ffi": cpu_ffi.segment_max,
+        "pallas": f"{__package__}.pallas_triton:segment_max",
+    },
     batch_rule=_max_batch_rule,
     jvp=_max_jvp,
     multiple_results=True,

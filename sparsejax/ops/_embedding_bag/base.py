@@ -33,8 +33,17 @@ def pooling_coefficients(ids, segment_ids, num_segments, vocab, weights=None, co
     return jnp.where(norm != 0, w / jnp.where(norm != 0, norm, 1.0), 0.0)
 
 
-def embedding_bag_ref(table, ids, segment_ids, num_segments, *, weights=None, combiner="sum",
-                      implementation=None, name="table"):
+def embedding_bag_ref(
+    table,
+    ids,
+    segment_ids,
+    num_segments,
+    *,
+    weights=None,
+    combiner="sum",
+    implementation=None,
+    name="table",
+):
     """Pure-jnp reference of `embedding_bag` (same signature)."""
     del implementation, name
     vocab = table.shape[0]

@@ -22,5 +22,6 @@ def segment_max(values, col_ids, segment_ids, dense, *, num_segments):
     shape = (int(num_segments), dense.shape[1])
     outs = (jax.ShapeDtypeStruct(shape, dense.dtype), jax.ShapeDtypeStruct(shape, jnp.int32))
     out, argk = jax.ffi.ffi_call(_cpu_ffi.SEGMENT_MAX_TARGET, outs, vmap_method="sequential")(
-        values, col_ids, segment_ids, dense)
+        values, col_ids, segment_ids, dense
+    )
     return out, argk

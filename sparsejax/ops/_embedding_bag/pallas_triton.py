@@ -46,8 +46,18 @@ def get_heuristic_config(dim: int) -> Config:
     return Config(num_warps=min(4, max(1, next_pow2(dim) // 64)))
 
 
-def _bag_forward_kernel(off_ref, ids_ref, coef_ref, table_ref, *out_refs, combiner: str,
-                        rows_per_step: int, bags: int, dim: int, num_segments: int):
+def _bag_forward_kernel(
+    off_ref,
+    ids_ref,
+    coef_ref,
+    table_ref,
+    *out_refs,
+    combiner: str,
+    rows_per_step: int,
+    bags: int,
+    dim: int,
+    num_segments: int,
+):
     r_n, dp = rows_per_step, next_pow2(dim)
     cols = iota(dp)
     col_ok = None if dim == dp else cols < dim
@@ -60,8 +70,10 @@ def _bag_forward_kernel(off_ref, ids_ref, coef_ref, table_ref, *out_refs, combin
         def load_ids(k0, end=end):
             k = k0 + lane
             m = k < end
-            return (pltr.load(ids_ref.at[k], mask=m, other=-1),
-                    pltr.load(coef_ref.at[k], mask=m, other=0.0))
+            return (
+                pltr.load(ids_ref.at[k], mask=m, other=-1),
+                pltr.load(coef_ref.at[k], mask=m, other=0.0),
+            )
 
         def body(j, carry, start=start, load_ids=load_ids):
             *acc, ids, coef = carry
@@ -71,8 +83,9 @@ def _bag_forward_kernel(off_ref, ids_ref, coef_ref, table_ref, *out_refs, combin
             m2 = jnp.broadcast_to(valid[:, None], (r_n, dp))
             if col_ok is not None:
                 m2 = m2 & col_ok[None, :]
-            rows = pltr.load(table_ref.at[jnp.maximum(ids, 0)[:, None], cols[None, :]],
-                             mask=m2, other=0)
+            rows = pltr.load(
+                table_ref.at[jnp.maximum(ids, 0)[:, None], cols[None, :]], mask=m2, other=0
+            )
             x = coef[:, None] * rows.astype(jnp.float32)
             if not is_max:
                 return (acc[0] + jnp.sum(x, axis=0), *nxt)
@@ -89,15 +102,18 @@ def _bag_forward_kernel(off_ref, ids_ref, coef_ref, table_ref, *out_refs, combin
         if is_max:
             init = [jnp.full((dp,), -jnp.inf, jnp.float32), jnp.full((dp,), -1, jnp.int32)]
         n_steps = lax.div(end - start + (r_n - 1), jnp.int32(r_n))
-        acc = lax.fori_loop(0, n_steps, body, (*init, *load_ids(start)))[:len(init)]
+        acc = lax.fori_loop(0, n_steps, body, (*init, *load_ids(start)))[: len(init)]
 
         row_ok = None if num_segments % bags == 0 else jnp.broadcast_to(b < num_segments, (dp,))
         mask = col_ok if row_ok is None else (row_ok if col_ok is None else row_ok & col_ok)
         if is_max:
             best, arg = acc
             found = arg >= 0  # an empty or all-padding bag gives 0 and -1
-            pltr.store(out_refs[0].at[b, cols],
-                       jnp.where(found, best, 0.0).astype(out_refs[0].dtype), mask=mask)
+            pltr.store(
+                out_refs[0].at[b, cols],
+                jnp.where(found, best, 0.0).astype(out_refs[0].dtype),
+                mask=mask,
+            )
             pltr.store(out_refs[1].at[b, cols], arg, mask=mask)
         else:
             pltr.store(out_refs[0].at[b, cols], acc[0].astype(out_refs[0].dtype), mask=mask)
@@ -132,8 +148,7 @@ def bag_forward(
       interpret: run the kernel with the Pallas interpreter (CPU tests).
     """
     if combiner not in ("sum", "max"):
-        raise ValueError(f"bag_forward: combiner must be 'sum' or 'max', "
-                         f"got {combiner!r}")
+        raise ValueError(f"bag_forward: combiner must be 'sum' or 'max', got {combiner!r}")
     r_n = check_pow2("rows_per_step", rows_per_step)
     bags = int(bags_per_program)
     if bags < 1:
@@ -151,13 +166,20 @@ def bag_forward(
     seg_sorted = lax.cummax(jnp.where(valid, segment_ids, 0).astype(jnp.int32), axis=0)
     n_prog = -(-num_segments // bags)
     bounds = jnp.arange(n_prog * bags + 1, dtype=jnp.int32)
-    offsets = jnp.searchsorted(seg_sorted, bounds, side="left",
-                               method="scan_unrolled").astype(jnp.int32)
+    offsets = jnp.searchsorted(seg_sorted, bounds, side="left", method="scan_unrolled").astype(
+        jnp.int32
+    )
     out_shape = [jax.ShapeDtypeStruct((num_segments, dim), table.dtype)]
     if combiner == "max":
         out_shape.append(jax.ShapeDtypeStruct((num_segments, dim), jnp.int32))
-    kernel = functools.partial(_bag_forward_kernel, combiner=combiner, rows_per_step=r_n,
-                               bags=bags, dim=dim, num_segments=num_segments)
+    kernel = functools.partial(
+        _bag_forward_kernel,
+        combiner=combiner,
+        rows_per_step=r_n,
+        bags=bags,
+        dim=dim,
+        num_segments=num_segments,
+    )
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -169,9 +191,25 @@ def bag_forward(
     return tuple(outs) if combiner == "max" else outs[0]
 
 
-def segment_max(values, col_ids, segment_ids, dense, *, num_segments,
-                config: Config | None = None, interpret: bool = False):
+def segment_max(
+    values,
+    col_ids,
+    segment_ids,
+    dense,
+    *,
+    num_segments,
+    config: Config | None = None,
+    interpret: bool = False,
+):
     """The max-pooling primitive's "pallas" implementation: (out, argk)."""
     config = config or get_heuristic_config(dense.shape[1])
-    return bag_forward(values, col_ids, segment_ids, dense, num_segments, combiner="max",
-                       **dataclasses.asdict(config), interpret=interpret)
+    return bag_forward(
+        values,
+        col_ids,
+        segment_ids,
+        dense,
+        num_segments,
+        combiner="max",
+        **dataclasses.asdict(config),
+        interpret=interpret,
+    )

@@ -52,8 +52,10 @@ def pairwise_dots(x: jax.Array, *, implementation: str | None = None) -> jax.Arr
     _dispatch.check_implementation(implementation)
     _checks.check_array(op, "x", x, ndim=3, kind="float")
     if implementation == "cpu_ffi" and jnp.dtype(x.dtype) not in _FFI_DTYPES:
-        raise TypeError(f"sparsejax.ops.{op}: `x` must be float32 or bfloat16 for "
-                        f"implementation='cpu_ffi', got {x.dtype}")
+        raise TypeError(
+            f"sparsejax.ops.{op}: `x` must be float32 or bfloat16 for "
+            f"implementation='cpu_ffi', got {x.dtype}"
+        )
     return _pairwise_dots(implementation, x)
 
 
@@ -82,8 +84,11 @@ def _fold(args, dims):
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
     out = []
     for a, d in zip(args, dims, strict=True):
-        a = batching.bdim_at_front(a, d, size) if d is not None else jnp.broadcast_to(
-            a, (size, *a.shape))
+        a = (
+            batching.bdim_at_front(a, d, size)
+            if d is not None
+            else jnp.broadcast_to(a, (size, *a.shape))
+        )
         out.append(a.reshape(size * a.shape[1], *a.shape[2:]))
     return out, size
 

@@ -40,5 +40,6 @@ def pairwise_dots_bwd(g, x) -> jax.Array:
     if x.size == 0 or f < 2:
         return jnp.zeros(x.shape, x.dtype)
     out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.ffi.ffi_call(_cpu_ffi.PAIRWISE_DOTS_BWD_TARGET, out,
-                            vmap_method="broadcast_all")(g, x)
+    return jax.ffi.ffi_call(_cpu_ffi.PAIRWISE_DOTS_BWD_TARGET, out, vmap_method="broadcast_all")(
+        g, x
+    )

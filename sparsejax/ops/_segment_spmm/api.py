@@ -70,9 +70,14 @@ def segment_spmm(
     _checks.check_unsharded(op, "dense", dense)
     _checks.check_lookups(op, "dense", dense.shape[0], num_segments, col_ids, segment_ids, values)
     return segment_spmm_p.bind(
-        jnp.asarray(values, jnp.float32), jnp.asarray(col_ids, jnp.int32),
-        jnp.asarray(segment_ids, jnp.int32), dense, num_segments=num_segments,
-        implementation=implementation, sorted_segments=True, unit_values=False,
+        jnp.asarray(values, jnp.float32),
+        jnp.asarray(col_ids, jnp.int32),
+        jnp.asarray(segment_ids, jnp.int32),
+        dense,
+        num_segments=num_segments,
+        implementation=implementation,
+        sorted_segments=True,
+        unit_values=False,
     )
 
 
@@ -104,8 +109,10 @@ def fold_vmapped_lookups(args, dims, num_segments):
     per-batch number of nonzeros.
     """
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    nnz = next(a.shape[1 if d == 0 else 0] if d is not None else a.shape[0]
-               for a, d in zip(args[:3], dims[:3], strict=True))
+    nnz = next(
+        a.shape[1 if d == 0 else 0] if d is not None else a.shape[0]
+        for a, d in zip(args[:3], dims[:3], strict=True)
+    )
     values, col_ids, segment_ids = (
         batching.bdim_at_front(a, d, size) if d is not None else jnp.broadcast_to(a, (size, nnz))
         for a, d in zip(args[:3], dims[:3], strict=True)
@@ -136,8 +143,11 @@ def _jvp(primals, tangents, **params):
     out = segment_spmm_p.bind(*primals, **params)
     terms = []
     if type(d_values) is not ad.Zero:
-        terms.append(segment_spmm_p.bind(d_values, col_ids, segment_ids, dense,
-                                         **dict(params, unit_values=False)))
+        terms.append(
+            segment_spmm_p.bind(
+                d_values, col_ids, segment_ids, dense, **dict(params, unit_values=False)
+            )
+        )
     if type(d_dense) is not ad.Zero:
         terms.append(segment_spmm_p.bind(values, col_ids, segment_ids, d_dense, **params))
     if not terms:
@@ -145,8 +155,18 @@ def _jvp(primals, tangents, **params):
     return out, functools.reduce(jnp.add, terms)
 
 
-def _transpose(ct, values, col_ids, segment_ids, dense, *, num_segments, implementation,
-               sorted_segments, unit_values):
+def _transpose(
+    ct,
+    values,
+    col_ids,
+    segment_ids,
+    dense,
+    *,
+    num_segments,
+    implementation,
+    sorted_segments,
+    unit_values,
+):
     del sorted_segments, unit_values  # the transposed products take `values` as computed
     if type(ct) is ad.Zero:
         return None, None, None, None
@@ -156,9 +176,15 @@ def _transpose(ct, values, col_ids, segment_ids, dense, *, num_segments, impleme
     if ad.is_undefined_primal(dense):
         # The same product with the roles of rows and columns swapped (scatter-add).
         dense_ct = segment_spmm_p.bind(
-            jnp.where(valid, values, 0.0), jnp.where(valid, segment_ids, -1), col_ids,
-            ct.astype(dense.aval.dtype), num_segments=k, implementation=implementation,
-            sorted_segments=False, unit_values=False)
+            jnp.where(valid, values, 0.0),
+            jnp.where(valid, segment_ids, -1),
+            col_ids,
+            ct.astype(dense.aval.dtype),
+            num_segments=k,
+            implementation=implementation,
+            sorted_segments=False,
+            unit_values=False,
+        )
     if ad.is_undefined_primal(values):
         # Sampled dense-dense product: <ct[segment], dense[col]> per nonzero.
         rows = jnp.take(dense, jnp.where(valid, col_ids, 0), axis=0).astype(jnp.float32)
@@ -170,8 +196,11 @@ def _transpose(ct, values, col_ids, segment_ids, dense, *, num_segments, impleme
 segment_spmm_p = define_primitive(
     "segment_spmm",
     abstract_eval=_abstract_eval,
-    implementations={"xla": base.segment_spmm, "cpu_ffi": cpu_ffi.segment_spmm,
-                     "pallas": f"{__package__}.pallas_triton:segment_spmm"},
+    implementations={
+        "xla": base.segment_spmm,
+        "cpu_ffi": cpu_ffi.segment_spmm,
+        "pallas": f"{__package__}.pallas_triton:segment_spmm",
+    },
     batch_rule=_batch_rule,
     jvp=_jvp,
     transpose=_transpose,

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 from .. import _cpu_ffi
 
 
-def segment_spmm(values, col_ids, segment_ids, dense, *, num_segments, sorted_segments=True,
-                 unit_values=False) -> jax.Array:
+def segment_spmm(
+    values, col_ids, segment_ids, dense, *, num_segments, sorted_segments=True, unit_values=False
+) -> jax.Array:
     """out[s] = sum over valid k with segment_ids[k] == s of values[k] * dense[col_ids[k]].
 
     Args:
@@ -29,4 +30,5 @@ def segment_spmm(values, col_ids, segment_ids, dense, *, num_segments, sorted_se
     dense = _cpu_ffi.float_dense(dense, "dense", "[K, D]")
     out = jax.ShapeDtypeStruct((int(num_segments), dense.shape[1]), dense.dtype)
     return jax.ffi.ffi_call(_cpu_ffi.SPMM_TARGET, out, vmap_method="sequential")(
-        values, col_ids, segment_ids, dense)
+        values, col_ids, segment_ids, dense
+    )

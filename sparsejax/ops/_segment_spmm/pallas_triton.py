@@ -43,8 +43,19 @@ def get_heuristic_config(dim: int) -> Config:
     return Config(block_d=block_d, num_warps=max(1, block_d // 128))
 
 
-def _spmm_kernel(rows_ref, cols_ref, vals_ref, dense_ref, _zeros_ref, out_ref, *,
-                 chunk: int, block_d: int, dim: int, group: int):
+def _spmm_kernel(
+    rows_ref,
+    cols_ref,
+    vals_ref,
+    dense_ref,
+    _zeros_ref,
+    out_ref,
+    *,
+    chunk: int,
+    block_d: int,
+    dim: int,
+    group: int,
+):
     """One chunk of `chunk` nonzeros x one `block_d` column block of the output."""
     base = pl.program_id(0) * chunk
     dcols = pl.program_id(1) * block_d + iota(block_d)
@@ -91,8 +102,9 @@ def _spmm_kernel(rows_ref, cols_ref, vals_ref, dense_ref, _zeros_ref, out_ref, *
     pltr.atomic_add(out_ref, (last, out_cols), last_acc)
 
 
-def spmm_f32(values, col_ids, segment_ids, dense, num_segments, *, chunk, block_d,
-              num_warps, interpret):
+def spmm_f32(
+    values, col_ids, segment_ids, dense, num_segments, *, chunk, block_d, num_warps, interpret
+):
     """f32[num_segments, Dp] (Dp = padded dim), the kernel's raw output."""
     nnz = values.shape[0]
     k, dim = dense.shape
@@ -114,8 +126,7 @@ def spmm_f32(values, col_ids, segment_ids, dense, num_segments, *, chunk, block_
         cols = jnp.pad(cols, (0, pad), constant_values=-1)
         vals = jnp.pad(vals, (0, pad))
     group = math.gcd(chunk, 8)
-    kernel = functools.partial(_spmm_kernel, chunk=chunk, block_d=block_d, dim=dim,
-                               group=group)
+    kernel = functools.partial(_spmm_kernel, chunk=chunk, block_d=block_d, dim=dim, group=group)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_segments, dp), jnp.float32),
@@ -154,22 +165,47 @@ def spmm(
     num_segments = int(num_segments)
     if chunk < 1:
         raise ValueError(f"spmm: chunk must be >= 1, got {chunk}")
-    out = spmm_f32(values, col_ids, segment_ids, dense, num_segments, chunk=int(chunk),
-                    block_d=block_d, num_warps=num_warps, interpret=interpret)
+    out = spmm_f32(
+        values,
+        col_ids,
+        segment_ids,
+        dense,
+        num_segments,
+        chunk=int(chunk),
+        block_d=block_d,
+        num_warps=num_warps,
+        interpret=interpret,
+    )
     dim = dense.shape[1]
     if out.shape[1] != dim:
         out = out[:, :dim]
     return out.astype(dense.dtype)
 
 
-def segment_spmm(values, col_ids, segment_ids, dense, *, num_segments, sorted_segments=True,
-                 unit_values=False, config: Config | None = None, interpret: bool = False):
+def segment_spmm(
+    values,
+    col_ids,
+    segment_ids,
+    dense,
+    *,
+    num_segments,
+    sorted_segments=True,
+    unit_values=False,
+    config: Config | None = None,
+    interpret: bool = False,
+):
     """The primitive's "pallas" implementation: the kernel needs CSR order, so unsorted
     segment ids (the transposes) run the XLA implementation."""
     del unit_values
     if not sorted_segments:
-        return base.segment_spmm(values, col_ids, segment_ids, dense,
-                                 num_segments=num_segments)
+        return base.segment_spmm(values, col_ids, segment_ids, dense, num_segments=num_segments)
     config = config or get_heuristic_config(dense.shape[1])
-    return spmm(values, col_ids, segment_ids, dense, num_segments,
-                **dataclasses.asdict(config), interpret=interpret)
+    return spmm(
+        values,
+        col_ids,
+        segment_ids,
+        dense,
+        num_segments,
+        **dataclasses.asdict(config),
+        interpret=interpret,
+    )

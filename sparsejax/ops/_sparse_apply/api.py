@@ -61,14 +61,19 @@ def sparse_apply(
     """
     op = "sparse_apply"
     if not isinstance(optimizer, SparseOptimizer):
-        raise TypeError(f"sparsejax.ops.{op}: `optimizer` must be a SparseOptimizer, "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"sparsejax.ops.{op}: `optimizer` must be a SparseOptimizer, "
+            f"got {type(optimizer).__name__}"
+        )
     _checks.check_array(op, "grad", grad, ndim=2, kind="float")
-    num_segments = validate_bag(op, table, ids, segment_ids, grad.shape[0], weights, combiner,
-                                implementation)
+    num_segments = validate_bag(
+        op, table, ids, segment_ids, grad.shape[0], weights, combiner, implementation
+    )
     if grad.shape[1] != table.shape[1]:
-        raise ValueError(f"sparsejax.ops.{op}: `grad` has dim {grad.shape[1]} but `table` "
-                         f"has dim {table.shape[1]}")
+        raise ValueError(
+            f"sparsejax.ops.{op}: `grad` has dim {grad.shape[1]} but `table` "
+            f"has dim {table.shape[1]}"
+        )
     slots = _check_slots(op, optimizer, slots, table.shape)
     _checks.check_unsharded(op, name, table)
     _checks.check_lookups(op, name, table.shape[0], num_segments, ids, segment_ids, weights)
@@ -81,12 +86,20 @@ def sparse_apply(
     grad = grad.astype(jnp.float32)
     if combiner == "max":
         ids, segment_ids, coef, grad = _max_row_gradients(
-            table, ids, segment_ids, coef, grad, implementation)
+            table, ids, segment_ids, coef, grad, implementation
+        )
     names = [s.name for s in optimizer.slots()]
     outs = sparse_apply_p.bind(
-        table, *(slots[n] for n in names), ids, segment_ids, coef, grad,
-        optimizer.hparams(learning_rate), jnp.asarray(step, jnp.int32),
-        optimizer=optimizer, implementation=implementation,
+        table,
+        *(slots[n] for n in names),
+        ids,
+        segment_ids,
+        coef,
+        grad,
+        optimizer.hparams(learning_rate),
+        jnp.asarray(step, jnp.int32),
+        optimizer=optimizer,
+        implementation=implementation,
     )
     return outs[0], dict(zip(names, outs[1:], strict=True))
 
@@ -95,21 +108,26 @@ def _check_slots(op, optimizer, slots, table_shape):
     slots = dict(slots or {})
     expected = {s.name: s for s in optimizer.slots()}
     if set(slots) != set(expected):
-        raise ValueError(f"sparsejax.ops.{op}: {type(optimizer).__name__} needs slots "
-                         f"{sorted(expected)}, got {sorted(slots)}")
+        raise ValueError(
+            f"sparsejax.ops.{op}: {type(optimizer).__name__} needs slots "
+            f"{sorted(expected)}, got {sorted(slots)}"
+        )
     for n, spec in expected.items():
         shape = table_shape[:1] if spec.per_row else table_shape
         if tuple(slots[n].shape) != tuple(shape) or slots[n].dtype != jnp.dtype(spec.dtype):
-            raise ValueError(f"sparsejax.ops.{op}: slot {n!r} must be {spec.dtype}{list(shape)}, "
-                             f"got {slots[n].dtype}{list(slots[n].shape)}")
+            raise ValueError(
+                f"sparsejax.ops.{op}: slot {n!r} must be {spec.dtype}{list(shape)}, "
+                f"got {slots[n].dtype}{list(slots[n].shape)}"
+            )
     return slots
 
 
 def _max_row_gradients(table, ids, segment_ids, coef, grad, implementation):
     """Per-lookup gradients of max pooling: lookup k gets grad[s, d] where it won (s, d)."""
     s = grad.shape[0]
-    _, argk = segment_max_p.bind(coef, ids, segment_ids, table, num_segments=s,
-                                 implementation=implementation)
+    _, argk = segment_max_p.bind(
+        coef, ids, segment_ids, table, num_segments=s, implementation=implementation
+    )
     seg = jnp.clip(segment_ids, 0, s - 1)
     positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
     won = argk[seg] == positions[:, None]
@@ -125,14 +143,17 @@ def _max_row_gradients(table, ids, segment_ids, coef, grad, implementation):
 # the updates one after the other (the default batching rule).
 def _abstract_eval(table, *operands, optimizer, implementation):
     del implementation
-    state = (table, *operands[:optimizer.num_slots()])
+    state = (table, *operands[: optimizer.num_slots()])
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in state]
 
 
 sparse_apply_p = define_primitive(
     "sparse_apply",
     abstract_eval=_abstract_eval,
-    implementations={"xla": base.sparse_apply, "cpu_ffi": cpu_ffi.sparse_apply,
-                     "pallas": f"{__package__}.pallas_triton:sparse_apply"},
+    implementations={
+        "xla": base.sparse_apply,
+        "cpu_ffi": cpu_ffi.sparse_apply,
+        "pallas": f"{__package__}.pallas_triton:sparse_apply",
+    },
     multiple_results=True,
 )

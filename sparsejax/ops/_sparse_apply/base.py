@@ -36,13 +36,18 @@ def update_touched_rows(optimizer, table, slot_values, unique_ids, row_grads, hp
     """
     specs = optimizer.slots()
     rows = table.at[unique_ids].get(mode="fill", fill_value=0).astype(jnp.float32)
-    slot_rows = {s.name: v.at[unique_ids].get(mode="fill", fill_value=0)
-                 for s, v in zip(specs, slot_values, strict=True)}
-    new_rows, new_slots = optimizer.update_rows(hp, rows, slot_rows, row_grads, step,
-                                                dim=table.shape[1])
+    slot_rows = {
+        s.name: v.at[unique_ids].get(mode="fill", fill_value=0)
+        for s, v in zip(specs, slot_values, strict=True)
+    }
+    new_rows, new_slots = optimizer.update_rows(
+        hp, rows, slot_rows, row_grads, step, dim=table.shape[1]
+    )
     table = table.at[unique_ids].set(new_rows.astype(table.dtype), mode="drop")
-    slot_values = [v.at[unique_ids].set(new_slots[s.name].astype(v.dtype), mode="drop")
-                   for s, v in zip(specs, slot_values, strict=True)]
+    slot_values = [
+        v.at[unique_ids].set(new_slots[s.name].astype(v.dtype), mode="drop")
+        for s, v in zip(specs, slot_values, strict=True)
+    ]
     return table, slot_values
 
 
@@ -53,38 +58,68 @@ def sparse_apply(table, *operands, optimizer):
     [table, *slots].
     """
     n_slots = optimizer.num_slots()
-    slot_values, (ids, segment_ids, coef, grad, hp, step) = (operands[:n_slots],
-                                                             operands[n_slots:])
+    slot_values, (ids, segment_ids, coef, grad, hp, step) = (operands[:n_slots], operands[n_slots:])
     vocab = table.shape[0]
     num_segments = grad.shape[0]
     valid = valid_entries(ids, segment_ids, vocab, num_segments)
     unique_ids, run = dedup_ids(jnp.where(valid, ids, -1), vocab)
-    row_grads = segment_spmm(jnp.where(valid, coef, 0.0), jnp.where(valid, segment_ids, -1),
-                             run, grad, num_segments=ids.shape[0])
-    table, slot_values = update_touched_rows(optimizer, table, slot_values, unique_ids,
-                                             row_grads, hp, step)
+    row_grads = segment_spmm(
+        jnp.where(valid, coef, 0.0),
+        jnp.where(valid, segment_ids, -1),
+        run,
+        grad,
+        num_segments=ids.shape[0],
+    )
+    table, slot_values = update_touched_rows(
+        optimizer, table, slot_values, unique_ids, row_grads, hp, step
+    )
     return [table, *slot_values]
 
 
-def sparse_apply_ref(table, slots, ids, segment_ids, grad, *, optimizer, step, weights=None,
-                     combiner="sum", learning_rate=None, implementation=None, name="table"):
+def sparse_apply_ref(
+    table,
+    slots,
+    ids,
+    segment_ids,
+    grad,
+    *,
+    optimizer,
+    step,
+    weights=None,
+    combiner="sum",
+    learning_rate=None,
+    implementation=None,
+    name="table",
+):
     """Reference: the dense gradient of the pooled loss (`jax.vjp` of the jnp
     reference), then `update_rows` on the rows that were looked up."""
     del implementation, name
     vocab, dim = table.shape
     num_segments = grad.shape[0]
-    f = functools.partial(embedding_bag_ref, ids=ids, segment_ids=segment_ids,
-                          num_segments=num_segments, weights=weights, combiner=combiner)
+    f = functools.partial(
+        embedding_bag_ref,
+        ids=ids,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
+        weights=weights,
+        combiner=combiner,
+    )
     _, vjp = jax.vjp(lambda t: f(t.astype(jnp.float32)), table)
     (dense_grad,) = vjp(grad.astype(jnp.float32))
     valid = valid_entries(ids, segment_ids, vocab, num_segments)
     touched = jnp.zeros((vocab,), bool).at[jnp.where(valid, ids, vocab)].set(True, mode="drop")
-    rows, new_slots = optimizer.update_rows(optimizer.hparams(learning_rate),
-                                            table.astype(jnp.float32), slots,
-                                            dense_grad.astype(jnp.float32),
-                                            jnp.asarray(step, jnp.int32), dim=dim)
+    rows, new_slots = optimizer.update_rows(
+        optimizer.hparams(learning_rate),
+        table.astype(jnp.float32),
+        slots,
+        dense_grad.astype(jnp.float32),
+        jnp.asarray(step, jnp.int32),
+        dim=dim,
+    )
     mask2 = touched[:, None]
     table = jnp.where(mask2, rows.astype(table.dtype), table)
-    slots = {k: jnp.where(touched if v.ndim == 1 else mask2, new_slots[k].astype(v.dtype), v)
-             for k, v in slots.items()}
+    slots = {
+        k: jnp.where(touched if v.ndim == 1 else mask2, new_slots[k].astype(v.dtype), v)
+        for k, v in slots.items()
+    }
     return table, slots

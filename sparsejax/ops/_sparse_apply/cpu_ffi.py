@@ -32,8 +32,10 @@ def sparse_apply(table, *operands, optimizer):
     if n_slots is None:
         raise ValueError(f"unknown optimizer code {code}")
     if len(operands) != n_slots + 6:
-        raise ValueError(f"{type(optimizer).__name__} (code {code}) takes {n_slots} slots, "
-                         f"got {len(operands) - 6}")
+        raise ValueError(
+            f"{type(optimizer).__name__} (code {code}) takes {n_slots} slots, "
+            f"got {len(operands) - 6}"
+        )
     slots, (ids, segment_ids, coef, grad, hparams, step) = operands[:n_slots], operands[n_slots:]
     table = _cpu_ffi.float_dense(table, "table", "[V, D]")
     ids, segment_ids = jnp.asarray(ids, jnp.int32), jnp.asarray(segment_ids, jnp.int32)

@@ -41,10 +41,21 @@ def get_heuristic_config(dim: int) -> Config:
     return Config(rows_per_step=4 if next_pow2(dim) > 512 else 8)
 
 
-def _apply_rows_kernel(uids_ref, grads_ref, hp_ref, step_ref, *refs, optimizer, rows_per_step,
-                       dim, num_rows, vocab, n_slots):
+def _apply_rows_kernel(
+    uids_ref,
+    grads_ref,
+    hp_ref,
+    step_ref,
+    *refs,
+    optimizer,
+    rows_per_step,
+    dim,
+    num_rows,
+    vocab,
+    n_slots,
+):
     # Inputs table + slots are aliased with the outputs; read and write the outputs.
-    out_refs = refs[n_slots + 1:]
+    out_refs = refs[n_slots + 1 :]
     table_ref, slot_refs = out_refs[0], out_refs[1:]
     specs = optimizer.slots()
     r_n, dp = rows_per_step, next_pow2(dim)
@@ -63,8 +74,9 @@ def _apply_rows_kernel(uids_ref, grads_ref, hp_ref, step_ref, *refs, optimizer, 
         wr1 = jnp.where(valid, uids, vocab)  # past the end: stores (never written)
         rd, wr = (rd1[:, None], cols[None, :]), (wr1[:, None], cols[None, :])
         rows = pltr.load(table_ref.at[rd], mask=m2, other=0).astype(jnp.float32)
-        grads = pltr.load(grads_ref.at[jnp.where(in_range, k, 0)[:, None], cols[None, :]],
-                          mask=m2, other=0.0).astype(jnp.float32)
+        grads = pltr.load(
+            grads_ref.at[jnp.where(in_range, k, 0)[:, None], cols[None, :]], mask=m2, other=0.0
+        ).astype(jnp.float32)
         slots = {}
         for spec, ref in zip(specs, slot_refs, strict=True):
             fill = jnp.asarray(spec.init, ref.dtype)
@@ -73,8 +85,7 @@ def _apply_rows_kernel(uids_ref, grads_ref, hp_ref, step_ref, *refs, optimizer, 
             else:
                 slots[spec.name] = pltr.load(ref.at[rd], mask=m2, other=fill)
         hp = tuple(hp_ref[i] for i in range(hp_ref.shape[0]))  # scalars; hp[i] as in f32[8]
-        new_rows, new_slots = optimizer.update_rows(hp, rows, slots, grads, step_ref[0],
-                                                    dim=dim)
+        new_rows, new_slots = optimizer.update_rows(hp, rows, slots, grads, step_ref[0], dim=dim)
         pltr.store(table_ref.at[wr], new_rows.astype(table_ref.dtype), mask=m2)
         for spec, ref in zip(specs, slot_refs, strict=True):
             v = new_slots[spec.name].astype(ref.dtype)
@@ -84,22 +95,32 @@ def _apply_rows_kernel(uids_ref, grads_ref, hp_ref, step_ref, *refs, optimizer, 
                 pltr.store(ref.at[wr], v, mask=m2)
 
 
-def _apply_rows(table, slots, uids, grads, hparams, step, *, optimizer, rows_per_step,
-                num_warps, interpret):
+def _apply_rows(
+    table, slots, uids, grads, hparams, step, *, optimizer, rows_per_step, num_warps, interpret
+):
     """`apply_rows` where `grads` may have more columns than D (the padded spmm output)."""
     vocab, dim = table.shape
     r_n = check_pow2("rows_per_step", rows_per_step)
     specs = optimizer.slots()
     slots = tuple(slots)
     if len(slots) != len(specs):
-        raise ValueError(f"apply_rows: {type(optimizer).__name__} has slots "
-                         f"{[s.name for s in specs]}, got {len(slots)} arrays")
+        raise ValueError(
+            f"apply_rows: {type(optimizer).__name__} has slots "
+            f"{[s.name for s in specs]}, got {len(slots)} arrays"
+        )
     num_rows = uids.shape[0]
     if num_rows == 0 or vocab == 0:
         return table, slots
     n_slots = len(slots)
-    kernel = functools.partial(_apply_rows_kernel, optimizer=optimizer, rows_per_step=r_n,
-                               dim=dim, num_rows=num_rows, vocab=vocab, n_slots=n_slots)
+    kernel = functools.partial(
+        _apply_rows_kernel,
+        optimizer=optimizer,
+        rows_per_step=r_n,
+        dim=dim,
+        num_rows=num_rows,
+        vocab=vocab,
+        n_slots=n_slots,
+    )
     state = (table, *slots)
     outs = pl.pallas_call(
         kernel,
@@ -109,8 +130,13 @@ def _apply_rows(table, slots, uids, grads, hparams, step, *, optimizer, rows_per
         compiler_params=compiler_params(num_warps or 2),
         interpret=interpret,
         name=f"sparsejax_apply_rows_{type(optimizer).__name__}",
-    )(uids.astype(jnp.int32), grads, hparams.astype(jnp.float32).reshape(-1),
-      jnp.asarray(step, jnp.int32).reshape(1), *state)
+    )(
+        uids.astype(jnp.int32),
+        grads,
+        hparams.astype(jnp.float32).reshape(-1),
+        jnp.asarray(step, jnp.int32).reshape(1),
+        *state,
+    )
     return outs[0], tuple(outs[1:])
 
 
@@ -134,10 +160,22 @@ def apply_rows(
     nothing is copied. Rows not in `uids` come back bit-identical.
     """
     if grads.shape != (uids.shape[0], table.shape[1]):
-        raise ValueError(f"apply_rows: grads must be [U, D] = {[uids.shape[0], table.shape[1]]}"
-                         f", got {list(grads.shape)}")
-    return _apply_rows(table, slots, uids, grads, hparams, step, optimizer=optimizer,
-                       rows_per_step=rows_per_step, num_warps=num_warps, interpret=interpret)
+        raise ValueError(
+            f"apply_rows: grads must be [U, D] = {[uids.shape[0], table.shape[1]]}"
+            f", got {list(grads.shape)}"
+        )
+    return _apply_rows(
+        table,
+        slots,
+        uids,
+        grads,
+        hparams,
+        step,
+        optimizer=optimizer,
+        rows_per_step=rows_per_step,
+        num_warps=num_warps,
+        interpret=interpret,
+    )
 
 
 # ========================================== kernel 2: dedup + reduce + optimizer
@@ -153,14 +191,18 @@ def _dedup_plan(ids, segment_ids, coef, vocab, num_segments):
     svalid = skey != jnp.uint32(0xFFFFFFFF)
     new_run = svalid & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
     run = jnp.cumsum(new_run.astype(jnp.int32)) - 1  # invalid tail keeps the last run
-    uniq = jnp.full((n,), -1, jnp.int32).at[jnp.where(new_run, run, n)].set(
-        skey.astype(jnp.int32), mode="drop")
+    uniq = (
+        jnp.full((n,), -1, jnp.int32)
+        .at[jnp.where(new_run, run, n)]
+        .set(skey.astype(jnp.int32), mode="drop")
+    )
     seg = jnp.where(svalid, segment_ids[perm], -1)
     return uniq, run, seg, coef[perm]
 
 
-def sparse_apply(table, *operands, optimizer, config: Config | None = None,
-                 interpret: bool = False):
+def sparse_apply(
+    table, *operands, optimizer, config: Config | None = None, interpret: bool = False
+):
     """Operands (*slots, ids, segment_ids, coef, grad, hparams, step) as every backend's;
     returns [table, *slots].
 
@@ -173,20 +215,45 @@ def sparse_apply(table, *operands, optimizer, config: Config | None = None,
     """
     config = config or get_heuristic_config(table.shape[1])
     n_slots = optimizer.num_slots()
-    slots, (ids, segment_ids, coef, grad, hparams, step) = (tuple(operands[:n_slots]),
-                                                            operands[n_slots:])
+    slots, (ids, segment_ids, coef, grad, hparams, step) = (
+        tuple(operands[:n_slots]),
+        operands[n_slots:],
+    )
     vocab, dim = table.shape
     n, num_segments = ids.shape[0], grad.shape[0]
     if n == 0 or num_segments == 0 or vocab == 0:
         return [table, *slots]
     if grad.shape[1] != dim:
         raise ValueError(f"sparse_apply: grad has dim {grad.shape[1]}, table has {dim}")
-    uniq, run, seg, coef_s = _dedup_plan(ids.astype(jnp.int32), segment_ids.astype(jnp.int32),
-                                         coef.astype(jnp.float32), vocab, num_segments)
+    uniq, run, seg, coef_s = _dedup_plan(
+        ids.astype(jnp.int32),
+        segment_ids.astype(jnp.int32),
+        coef.astype(jnp.float32),
+        vocab,
+        num_segments,
+    )
     # One output row per unique id (at most N); the padded [N, Dp] f32 goes straight in.
-    g = spmm_f32(coef_s, seg, run, grad, n, chunk=config.chunk, block_d=None, num_warps=None,
-                 interpret=interpret)
-    table, slots = _apply_rows(table, slots, uniq, g, hparams, step, optimizer=optimizer,
-                               rows_per_step=config.rows_per_step, num_warps=None,
-                               interpret=interpret)
+    g = spmm_f32(
+        coef_s,
+        seg,
+        run,
+        grad,
+        n,
+        chunk=config.chunk,
+        block_d=None,
+        num_warps=None,
+        interpret=interpret,
+    )
+    table, slots = _apply_rows(
+        table,
+        slots,
+        uniq,
+        g,
+        hparams,
+        step,
+        optimizer=optimizer,
+        rows_per_step=config.rows_per_step,
+        num_warps=None,
+        interpret=interpret,
+    )
     return [table, *slots]
