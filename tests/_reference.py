@@ -44,6 +44,8 @@ def embedding_bag(table, ids, seg, num_segments, weights=None, combiner="sum"):
     table = f64(table)
     ids, seg = np.asarray(ids), np.asarray(seg)
     w = np.ones(len(ids)) if weights is None else np.asarray(weights, np.float64)
+    # The contract: subnormal f32 weights count as 0 (XLA flushes them on CPU and GPU).
+    w = np.where(np.abs(w) < np.finfo(np.float32).tiny, 0.0, w)
     out = np.zeros((num_segments, table.shape[1]))
     for s in range(num_segments):
         ks = [k for k in range(len(ids)) if seg[k] == s and 0 <= ids[k] < table.shape[0]]

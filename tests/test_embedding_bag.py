@@ -211,6 +211,30 @@ def test_sqrtn_is_exact_for_tiny_and_huge_weights(implementation, scale):
     np.testing.assert_allclose(out[0], (3 * table[1] + 4 * table[4]) / 5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_subnormal_weights_count_as_zero(implementation, combiner):
+    """The contract every implementation keeps (XLA flushes subnormals on CPU and GPU):
+    a bag whose only weight is subnormal pools to 0; a tiny normal weight is exact."""
+    table = jnp.arange(1.0, 7.0, dtype=jnp.float32).reshape(3, 2)
+    ids = jnp.array([0, 1, 2], jnp.int32)
+    seg = jnp.array([0, 1, 1], jnp.int32)
+    w = np.array([1.6e-42, 2e-38, 0.0], np.float32)  # subnormal, smallest normals
+    out = ops.embedding_bag(
+        table,
+        ids,
+        seg,
+        2,
+        weights=jnp.asarray(w),
+        combiner=combiner,
+        implementation=implementation,
+    )
+    want = ref.embedding_bag(table, np.asarray(ids), np.asarray(seg), 2, w, combiner)
+    np.testing.assert_array_equal(np.asarray(out)[0], 0.0)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
+    if combiner != "sum":  # normalized: the tiny weight's row exactly
+        np.testing.assert_allclose(np.asarray(out)[1], table[1], rtol=1e-6)
+
+
 # ------------------------------------------------------------------ max kernels: exact
 def _max_kernel(impl):
     if impl == "cpu_ffi":

@@ -10,7 +10,9 @@ won each output element so that the JVP is exact.
 Semantics (the public contract): ids < 0 are padding and contribute nothing; ids >=
 vocab also contribute nothing on the fast path (an error in checked mode); mean/sqrtn
 normalize by the sum (of squares) of the weights of the valid ids (their count when
-unweighted); an empty or all-padding bag gives zeros.
+unweighted); an empty or all-padding bag gives zeros. Subnormal float32 weights (below
+~1.2e-38) count as 0, as XLA flushes them on CPU and GPU; tiny normal weights are exact
+(sqrtn scales each bag by its largest |weight| before squaring).
 """
 
 from __future__ import annotations
