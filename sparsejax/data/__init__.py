@@ -8,8 +8,7 @@ capacity, what `SparseBatch.features` holds). The old names `Ragged` (= `JaggedI
 `Jagged` (= `PaddedIds`) still work for one release and warn.
 """
 
-import warnings as _warnings
-
+from .._deprecation import alias_getattr as _alias_getattr
 from ._batch import BatchPacker as BatchPacker
 from ._batch import JaggedIds as JaggedIds
 from ._batch import PaddedIds as PaddedIds
@@ -42,14 +41,5 @@ from ._synthetic import SyntheticCriteo as SyntheticCriteo
 _DEPRECATED = {"Jagged": PaddedIds, "Ragged": JaggedIds}
 
 
-def __getattr__(name: str):
-    """Deprecated aliases: `Jagged` read backwards to a TorchRec user (it held padded ids)."""
-    if name in _DEPRECATED:
-        new = _DEPRECATED[name]
-        _warnings.warn(
-            f"sparsejax.data.{name} is deprecated; use sparsejax.data.{new.__name__}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return new
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated aliases (one release): the old names read wrong to a TorchRec user.
+__getattr__ = _alias_getattr(__name__, _DEPRECATED)

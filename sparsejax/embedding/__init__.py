@@ -8,8 +8,7 @@ still works for one release and warns: in TorchRec an `EmbeddingCollection` is t
 unpooled (sequence) module, which this is not.
 """
 
-import warnings as _warnings
-
+from .._deprecation import alias_getattr as _alias_getattr
 from ._device_store import MESH_AXES as MESH_AXES
 from ._device_store import DeviceTableStore as DeviceTableStore
 from ._device_store import GroupLookups as GroupLookups
@@ -47,14 +46,5 @@ __all__ = [
 _DEPRECATED = {"EmbeddingCollection": DeviceTableStore}
 
 
-def __getattr__(name: str):
-    """Deprecated aliases: `EmbeddingCollection` read as TorchRec's unpooled module."""
-    if name in _DEPRECATED:
-        new = _DEPRECATED[name]
-        _warnings.warn(
-            f"sparsejax.embedding.{name} is deprecated; use sparsejax.embedding.{new.__name__}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return new
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated aliases (one release): the old names read wrong to a TorchRec user.
+__getattr__ = _alias_getattr(__name__, _DEPRECATED)
