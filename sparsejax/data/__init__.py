@@ -28,6 +28,16 @@ from ._csv import ParseReport as ParseReport
 from ._csv import TableSchema as TableSchema
 from ._csv import read_delimited as read_delimited
 from ._csv import stable_hash as stable_hash
+from ._events import CandidateSets as CandidateSets
+from ._events import EventLog as EventLog
+from ._events import EventLogError as EventLogError
+from ._events import SequenceConfig as SequenceConfig
+from ._events import SequenceData as SequenceData
+from ._events import SequenceReport as SequenceReport
+from ._events import build_sequences as build_sequences
+from ._events import load_sequences as load_sequences
+from ._events import popularity_scores as popularity_scores
+from ._events import read_events as read_events
 from ._loader import BatchSource as BatchSource
 from ._loader import Examples as Examples
 from ._loader import HostBatch as HostBatch
