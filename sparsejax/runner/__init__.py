@@ -16,10 +16,12 @@ from ..nn import MODELS as MODELS
 from ..train import NonFiniteLossError as NonFiniteLossError
 from ..train import Trainer as Trainer
 from ._build import DataBundle as DataBundle
+from ._build import absolute_data_paths as absolute_data_paths
 from ._build import build_data as build_data
 from ._build import build_model as build_model
 from ._build import first_train_batch as first_train_batch
 from ._build import resolve_data_path as resolve_data_path
+from ._build import resolve_files as resolve_files
 from ._config import ConfigError as ConfigError
 from ._report import MetricsLog as MetricsLog
 from ._report import plot_curves as plot_curves
@@ -30,9 +32,13 @@ from ._run import train as train
 from ._run import train_run as train_run
 from ._schema import DATA_DIR_ENV as DATA_DIR_ENV
 from ._schema import DataConfig as DataConfig
+from ._schema import FeatureConfig as FeatureConfig
+from ._schema import JoinConfig as JoinConfig
+from ._schema import LabelConfig as LabelConfig
 from ._schema import ModelConfig as ModelConfig
 from ._schema import OptimizerConfig as OptimizerConfig
 from ._schema import RunConfig as RunConfig
+from ._schema import SplitConfig as SplitConfig
 from ._schema import config_from_dict as config_from_dict
 from ._schema import dense_optimizer as dense_optimizer
 from ._schema import load_config as load_config

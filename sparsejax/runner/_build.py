@@ -1,9 +1,28 @@
-"""Building a run from its config: the data (read or generated, with the table and
-feature specs derived from it), the model and the optimizers."""
+"""Building a run from its config: the data (read or generated, split, labeled, joined,
+capped, id-mapped, with the table and feature specs derived from it), the model and the
+optimizers.
+
+File data goes through these steps (each configured in `data`, see `DataConfig`):
+
+1. files: `train` / `eval` / `test` (a path, glob or list each; or `path`), relative
+   paths looked up in the working directory, then in `$SPARSEJAX_DATA_DIR`;
+2. read with the format's reader (labels mapped and checked as `data.label` says);
+3. split one source into train / eval / test (`data.split`, or the old `train_rows`);
+4. column transforms on raw ids (`sparsejax.data.ColumnTransform`): indicator bags,
+   side-table joins, `max_ids` caps;
+5. id mappings fitted on train, one per table (columns sharing a table share it);
+6. one `TableSpec` per table and one `FeatureSpec` per sparse column.
+
+`check_data_config` validates a `DataConfig` when it is built (at config load, before any
+data is read): every problem is one line naming the key.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import glob
+import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -13,10 +32,279 @@ import numpy as np
 
 from .. import data as sd
 from ..data import BatchPacker, Examples, Loader, SparseBatch
+from ..data import _transforms as tf
+
+try:
+    from ..data._labels import LabelRule
+except ImportError:  # pragma: no cover - until the readers' label rules land
+    LabelRule = None
 from ..embedding import FeatureSpec, TableSpec
 from ..nn import MODELS
-from ._config import ConfigError
-from ._schema import DATA_DIR_ENV, DataConfig, RunConfig, sparse_optimizer
+from ._config import ConfigError, from_dict
+from ._schema import (
+    DATA_DIR_ENV,
+    DataConfig,
+    FeatureConfig,
+    RunConfig,
+    SplitConfig,
+    sparse_optimizer,
+)
+
+FILE_KINDS = ("criteo", "delimited", "libsvm", "parquet")
+"""Kinds read from files (the others generate their data)."""
+_SCHEMA_KINDS = ("delimited", "parquet")
+"""Kinds whose columns a `data.schema` names."""
+
+
+# ---------------------------------------------------------------------------------------
+# Config checks (run by DataConfig.__post_init__)
+
+
+def _schema_or_error(d: dict | None, key: str):
+    try:
+        return sd.TableSchema.from_dict(d or {}) if d is not None else None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def _unknown(key: str, value: str, valid) -> ConfigError:
+    close = difflib.get_close_matches(value, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{key}: {value!r} is not a sparse column{hint} (columns: {sorted(valid)})")
+
+
+def _bags(value, key: str) -> dict[str, tuple[str, ...]]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping {{bag: [column, ...]}}, got {value!r}")
+    out = {}
+    for bag, cols in value.items():
+        if (
+            not isinstance(cols, (list, tuple))
+            or not cols
+            or not all(isinstance(c, str) for c in cols)
+        ):
+            raise ConfigError(
+                f"{key}.{bag}: expected a non-empty list of column names, got {cols!r}"
+            )
+        out[str(bag)] = tuple(cols)
+    return out
+
+
+def _side_schema_dict(join, main_schema, key: str) -> dict:
+    """The side table's read schema: the join's, with int_ids defaulting to the data's,
+    the key read as a categorical and indicator columns as dense."""
+    s = dict(join.schema)
+    if "label" in s and s["label"] is not None:
+        raise ConfigError(f"{key}.schema: a side table has no label (remove `label`)")
+    if "int_ids" not in s and main_schema is not None:
+        s["int_ids"] = main_schema.int_ids
+    roles = [*s.get("categorical", ()), *s.get("multi_hot", ()), *s.get("sequence", ())]
+    if join.key not in roles:
+        s["categorical"] = [join.key, *s.get("categorical", ())]
+    dense = list(s.get("dense", ()))
+    for cols in join.indicator_bags.values():
+        dense += [c for c in cols if c not in dense]
+    s["dense"] = dense
+    return s
+
+
+def check_data_config(d: DataConfig) -> None:
+    """Validate (and normalize in place) a `DataConfig`: each problem is a `ConfigError`
+    naming the key. Runs when the config is built, before any data is read."""
+    # per-column options: {column: FeatureConfig}
+    if not isinstance(d.features, dict):
+        raise ConfigError(
+            f"data.features: expected a mapping {{column: options}}, got {d.features!r}"
+        )
+    feats = {}
+    for col, opts in d.features.items():
+        if isinstance(opts, FeatureConfig):
+            feats[str(col)] = opts
+        elif opts is None:
+            feats[str(col)] = FeatureConfig()
+        elif isinstance(opts, dict):
+            feats[str(col)] = from_dict(FeatureConfig, opts, prefix=f"data.features.{col}.")
+        else:
+            raise ConfigError(f"data.features.{col}: expected a mapping of options, got {opts!r}")
+    object.__setattr__(d, "features", feats)
+    object.__setattr__(d, "indicator_bags", _bags(d.indicator_bags, "data.indicator_bags"))
+    for i, j in enumerate(d.joins):
+        object.__setattr__(
+            j, "indicator_bags", _bags(j.indicator_bags, f"data.joins[{i}].indicator_bags")
+        )
+
+    for f in ("batch_size", "eval_batches", "min_count", "max_vocab", "prefetch"):
+        if getattr(d, f) < 1:
+            raise ConfigError(f"data.{f} must be >= 1, got {getattr(d, f)}")
+    if d.eval_batch_size is not None and d.eval_batch_size < 1:
+        raise ConfigError(f"data.eval_batch_size must be >= 1, got {d.eval_batch_size}")
+    if d.hash_buckets < 2:
+        raise ConfigError(f"data.hash_buckets must be >= 2, got {d.hash_buckets}")
+    for col, fc in feats.items():
+        for f in ("dim", "max_ids", "min_count"):
+            v = getattr(fc, f)
+            if v is not None and v < 1:
+                raise ConfigError(f"data.features.{col}.{f} must be >= 1, got {v}")
+        if fc.hash_buckets is not None and fc.hash_buckets < 2:
+            raise ConfigError(
+                f"data.features.{col}.hash_buckets must be >= 2, got {fc.hash_buckets}"
+            )
+
+    file_keys = [k for k in ("path", "train", "eval", "test") if getattr(d, k) is not None]
+    file_opts = [k for k in ("split", "train_rows", "label") if getattr(d, k) is not None]
+    file_opts += [k for k in ("features", "joins", "indicator_bags") if getattr(d, k)]
+    if d.kind not in FILE_KINDS:
+        if file_keys or file_opts:
+            raise ConfigError(
+                f"data.{(file_keys + file_opts)[0]} is for file data (data.kind one of "
+                f"{list(FILE_KINDS)}); data.kind={d.kind!r} generates its data"
+            )
+        return
+    if d.path is not None and d.train is not None:
+        raise ConfigError("data.path and data.train both name the training data; keep data.train")
+    if d.path is None and d.train is None and (d.eval is not None or d.test is not None):
+        raise ConfigError("data.eval/data.test need data.train (the training files)")
+    if d.train_rows is not None:
+        if d.split is not None:
+            raise ConfigError("data.train_rows and data.split both split the data; keep data.split")
+        if d.train_rows < 1:
+            raise ConfigError(f"data.train_rows must be >= 1, got {d.train_rows}")
+    if d.split is not None and d.eval is not None:
+        raise ConfigError(
+            "data.split divides one source, but data.eval names eval files; remove one"
+        )
+    _check_split(d.split, d)
+
+    schema = None
+    if d.kind in _SCHEMA_KINDS:
+        if d.schema is None and d.kind == "delimited":
+            raise ConfigError("data.kind='delimited' needs data.schema (its columns)")
+        schema = _schema_or_error(d.schema, "data.schema")
+    elif d.schema is not None:
+        raise ConfigError(f"data.schema is for kinds {list(_SCHEMA_KINDS)}, not {d.kind!r}")
+    if d.label is not None:
+        if d.label.threshold is not None and d.label.check == "unit":
+            pass  # a threshold gives 0/1, which is in [0, 1]
+        if d.label.column is not None and d.kind not in _SCHEMA_KINDS:
+            raise ConfigError(f"data.label.column is for kinds {list(_SCHEMA_KINDS)}")
+        if (
+            schema is not None
+            and schema.label is not None
+            and d.label.column is not None
+            and d.label.column != schema.label
+        ):
+            raise ConfigError(
+                f"data.label.column={d.label.column!r} and data.schema.label={schema.label!r}"
+                f" disagree; name the label column once"
+            )
+    if (d.indicator_bags or d.joins) and d.kind not in _SCHEMA_KINDS:
+        what = "data.joins" if d.joins else "data.indicator_bags"
+        raise ConfigError(f"{what} need named columns (data.kind {list(_SCHEMA_KINDS)})")
+
+    # the sparse columns the run will have, where the config says them
+    names = None
+    if d.kind == "criteo":
+        names = set(sd.CATEGORICAL_NAMES)
+    elif schema is not None:
+        names = set(schema.sparse_columns) | set(d.indicator_bags)
+    for i, j in enumerate(d.joins):
+        key = f"data.joins[{i}]"
+        side = _schema_or_error(_side_schema_dict(j, schema, key), f"{key}.schema")
+        if names is not None and j.key not in names:
+            raise ConfigError(
+                f"{key}.key={j.key!r} must be a categorical column of the data "
+                f"(sparse columns: {sorted(names)})"
+            )
+        attached = [c for c in (*side.sparse_columns, *side.dense) if c != j.key]
+        attached = [
+            c for c in attached if c not in {x for v in j.indicator_bags.values() for x in v}
+        ]
+        attached += list(j.indicator_bags)
+        if j.columns is not None:
+            for c in j.columns:
+                if c not in attached:
+                    raise ConfigError(
+                        f"{key}.columns: {c!r} is not read from the side table "
+                        f"(columns read: {attached})"
+                    )
+            attached = list(j.columns)
+        if names is not None:
+            clash = set(attached) & (names | set(schema.dense if schema else ()))
+            if clash:
+                raise ConfigError(f"{key}: columns {sorted(clash)} are already columns of the data")
+            names |= {c for c in attached if c not in side.dense}
+    if names is not None:
+        for col in feats:
+            if col not in names:
+                raise _unknown(f"data.features.{col}", col, names)
+    _table_options(feats)
+
+
+def _check_split(s: SplitConfig | None, d: DataConfig) -> None:
+    if s is None:
+        return
+    if s.by == "rows":
+        for f in ("train", "eval"):
+            v = getattr(s, f)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"data.split.{f} must be a row count >= 1 for by=rows, got {v!r}")
+    elif s.by in ("fraction", "random"):
+        for f in ("train", "eval"):
+            v = getattr(s, f)
+            if v is not None and not 0 < v < 1:
+                raise ConfigError(
+                    f"data.split.{f} must be a share in (0, 1) for by={s.by}, got {v!r}"
+                )
+        if s.eval is not None and s.train + s.eval >= 1:
+            raise ConfigError(
+                f"data.split: train {s.train} + eval {s.eval} leave no test rows; set eval: null"
+                f" to evaluate on all the rest"
+            )
+    elif s.by == "time":
+        if s.column is None:
+            raise ConfigError("data.split.by=time needs data.split.column (the time column)")
+        if d.kind not in _SCHEMA_KINDS:
+            raise ConfigError(
+                f"data.split.by=time needs named columns (data.kind {list(_SCHEMA_KINDS)})"
+            )
+        if s.eval is not None and s.eval <= s.train:
+            raise ConfigError(
+                f"data.split.eval={s.eval} must be later than data.split.train={s.train}"
+            )
+    if s.column is not None and s.by != "time":
+        raise ConfigError(f"data.split.column is for by=time, not by={s.by}")
+    if s.seed is not None and s.by != "random":
+        raise ConfigError(f"data.split.seed is for by=random, not by={s.by}")
+    if s.eval is not None and d.test is not None:
+        raise ConfigError(
+            "data.split.eval leaves the rest as the test split, but data.test names test"
+            " files; remove one"
+        )
+
+
+def _table_options(feats: dict[str, FeatureConfig]) -> dict[str, dict]:
+    """Per table: the options its columns set (dim, min_count, hash_buckets); two columns
+    of one table that disagree are an error."""
+    tables: dict[str, dict] = {}
+    who: dict[tuple[str, str], str] = {}
+    for col, fc in feats.items():
+        t = fc.table or col
+        opts = tables.setdefault(t, {})
+        for f in ("dim", "min_count", "hash_buckets"):
+            v = getattr(fc, f)
+            if v is None:
+                continue
+            if f in opts and opts[f] != v:
+                raise ConfigError(
+                    f"data.features: {who[t, f]} and {col} share table {t!r} but set "
+                    f"{f} {opts[f]} and {v}; set it on one of them"
+                )
+            opts[f], who[t, f] = v, col
+    return tables
+
+
+# ---------------------------------------------------------------------------------------
+# Files
 
 
 def resolve_data_path(path: str | os.PathLike, key: str = "data.path") -> str:
@@ -24,15 +312,354 @@ def resolve_data_path(path: str | os.PathLike, key: str = "data.path") -> str:
     in `$SPARSEJAX_DATA_DIR`. A missing file is a `ConfigError` naming `key`, the path
     and where it looked."""
     path = os.fspath(path)
+    places = _places(path)
+    for p in places:
+        if os.path.isfile(p):
+            return p
+    raise ConfigError(
+        f"{key}={path!r}: no such file (looked for {', '.join(places)}){_unset(path)}"
+    )
+
+
+def _places(path: str) -> list[str]:
     places = [path] if os.path.isabs(path) else [os.path.abspath(path)]
     data_dir = os.environ.get(DATA_DIR_ENV)
     if not os.path.isabs(path) and data_dir:
         places.append(os.path.abspath(os.path.join(data_dir, path)))
-    for p in places:
-        if os.path.isfile(p):
-            return p
-    unset = "" if os.path.isabs(path) or data_dir else f"; ${DATA_DIR_ENV} is not set"
-    raise ConfigError(f"{key}={path!r}: no such file (looked for {', '.join(places)}){unset}")
+    return places
+
+
+def _unset(path: str) -> str:
+    if os.path.isabs(path) or os.environ.get(DATA_DIR_ENV):
+        return ""
+    return f"; ${DATA_DIR_ENV} is not set"
+
+
+def resolve_files(spec: str | Sequence[str], key: str) -> list[str]:
+    """The files a config value names: a path, a glob (`*`, `?`, `[`) or a list of
+    either, each looked up like `resolve_data_path` (a glob matches in the first place
+    where it matches anything; its files sorted). A missing file or a glob matching
+    nothing is a `ConfigError` naming `key` and the value."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if not items:
+        raise ConfigError(f"{key}: an empty list of files")
+    out = []
+    for i, item in enumerate(items):
+        k = key if isinstance(spec, (str, os.PathLike)) else f"{key}[{i}]"
+        item = os.fspath(item)
+        if not glob.has_magic(item):
+            out.append(resolve_data_path(item, k))
+            continue
+        places = _places(item)
+        for p in places:
+            found = sorted(f for f in glob.glob(p) if os.path.isfile(f))
+            if found:
+                out += found
+                break
+        else:
+            raise ConfigError(
+                f"{k}={item!r}: the glob matches no file (looked for {', '.join(places)})"
+                f"{_unset(item)}"
+            )
+    return out
+
+
+def absolute_data_paths(d: DataConfig) -> DataConfig:
+    """`d` with every data file resolved to an absolute path (globs and lists expanded
+    to their files), so a saved config reads the same data from any directory."""
+
+    def files(v, key):
+        if v is None:
+            return None
+        f = resolve_files(v, key)
+        return f[0] if isinstance(v, str) and not glob.has_magic(v) else tuple(f)
+
+    joins = tuple(
+        dataclasses.replace(j, path=files(j.path, f"data.joins[{i}].path"))
+        for i, j in enumerate(d.joins)
+    )
+    return dataclasses.replace(
+        d,
+        path=files(d.path, "data.path"),
+        train=files(d.train, "data.train"),
+        eval=files(d.eval, "data.eval"),
+        test=files(d.test, "data.test"),
+        joins=joins,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Reading
+
+
+def _label_rule(d: DataConfig):
+    """`data.label` as the readers' `sparsejax.data.LabelRule` (None: labels as read)."""
+    if d.label is None:
+        return None
+    if LabelRule is None:
+        raise ConfigError("data.label needs sparsejax.data.LabelRule, not in this version")
+    return LabelRule(
+        column=d.label.column,
+        map=dict(d.label.map) or None,
+        threshold=d.label.threshold,
+        check=d.label.check,
+    )
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _first_line(path: str) -> str:
+    with sd._csv.open_text(path, "rt") as f:
+        return f.readline().rstrip("\r\n")
+
+
+def _read_delimited_files(files, schema, *, strict, label):
+    """Delimited files in order; with a header, later files may lack it (a CSV split into
+    a headed part and header-less continuations): a later file whose first line equals
+    the first file's header skips it, otherwise all its lines are data."""
+    kw = {"strict": strict}
+    if label is not None and _takes(sd.read_delimited, "label"):
+        kw["label"] = label
+    header = _first_line(files[0]) if schema.header else None
+    names = (
+        list(schema.columns)
+        if schema.columns is not None
+        else (header.split(schema.delimiter) if header is not None else None)
+    )
+    parts = []
+    for i, f in enumerate(files):
+        s = schema
+        if i and schema.header:
+            has_header = _first_line(f) == header
+            s = dataclasses.replace(schema, header=has_header, columns=tuple(names))
+        parts.append((f, *sd.read_delimited(f, s, **kw)))
+    return parts, "label" in kw
+
+
+def _read_split(d: DataConfig, files: list[str], schema, label) -> tuple[Examples, list]:
+    """Read the files of one split into raw-id `Examples` and their `ParseReport`s."""
+    kind = d.kind
+    label_done = False
+    if kind == "criteo":
+        parts = [(f, *sd.read_criteo(f, strict=d.strict)) for f in files]
+    elif kind == "delimited":
+        parts, label_done = _read_delimited_files(files, schema, strict=d.strict, label=label)
+    else:
+        reader = getattr(sd, f"read_{kind}", None)
+        if reader is None:
+            raise ConfigError(f"data.kind={kind!r}: this sparsejax has no {kind} reader yet")
+        kw: dict[str, Any] = {"strict": d.strict}
+        if label is not None and _takes(reader, "label"):
+            kw["label"], label_done = label, True
+        if schema is not None:
+            kw["schema"] = schema
+        parts = [(f, *reader(f, **kw)) for f in files]
+    if label is not None and not label_done:  # a reader without label rules
+        parts = [
+            (f, dataclasses.replace(ex, labels=label.apply(ex.labels, path=f)), rep)
+            for f, ex, rep in parts
+        ]
+    exs = [ex for _, ex, _ in parts]
+    return (exs[0] if len(exs) == 1 else Examples.concat(exs)), [rep for _, _, rep in parts]
+
+
+def _read_schema(d: DataConfig):
+    """The schema the reader gets: the configured one plus the label column, the split's
+    time column and the indicator bags' columns (read as dense). Returns (schema,
+    dense columns to drop after the split)."""
+    if d.kind not in _SCHEMA_KINDS or d.schema is None:
+        return None, ()
+    s = dict(d.schema)
+    if d.label is not None and d.label.column is not None:
+        s["label"] = d.label.column
+    dense = list(s.get("dense", ()))
+    drop = []
+    if d.split is not None and d.split.by == "time" and d.split.column not in dense:
+        dense.append(d.split.column)
+        drop.append(d.split.column)
+    for cols in d.indicator_bags.values():
+        dense += [c for c in cols if c not in dense]
+    s["dense"] = dense
+    return _schema_or_error(s, "data.schema"), tuple(drop)
+
+
+def _dense_names(d: DataConfig, schema, ex: Examples) -> tuple[str, ...]:
+    if schema is not None:
+        return tuple(schema.dense)
+    if d.kind == "criteo":
+        return tuple(sd.DENSE_NAMES)
+    return tuple(f"dense{i}" for i in range(ex.num_dense))
+
+
+def _take(ex: Examples, idx: np.ndarray) -> Examples:
+    sparse, labels, dense = ex.take(idx)
+    return Examples(labels=labels, dense=dense, sparse=sparse)
+
+
+def _split(ex: Examples, s: SplitConfig, times: np.ndarray | None, seed: int):
+    """(train, eval, test or None) of one source by the rule `s`."""
+    n = len(ex)
+    if s.by == "time":
+        t = times.astype(np.float64)
+        parts = [t < s.train]
+        if s.eval is None:
+            parts.append(t >= s.train)
+        else:
+            parts += [(t >= s.train) & (t < s.eval), t >= s.eval]
+        return [*(_take(ex, np.flatnonzero(m)) for m in parts), None][:3]
+    if s.by == "rows":
+        a = s.train
+        b = None if s.eval is None else a + s.eval
+    else:
+        a = int(round(s.train * n))
+        b = None if s.eval is None else int(round((s.train + s.eval) * n))
+    bounds = [a] if b is None else [a, b]
+    if s.by == "random":
+        perm = np.random.default_rng(seed).permutation(n)
+        cuts = np.split(perm, [min(x, n) for x in bounds])
+        out = [_take(ex, np.sort(c)) for c in cuts]
+    else:
+        out, lo = [], 0
+        for hi in [*bounds, n]:
+            hi = min(hi, n)
+            out.append(ex[lo:hi])
+            lo = max(lo, hi)
+    return [*out, None][:3]
+
+
+def _describe_split(s: SplitConfig) -> str:
+    what = {"rows": "rows", "fraction": "share", "random": "random share", "time": "time"}[s.by]
+    return f"data.split (by {s.by}: train {what} {s.train}" + (
+        f", eval {s.eval})" if s.eval is not None else ")"
+    )
+
+
+@dataclasses.dataclass
+class _Splits:
+    train: Examples
+    eval: Examples
+    test: Examples | None
+    dense_names: tuple[str, ...]
+    reports: list  # parse reports of every file read
+    drop: tuple[str, ...]
+
+
+def _read_splits(cfg: RunConfig, schema, drop) -> _Splits:
+    d = cfg.data
+    source_key = "data.train" if d.train is not None else "data.path"
+    source = d.train if d.train is not None else d.path
+    if source is None:
+        raise ConfigError(f"data.kind={d.kind!r} needs data.path (or data.train)")
+    train_files = resolve_files(source, source_key)
+    eval_files = None if d.eval is None else resolve_files(d.eval, "data.eval")
+    test_files = None if d.test is None else resolve_files(d.test, "data.test")
+    label = _label_rule(d)
+    train, reports = _read_split(d, train_files, schema, label)
+    dense_names = _dense_names(d, schema, train)
+    test = None
+    if eval_files is not None:
+        ev, r = _read_split(d, eval_files, schema, label)
+        reports += r
+    else:
+        s = d.split
+        if s is None:
+            s = SplitConfig(by="rows", train=d.train_rows) if d.train_rows else SplitConfig()
+        times = None
+        if s.by == "time":
+            times = train.dense[:, list(dense_names).index(s.column)]
+        if len(train) == 0:
+            summary = "; ".join(r.summary() for r in reports)
+            raise ValueError(f"{source_key}: no usable rows to split: {summary}")
+        seed = cfg.seed if s.seed is None else s.seed
+        train, ev, test = _split(train, s, times, seed)
+        for name, part in (("train", train), ("eval", ev), ("test", test)):
+            if part is not None and len(part) == 0:
+                raise ConfigError(
+                    f"{_describe_split(s)} leaves the {name} split empty "
+                    f"({len(train) + len(ev) + (len(test) if test else 0)} rows read)"
+                )
+    if test_files is not None:
+        test, r = _read_split(d, test_files, schema, label)
+        reports += r
+    for name, part in (("train", train), ("eval", ev)):
+        if len(part) == 0:
+            summary = "; ".join(r.summary() for r in reports)
+            raise ValueError(f"data: the {name} split has no usable rows: {summary}")
+    return _Splits(train, ev, test, dense_names, reports, drop)
+
+
+def _read_side_tables(d: DataConfig, main_schema) -> tuple[list[tf.Join], list]:
+    joins, reports = [], []
+    for i, j in enumerate(d.joins):
+        key = f"data.joins[{i}]"
+        files = resolve_files(j.path, f"{key}.path")
+        side_schema = _schema_or_error(_side_schema_dict(j, main_schema, key), f"{key}.schema")
+        parts, _ = _read_delimited_files(files, side_schema, strict=d.strict, label=None)
+        exs = [ex for _, ex, _ in parts]
+        reports += [rep for _, _, rep in parts]
+        ex = exs[0] if len(exs) == 1 else Examples.concat(exs)
+        names = tuple(side_schema.dense)
+        for bag, cols in j.indicator_bags.items():
+            ex, names = tf.indicator_bag(ex, names, bag, cols)
+        source = ", ".join(os.path.basename(f) for f in files)
+        try:
+            side = tf.SideTable.build(
+                ex,
+                names,
+                j.key,
+                columns=j.columns,
+                source=source,
+                dense_missing=side_schema.dense_missing,
+            )
+        except ValueError as e:
+            raise ValueError(f"{key} ({files[0]}): {e}") from None
+        joins.append(tf.Join(side=side, on_missing=j.on_missing, label=f"join {source}"))
+    return joins, reports
+
+
+def _key_text(d: DataConfig, schema, key: str, raw: int) -> str:
+    """Where the raw id `raw` of column `key` first occurs in the data files, as
+    "'value' (file:line)" (error messages only; hashed strings are found by hashing)."""
+    source = d.train if d.train is not None else d.path
+    specs = [source, d.eval, d.test]
+    files = [f for s in specs if s is not None for f in resolve_files(s, "data")]
+    header = None
+    for n, f in enumerate(files):
+        with sd._csv.open_text(f, "rt") as fh:
+            first = 1
+            if schema.header and (n == 0 or _first_line(f) == header):
+                header = fh.readline().rstrip("\r\n")
+                first = 2
+            names = (
+                list(schema.columns)
+                if schema.columns is not None
+                else header.split(schema.delimiter)
+            )
+            if key not in names:
+                return f"raw id {raw}"
+            col = names.index(key)
+            for line_no, line in enumerate(fh, first):
+                fields = line.rstrip("\r\n").split(schema.delimiter)
+                if col >= len(fields):
+                    continue
+                text = fields[col]
+                value = (
+                    int(text)
+                    if schema.int_ids and text.isdigit()
+                    else (-1 if text == "" else sd.stable_hash(text))
+                )
+                if value == raw:
+                    return f"{text!r} ({f}:{line_no})"
+    return f"raw id {raw}"
+
+
+# ---------------------------------------------------------------------------------------
+# The data bundle
 
 
 @dataclasses.dataclass
@@ -45,6 +672,16 @@ class DataBundle:
     train_source: Any  # Examples or a generator with batch(index, batch_size)
     eval_batches: list[SparseBatch]
     report: str | None = None  # parse summary of file data
+    test_batches: list[SparseBatch] | None = None
+    """The test split's batches (file data with a test split), never used in training."""
+    eval_examples: Examples | None = None
+    """File data: the eval split's examples (ids mapped), in batch order."""
+    test_examples: Examples | None = None
+    mappings: dict | None = None
+    """File data: the id mapping of each sparse feature (shared by a table's features)."""
+    transform: Any = None
+    """File data: the `sparsejax.data.ColumnTransform` applied to raw rows (for readers
+    that stream chunks)."""
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -58,8 +695,7 @@ def build_data(cfg: RunConfig) -> DataBundle:
     d, dim = cfg.data, cfg.model.embedding_dim
     table_kw = dict(dtype=cfg.model.table_dtype, optimizer=sparse_optimizer(cfg.optimizer))
     eval_b = d.eval_batch_size or d.batch_size
-    report = None
-    if d.kind in ("synthetic", "behavior"):
+    if d.kind not in FILE_KINDS:
         if d.kind == "synthetic":
             gen = sd.SyntheticCriteo(
                 max_vocab=d.max_vocab, zipf_exponent=d.zipf, seed=cfg.seed, **d.synthetic_options
@@ -69,72 +705,176 @@ def build_data(cfg: RunConfig) -> DataBundle:
             gen = sd.SyntheticBehavior(seed=cfg.seed, **d.synthetic_options)
             num_dense = 0
         tables, features = gen.specs(dim=dim, **table_kw)
-        train_source = gen
         eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
         eval_batches = []
         for i in range(d.eval_batches):  # numbered from 2**31 - 1 down: never trained on
             sparse, labels, dense = gen.batch(0x7FFFFFFF - i, eval_b)
             eval_batches.append(eval_packer.pack(sparse, labels=labels, dense=dense))
-    else:
-        if d.path is None:
-            raise ConfigError(f"data.kind={d.kind!r} needs data.path")
-        path = resolve_data_path(d.path)
-        if d.kind == "criteo":
-            examples, rep = sd.read_criteo(path, strict=d.strict)
-        else:
-            if d.schema is None:
-                raise ConfigError("data.kind='delimited' needs data.schema")
-            examples, rep = sd.read_delimited(
-                path, sd.TableSchema.from_dict(d.schema), strict=d.strict
-            )
-        report = rep.summary()
-        n_train = d.train_rows if d.train_rows is not None else int(0.8 * len(examples))
-        if not 0 < n_train < len(examples):
-            raise ConfigError(
-                f"data.train_rows={n_train} must leave both splits non-empty ({len(examples)} rows)"
-            )
-        train, held = examples.split(n_train)
-        names = train.feature_names
-        if d.id_mapping == "vocab":
-            mappings = sd.fit_vocab(train, min_count=d.min_count)
-        else:
-            mappings = {n: sd.HashMapping(buckets=d.hash_buckets) for n in names}
-        train, held = train.map_ids(mappings), held.map_ids(mappings)
-        tables, features = _file_specs(d, train, sd.vocab_sizes(mappings), dim, table_kw)
-        num_dense = train.num_dense
-        train_source = train
-        eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
-        eval_batches = sd.pack_examples(held, eval_packer)
+        packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
+        return DataBundle(tuple(tables), tuple(features), packer, gen, eval_batches)
+    return _build_file_data(cfg, table_kw)
+
+
+def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
+    d = cfg.data
+    schema, drop = _read_schema(d)
+    main_schema = _schema_or_error(d.schema, "data.schema") if d.schema is not None else None
+    joins, side_reports = _read_side_tables(d, main_schema)
+    splits = _read_splits(cfg, schema, drop)
+    caps = {c: fc.max_ids for c, fc in d.features.items() if fc.max_ids is not None}
+    transform = tf.ColumnTransform(
+        splits.dense_names,
+        indicator_bags=d.indicator_bags,
+        joins=joins,
+        drop=drop,
+        max_ids=caps,
+    )
+    parts = {"train": splits.train, "eval": splits.eval, "test": splits.test}
+    try:
+        parts = {k: None if v is None else transform(v) for k, v in parts.items()}
+    except tf.JoinKeyError as e:
+        text = _key_text(d, schema, e.key, e.raw_key) if schema is not None else e.raw_key
+        raise tf.JoinKeyError(
+            f"data.joins: {e.source} has no row with {e.key} = {text} (on_missing: error;"
+            f" on_missing: default gives such rows the missing-id row)",
+            source=e.source,
+            key=e.key,
+            raw_key=e.raw_key,
+            row=e.row,
+        ) from None
+    train = parts["train"]
+    for col in caps:
+        if col not in train.sparse:
+            raise _unknown(f"data.features.{col}", col, train.sparse)
+    for col in d.features:
+        if col not in train.sparse:
+            raise _unknown(f"data.features.{col}", col, train.sparse)
+    mappings = _id_mappings(d, train)
+    mapped = {k: None if v is None else v.map_ids(mappings) for k, v in parts.items()}
+    present = [v for v in mapped.values() if v is not None]
+    tables, features = _file_specs(cfg, mapped["train"], present, mappings, table_kw)
+    num_dense = mapped["train"].num_dense
+    eval_b = d.eval_batch_size or d.batch_size
+    eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
     packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
-    return DataBundle(tuple(tables), tuple(features), packer, train_source, eval_batches, report)
+    reports = [r.summary() for r in (*splits.reports, *side_reports)]
+    if transform.report.summary():
+        reports.append(transform.report.summary())
+    sizes = f"splits: train {len(mapped['train']):,}, eval {len(mapped['eval']):,}" + (
+        f", test {len(mapped['test']):,}" if mapped["test"] is not None else ""
+    )
+    return DataBundle(
+        tuple(tables),
+        tuple(features),
+        packer,
+        mapped["train"],
+        sd.pack_examples(mapped["eval"], eval_packer),
+        report="; ".join([*reports, sizes]),
+        test_batches=None
+        if mapped["test"] is None
+        else sd.pack_examples(mapped["test"], eval_packer),
+        eval_examples=mapped["eval"],
+        test_examples=mapped["test"],
+        mappings=mappings,
+        transform=transform,
+    )
 
 
-def _file_specs(d: DataConfig, train: Examples, vocab: dict, dim: int, table_kw: dict):
-    """One table per sparse column; multi-hot columns mean-pooled, sequences unpooled,
-    each sized by the longest bag in train."""
-    schema = sd.TableSchema.from_dict(d.schema) if d.schema else None
-    multi = set(getattr(schema, "multi_hot", None) or ())
-    seq = set(getattr(schema, "sequence", None) or ())
-    tables, features = [], []
+def _table_of(d: DataConfig, name: str) -> str:
+    fc = d.features.get(name)
+    return fc.table if fc is not None and fc.table else name
+
+
+def _id_mappings(d: DataConfig, train: Examples) -> dict:
+    """One id mapping per table, fitted on the train values of all its columns."""
+    opts = _table_options(d.features)
+    by_table: dict[str, list[str]] = {}
     for name in train.feature_names:
-        tables.append(TableSpec(name=name, vocab_size=int(vocab[name]), dim=dim, **table_kw))
-        longest = int(np.max(train.sparse[name].lengths, initial=1))
-        if name in seq:
-            features.append(
-                FeatureSpec(name=name, table=name, combiner=None, max_ids=max(longest, 1))
-            )
-        elif name in multi:
-            features.append(
-                FeatureSpec(name=name, table=name, combiner="mean", max_ids=max(longest, 1))
-            )
+        by_table.setdefault(_table_of(d, name), []).append(name)
+    mappings = {}
+    for table, cols in by_table.items():
+        o = opts.get(table, {})
+        if o.get("hash_buckets") is not None or d.id_mapping == "hash":
+            m = sd.HashMapping(buckets=o.get("hash_buckets") or d.hash_buckets)
         else:
-            features.append(FeatureSpec(name=name, table=name))
-    return tables, features
+            values = np.concatenate([np.asarray(train.sparse[c].values) for c in cols])
+            m = sd.VocabMapping.fit(values, o.get("min_count") or d.min_count)
+        for c in cols:
+            mappings[c] = m
+    return mappings
+
+
+def _roles(d: DataConfig) -> dict[str, str]:
+    """Role of each named sparse column: "one", "bag" or "sequence"."""
+    roles = {}
+    schemas = [d.schema] + [j.schema for j in d.joins]
+    for s in schemas:
+        if not s:
+            continue
+        for c in s.get("categorical", ()):
+            roles[c] = "one"
+        for c in s.get("multi_hot", ()):
+            roles[c] = "bag"
+        for c in s.get("sequence", ()):
+            roles[c] = "sequence"
+    for bag in d.indicator_bags:
+        roles[bag] = "bag"
+    for j in d.joins:
+        for bag in j.indicator_bags:
+            roles[bag] = "bag"
+    return roles
+
+
+def _file_specs(cfg: RunConfig, train: Examples, parts: list[Examples], mappings, table_kw):
+    """One table per table name (a column's own, or the one it shares) and one feature
+    per sparse column: one-id columns as they are, bags mean-pooled, sequences unpooled
+    (or as `data.features` says), each bag sized by its `max_ids` or the longest in the
+    data."""
+    d, dim = cfg.data, cfg.model.embedding_dim
+    opts = _table_options(d.features)
+    roles = _roles(d)
+    tables: dict[str, TableSpec] = {}
+    features = []
+    for name in train.feature_names:
+        t = _table_of(d, name)
+        if t not in tables:
+            tables[t] = TableSpec(
+                name=t,
+                vocab_size=int(mappings[name].vocab_size),
+                dim=opts.get(t, {}).get("dim") or dim,
+                **table_kw,
+            )
+        fc = d.features.get(name) or FeatureConfig()
+        longest = max(int(np.max(p.sparse[name].lengths, initial=1)) for p in parts)
+        role = roles.get(name) or ("one" if longest <= 1 else "bag")
+        combiner = {"one": "sum", "bag": "mean", "sequence": None}[role]
+        if fc.combiner is not None:
+            combiner = None if fc.combiner == "sequence" else fc.combiner
+        max_ids = fc.max_ids or max(longest, 1)
+        weighted = train.sparse[name].weights is not None
+        features.append(
+            FeatureSpec(name=name, table=t, combiner=combiner, max_ids=max_ids, weighted=weighted)
+        )
+    return list(tables.values()), features
+
+
+_STACKED_MODELS = ("dlrm", "deepfm", "wide_deep", "dcnv2")
+"""Models that stack the pooled embeddings (`[B, F, D]`): one dim for every table."""
 
 
 def build_model(cfg: RunConfig, tables: Sequence[TableSpec], features: Sequence[FeatureSpec]):
     """The configured Flax model over the given specs."""
     m = cfg.model
+    if m.name in _STACKED_MODELS:
+        dims = {t.name: t.dim for t in tables}
+        pooled = {f.table for f in features if not f.is_sequence}
+        odd = sorted(t for t in pooled if dims[t] != m.embedding_dim)
+        if odd:
+            raise ConfigError(
+                f"model.name={m.name!r} stacks the embeddings, so every table needs dim "
+                f"model.embedding_dim={m.embedding_dim}, but table {odd[0]!r} has dim "
+                f"{dims[odd[0]]} (data.features.*.dim); din and two_tower take mixed dims"
+            )
     cls = MODELS[m.name]
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in m.options.items()}
     if m.name == "dlrm" and "bottom" not in opts:

@@ -29,20 +29,128 @@ working directory."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SplitConfig:
+    """How one source (`data.train` or `data.path`) splits into train, eval (model
+    selection) and, optionally, test. The parts are taken in this order: train, then
+    eval, then the rest (test); `eval: null` gives all the rest to eval (no test)."""
+
+    by: Literal["rows", "fraction", "random", "time"] = "fraction"
+    """rows: the first `train` rows train; fraction: the first `train` share of the rows;
+    random: a random `train` share (rows shuffled with `seed`, each part kept in file
+    order); time: rows whose `column` < `train` train."""
+    train: int | float = 0.8
+    """A row count (rows), a share in (0, 1) (fraction, random) or a time (time)."""
+    eval: int | float | None = None
+    """The eval part after train: the next `eval` rows (rows), the next `eval` share
+    (fraction, random), or the rows with `train` <= `column` < `eval` (time). The rest
+    is the test split. None: all the rest evaluates and there is no test split."""
+    column: str | None = None
+    """time: the time column (delimited/parquet; read as a float32 number, so epoch
+    seconds compare to within about a minute of the threshold)."""
+    seed: int | None = None
+    """random: the shuffle's seed (default: the run's `seed`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LabelConfig:
+    """How a file's label becomes the 0/1 (or [0, 1]) training target; a label outside
+    the allowed set stops the read with an error naming the file, line and value."""
+
+    column: str | None = None
+    """delimited/parquet: the label column (default: `schema.label`)."""
+    map: dict = dataclasses.field(default_factory=dict)
+    """Value -> value, applied first, e.g. `{-1: 0}` for libFM's -1/1 labels."""
+    threshold: float | None = None
+    """label = 1 if value >= threshold else 0 (e.g. 4 for "rating >= 4")."""
+    check: Literal["binary", "unit", "none"] = "binary"
+    """binary: labels must be 0 or 1; unit: in [0, 1]; none: no check."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeatureConfig:
+    """Options of one sparse column (`data.features.<column>`); unset fields keep the
+    data-wide defaults."""
+
+    dim: int | None = None
+    """Embedding dim of the column's table (default `model.embedding_dim`)."""
+    max_ids: int | None = None
+    """Ids kept per example: a longer history or bag keeps its last `max_ids` ids (the
+    rows cut are counted in the parse report). Default: the longest in the data."""
+    min_count: int | None = None
+    """vocab: values seen fewer times in train share row 0 (default `data.min_count`)."""
+    hash_buckets: int | None = None
+    """Hash this column into that many rows instead of a vocabulary."""
+    table: str | None = None
+    """Table the column reads (default: its own, named after it). Columns naming one
+    table share its rows and id mapping, e.g. `history: {table: item}` for DIN."""
+    combiner: Literal["sum", "mean", "sqrtn", "max", "sequence"] | None = None
+    """Pooling of the column's ids; "sequence" keeps them unpooled (DIN's history).
+    Default: one id as is, bags "mean", schema `sequence` columns "sequence"."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JoinConfig:
+    """A side table (user or item features) joined to every row by a key column."""
+
+    path: str | tuple[str, ...]
+    """The side table's file (path, glob or list), looked up like `data.path`."""
+    key: str
+    """Key column, in the data and in the side table (one row per key)."""
+    schema: dict
+    """The side table's columns (a `sparsejax.data.TableSchema`, no label); its
+    categorical, multi_hot, sequence and dense columns are attached to each row.
+    `int_ids` defaults to the data's."""
+    columns: tuple[str, ...] | None = None
+    """Attach only these columns (default: every column the schema reads but the key)."""
+    indicator_bags: dict = dataclasses.field(default_factory=dict)
+    """Like `data.indicator_bags`, over the side table's columns."""
+    on_missing: Literal["default", "error"] = "default"
+    """A key the side table lacks: "default" attaches the missing-id row (counted in the
+    parse report); "error" stops naming the file, key column and value."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    kind: Literal["synthetic", "criteo", "delimited", "behavior"] = "synthetic"
-    """synthetic: Criteo-shaped Zipf data, no download; criteo: a Kaggle DAC TSV file;
-    delimited: any CSV/TSV described by `schema`; behavior: synthetic user histories
-    (for DIN and two-tower)."""
+    """Where the examples come from and how they become batches. File data takes its
+    splits from `train` / `eval` / `test` (each a path, a glob or a list of files), or
+    from one source (`train` or `path`) and a `split` rule."""
+
+    kind: Literal["synthetic", "criteo", "delimited", "libsvm", "parquet", "behavior"] = (
+        "synthetic"
+    )
+    """synthetic: Criteo-shaped Zipf data, no download; criteo: Kaggle DAC TSV files;
+    delimited: any CSV/TSV described by `schema`; libsvm: libSVM/libFM text
+    (`label idx:val ...`); parquet: Parquet files described by `schema`; behavior:
+    synthetic user histories (for DIN and two-tower)."""
     path: str | None = None
-    """Data file (criteo, delimited). A relative path is looked up in the working
+    """Data file (one source, split by `split` or `train_rows`); `train` says the same
+    and also takes globs and lists. A relative path is looked up in the working
     directory, then in `$SPARSEJAX_DATA_DIR` (e.g. `SPARSEJAX_DATA_DIR=../shared/data`
     for the shipped Criteo sample next to the repository)."""
+    train: str | tuple[str, ...] | None = None
+    """Training files: a path, a glob (`day_*.csv`) or a list; with a headed CSV, only
+    the first file needs the header. Without `eval`, `split` divides them."""
+    eval: str | tuple[str, ...] | None = None
+    """Eval (model selection) files; evaluated during training."""
+    test: str | tuple[str, ...] | None = None
+    """Test files, kept apart from model selection (`sparsejax eval` on the test split)."""
+    split: SplitConfig | None = None
+    """How one source splits (default: the first 80% train, the rest evaluates)."""
     batch_size: int = 1024
     eval_batch_size: int | None = None
     """Default: batch_size."""
     train_rows: int | None = None
-    """File data: the first `train_rows` rows train, the rest evaluate (default 80%)."""
+    """Old form of `split: {by: rows, train: N}`: the first `train_rows` rows train."""
+    label: LabelConfig | None = None
+    """Label column, value map, threshold and check (default: 0/1 labels as read)."""
+    features: dict = dataclasses.field(default_factory=dict)
+    """Per sparse column options: `{column: {dim, max_ids, min_count, hash_buckets,
+    table, combiner}}` (see `FeatureConfig`)."""
+    joins: tuple[JoinConfig, ...] = ()
+    """Side tables joined by a key column (see `JoinConfig`)."""
+    indicator_bags: dict = dataclasses.field(default_factory=dict)
+    """One multi-hot bag from 0/1 columns: `{bag: [column, ...]}`, e.g. MovieLens's
+    genre columns -> `genres`; the bag holds the index of each nonzero column."""
     id_mapping: Literal["vocab", "hash"] = "vocab"
     """File data: "vocab" gives each value seen >= min_count times in train its own row
     (others share row 0); "hash" maps raw ids into hash_buckets rows."""
@@ -51,7 +159,7 @@ class DataConfig:
     strict: bool = False
     """Fail on the first malformed line instead of counting and skipping it."""
     schema: dict | None = None
-    """delimited: the column schema (see `sparsejax.data.TableSchema`)."""
+    """delimited/parquet: the column schema (see `sparsejax.data.TableSchema`)."""
     max_vocab: int = 100_000
     """synthetic: table sizes follow the Criteo Kaggle cardinalities capped at this."""
     zipf: float = 1.1
@@ -63,6 +171,11 @@ class DataConfig:
     """synthetic/behavior: batches in the held-out eval set."""
     shuffle: bool = True
     prefetch: int = 4
+
+    def __post_init__(self):
+        from ._build import check_data_config  # the checks live with the code they guard
+
+        check_data_config(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
