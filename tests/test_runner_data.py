@@ -532,3 +532,35 @@ def test_transforms_on_chunks_equal_the_whole():
         int(np.maximum(lengths - 3, 0).sum()),
     ]
     np.testing.assert_array_equal(whole.sparse["h"].lengths, np.minimum(lengths, 3))
+
+
+def test_the_readme_config_loads_and_reads(tmp_path, monkeypatch):
+    readme = (CONFIGS.parent / "README.md").read_text()
+    section = readme[readme.index("## Your own data") :]
+    text = section[section.index("```yaml\n") + 8 : section.index("```\n", 20)]
+    (tmp_path / "my_clicks.yaml").write_text(
+        text.replace("base: base.yaml", f"base: {CONFIGS / 'base.yaml'}")
+    )
+    rng = np.random.default_rng(6)
+    lines = [
+        f"{int(rng.random() < 0.3)},u{i % 9},i{i % 13},s{i % 5},a|b,"
+        + "|".join(f"i{x}" for x in rng.integers(0, 13, rng.integers(0, 60)))
+        + f",{i / 10}"
+        for i in range(100)
+    ]
+    (tmp_path / "clicks").mkdir()
+    header = "click,user,item,site,tags,history,price\n"
+    (tmp_path / "clicks" / "part1.csv").write_text(header + "\n".join(lines[:60]) + "\n")
+    (tmp_path / "clicks" / "part2.csv").write_text("\n".join(lines[60:]) + "\n")
+    monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path))
+    cfg = runner.load_config([tmp_path / "my_clicks.yaml"])
+    data = runner.build_data(cfg)
+    assert (len(data.train_source), len(data.eval_examples), len(data.test_examples)) == (
+        80,
+        10,
+        10,
+    )
+    spec = {f.name: f for f in data.features}
+    assert spec["history"].table == "item" and spec["history"].max_ids == 50
+    assert {t.name: t.vocab_size for t in data.tables}["site"] == 100_000
+    runner.build_model(cfg, data.tables, data.features)
