@@ -1,0 +1,291 @@
+"""Ranking evaluation of any trained model: HR@k / NDCG@k on candidate sets (a held-out
+item plus sampled negatives per user), full-corpus recall@k of two-tower models through
+their towers, and per-example predictions to save.
+
+Candidate rows are scored in fixed-shape batches of the packer's batch size (the last
+one padded), so a model compiles its eval step once. CTR models (task "binary") score a
+row by their logit; retrieval models (task "retrieval", whose output is the `[B, B]`
+in-batch score matrix) by its diagonal, the row's own (user, item) score.
+
+Example::
+
+    data = build_sequences(log, SequenceConfig(eval_negatives=100))
+    ...train a DIN on data.train...
+    packer = BatchPacker(tables, features, batch_size=1024)
+    evaluate_ranking(trainer, state, data.test, packer, ks=(5, 10))
+    # {"hr@5": ..., "ndcg@5": ..., "hr@10": ..., "ndcg@10": ..., "mrr": ..., "auc": ...,
+    #  "gauc": ..., "users": 6040, "candidates": 101}
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..data import BatchPacker, Examples, JaggedIds
+from ..data._events import CandidateSets
+from ..nn._embedding import EMBEDDING
+from . import _metrics
+from ._trainer import Trainer, TrainState
+
+
+def score_candidates(
+    trainer: Trainer,
+    state: TrainState,
+    sets: CandidateSets,
+    packer: BatchPacker,
+    *,
+    max_negatives: int | None = None,
+) -> np.ndarray:
+    """`f32[users, candidates]`: the model's score of every candidate of every user
+    (column 0 the held-out item). `max_negatives` scores only the first few negatives of
+    each set."""
+    c = (
+        sets.num_candidates
+        if max_negatives is None
+        else 1 + min(max_negatives, sets.num_candidates - 1)
+    )
+    total, b = sets.num_users * c, packer.batch_size
+    scores = np.empty(total, np.float32)
+    pending = None  # the previous batch's output: packing overlaps the device step
+
+    def collect(item):
+        out, start, n = item
+        scores[start : start + n] = np.asarray(out)[:n]
+
+    for start in range(0, total, b):
+        sparse, labels, dense = sets.rows(start, start + b, max_negatives=max_negatives)
+        batch = packer.pack(sparse, labels=labels, dense=dense, first_example=start)
+        out = trainer.eval_step(state, batch)
+        row = jnp.diagonal(out) if trainer.task == "retrieval" else out.reshape(b, -1)[:, 0]
+        if pending is not None:
+            collect(pending)
+        pending = (row, start, labels.shape[0])
+    if pending is not None:
+        collect(pending)
+    return scores.reshape(sets.num_users, c)
+
+
+def evaluate_ranking(
+    trainer: Trainer,
+    state: TrainState,
+    sets: CandidateSets,
+    packer: BatchPacker,
+    *,
+    ks: int | Sequence[int] = (10,),
+    ties: str = "average",
+    max_negatives: int | None = None,
+) -> dict[str, float]:
+    """Ranking metrics of the model on `sets`: `hr@k` and `ndcg@k` for each k, `mrr`,
+    and over the same rows (label 1 for the held-out item) the global `auc` and the
+    per-user `gauc`; plus `users` and `candidates` (per user). Ties: see
+    `sparsejax.train.ranking_metrics`."""
+    scores = score_candidates(trainer, state, sets, packer, max_negatives=max_negatives)
+    return ranking_report(scores, ks=ks, ties=ties)
+
+
+def ranking_report(
+    scores: np.ndarray, *, ks: int | Sequence[int] = (10,), ties: str = "average"
+) -> dict[str, float]:
+    """`evaluate_ranking`'s dict from a score matrix `[users, 1 + K]` (positive in
+    column 0), e.g. the popularity baseline's scores."""
+    scores = np.asarray(scores)
+    out = _metrics.ranking_metrics(scores, ks, ties=ties)
+    labels = np.zeros(scores.shape, np.float32)
+    labels[:, 0] = 1.0
+    users = np.repeat(np.arange(scores.shape[0]), scores.shape[1])
+    out["auc"] = _metrics.auc(labels, scores)
+    out["gauc"] = _metrics.gauc(labels.reshape(-1), scores.reshape(-1), users)
+    out["users"] = int(scores.shape[0])
+    out["candidates"] = int(scores.shape[1])
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Two-tower models
+
+
+_TOWER_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _towers_fn(trainer: Trainer) -> Callable:
+    fn = _TOWER_FNS.get(trainer)
+    if fn is None:
+        model = trainer.model
+        if trainer.task != "retrieval" or not callable(getattr(model, "towers", None)):
+            raise ValueError(
+                f"{type(model).__name__} has no towers; full-corpus retrieval needs a "
+                "two-tower model (task 'retrieval' with a `towers` method)"
+            )
+
+        def towers(state, batch):
+            _, aux = model.apply(
+                {"params": state.params, EMBEDDING: state.tables},
+                batch,
+                capture_intermediates=lambda _mdl, name: name == "towers",
+                mutable=["intermediates"],
+            )
+            return aux["intermediates"]["towers"][0]
+
+        fn = _TOWER_FNS[trainer] = jax.jit(towers)
+    return fn
+
+
+def tower_embeddings(
+    trainer: Trainer, state: TrainState, examples: Examples, packer: BatchPacker
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(user [n, D], item [n, D])`: the two-tower model's normalized tower outputs of
+    each example (user tower on its user features, item tower on its item features)."""
+    fn = _towers_fn(trainer)
+    users, items = [], []
+    b = packer.batch_size
+    for start in range(0, len(examples), b):
+        idx = np.arange(start, min(start + b, len(examples)))
+        sparse, labels, dense = examples.take(idx)
+        batch = packer.pack(sparse, labels=labels, dense=dense, first_example=start)
+        u, v = fn(state, batch)
+        users.append((u, idx.size))
+        items.append((v, idx.size))
+    cat = lambda parts: np.concatenate([np.asarray(x)[:n] for x, n in parts])  # noqa: E731
+    return cat(users), cat(items)
+
+
+def _corpus_examples(packer: BatchPacker, item_feature: str, n_items: int) -> Examples:
+    """Every item row in `item_feature`; every other feature an empty bag (the item
+    tower reads only the item feature)."""
+    sparse = {}
+    for spec in packer.features:
+        if spec.name == item_feature:
+            sparse[spec.name] = JaggedIds(np.ones(n_items, np.int64), np.arange(n_items))
+        else:
+            sparse[spec.name] = JaggedIds(
+                np.zeros(n_items, np.int64),
+                np.zeros(0, np.int64),
+                np.zeros(0, np.float32) if spec.weighted else None,
+            )
+    return Examples(
+        labels=np.zeros(n_items, np.float32),
+        dense=np.zeros((n_items, packer.num_dense), np.float32),
+        sparse=sparse,
+    )
+
+
+def evaluate_retrieval(
+    trainer: Trainer,
+    state: TrainState,
+    sets: CandidateSets,
+    packer: BatchPacker,
+    *,
+    ks: int | Sequence[int] = (10,),
+    item_feature: str = "item",
+    exclude_seen: bool = True,
+    ties: str = "average",
+    user_chunk: int = 256,
+    item_chunk: int = 8192,
+) -> dict[str, float]:
+    """Recall@k (= hit rate with one held-out item per user), NDCG@k and MRR of a
+    two-tower model over its whole item corpus: every item row of `item_feature`'s table
+    goes through the item tower, every evaluated user (its user features and history)
+    through the user tower, and each user's held-out item is ranked against all items
+    (not in-batch, not only the sampled candidates). `exclude_seen` leaves out the items
+    the user interacted with before the held-out event (`sets.seen`), the usual protocol.
+    Returns `{"recall@k", "ndcg@k", "mrr", "users", "items"}`."""
+    model = trainer.model
+    item_side = tuple(getattr(model, "item_features", ()))
+    if item_side and set(item_side) != {item_feature}:
+        raise ValueError(
+            f"evaluate_retrieval: the item tower reads {list(item_side)}; only an item tower "
+            f"over {item_feature!r} alone can embed the corpus from item ids"
+        )
+    specs = {f.name: f for f in packer.features}
+    if item_feature not in specs:
+        raise ValueError(f"evaluate_retrieval: no feature {item_feature!r} in {sorted(specs)}")
+    n_items = packer.vocab[specs[item_feature].table]
+    user_emb, _ = tower_embeddings(trainer, state, sets.user_examples(), packer)
+    _, item_emb = tower_embeddings(
+        trainer, state, _corpus_examples(packer, item_feature, n_items), packer
+    )
+    exclude = (sets.seen.lengths, sets.seen.values) if exclude_seen else None
+    out = _metrics.full_corpus_recall(
+        user_emb,
+        item_emb,
+        sets.positives,
+        ks,
+        exclude=exclude,
+        ties=ties,
+        user_chunk=user_chunk,
+        item_chunk=item_chunk,
+    )
+    out["users"], out["items"] = sets.num_users, int(n_items)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Predictions
+
+
+def candidate_predictions(
+    sets: CandidateSets,
+    scores: np.ndarray,
+    *,
+    user_ids: np.ndarray | None = None,
+    item_ids: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """One row per scored candidate: `user`, `item`, `score`, `label` (1 for the held-out
+    item), user-major as `sets.rows`. `user_ids` / `item_ids` (`SequenceData.user_ids`,
+    `.item_ids`) turn table rows back into the log's raw ids."""
+    scores = np.asarray(scores)
+    c = scores.shape[1]
+    users = np.repeat(sets.users, c)
+    items = sets.items[:, :c].reshape(-1)
+    label = np.zeros(scores.shape, np.int8)
+    label[:, 0] = 1
+    return {
+        "user": users if user_ids is None else np.asarray(user_ids)[users],
+        "item": items if item_ids is None else np.asarray(item_ids)[items],
+        "score": scores.reshape(-1),
+        "label": label.reshape(-1),
+    }
+
+
+def write_predictions(path: str | os.PathLike, columns: Mapping[str, np.ndarray]) -> str:
+    """Write equal-length columns as CSV (`.csv`, or `.tsv` tab-separated; `.gz`
+    compressed) or Parquet (`.parquet`, needs pyarrow), by the file's extension. Returns
+    the path written."""
+    path = os.fspath(path)
+    cols = {k: np.asarray(v) for k, v in columns.items()}
+    lengths = {v.shape[0] for v in cols.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"write_predictions: columns differ in length {sorted(lengths)}")
+    base = path[:-3] if path.endswith(".gz") else path
+    if base.endswith(".parquet"):
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(
+                f"{path}: writing Parquet needs pyarrow (pip install pyarrow); or use .csv"
+            ) from None
+        pq.write_table(pa.table(cols), path)
+        return path
+    if not base.endswith((".csv", ".tsv")):
+        raise ValueError(f"{path}: predictions are written as .csv, .tsv or .parquet")
+    delimiter = "\t" if base.endswith(".tsv") else ","
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt", newline="") as f:
+        w = csv.writer(f, delimiter=delimiter, lineterminator="\n")
+        w.writerow(list(cols))
+        n = next(iter(lengths), 0)
+        for start in range(0, n, 65536):
+            w.writerows(
+                zip(*(v[start : start + 65536].tolist() for v in cols.values()), strict=True)
+            )
+    return path
