@@ -50,7 +50,7 @@ from ._schema import (
     sparse_optimizer,
 )
 
-FILE_KINDS = ("criteo", "delimited", "libsvm", "parquet")
+FILE_KINDS = ("criteo", "delimited", "libsvm", "parquet", "events")
 """Kinds read from files (the others generate their data)."""
 _SCHEMA_KINDS = ("delimited", "parquet")
 """Kinds whose columns a `data.schema` names."""
@@ -152,7 +152,7 @@ def check_data_config(d: DataConfig) -> None:
 
     file_keys = [k for k in ("path", "train", "eval", "test") if getattr(d, k) is not None]
     file_opts = [k for k in ("split", "train_rows", "label") if getattr(d, k) is not None]
-    file_opts += [k for k in ("features", "joins", "indicator_bags") if getattr(d, k)]
+    file_opts += [k for k in ("features", "joins", "indicator_bags", "field_map") if getattr(d, k)]
     if d.kind not in FILE_KINDS:
         if file_keys or file_opts:
             raise ConfigError(
@@ -160,6 +160,11 @@ def check_data_config(d: DataConfig) -> None:
                 f"{list(FILE_KINDS)}); data.kind={d.kind!r} generates its data"
             )
         return
+    if d.kind == "events":
+        _check_events(d)
+        return
+    if d.events is not None:
+        raise ConfigError(f"data.events is for data.kind='events', not {d.kind!r}")
     if d.path is not None and d.train is not None:
         raise ConfigError("data.path and data.train both name the training data; keep data.train")
     if d.path is None and d.train is None and (d.eval is not None or d.test is not None):
@@ -202,9 +207,13 @@ def check_data_config(d: DataConfig) -> None:
         raise ConfigError(f"{what} need named columns (data.kind {list(_SCHEMA_KINDS)})")
 
     # the sparse columns the run will have, where the config says them
+    if d.field_map and d.kind != "libsvm":
+        raise ConfigError(f"data.field_map is for data.kind='libsvm', not {d.kind!r}")
     names = None
     if d.kind == "criteo":
         names = set(sd.CATEGORICAL_NAMES)
+    elif d.kind == "libsvm":
+        names = {str(v) for v in d.field_map.values()} or {"features"}
     elif schema is not None:
         names = set(schema.sparse_columns) | set(d.indicator_bags)
     for i, j in enumerate(d.joins):
@@ -238,6 +247,45 @@ def check_data_config(d: DataConfig) -> None:
             if col not in names:
                 raise _unknown(f"data.features.{col}", col, names)
     _table_options(feats)
+
+
+def _check_events(d: DataConfig) -> None:
+    """kind=events: one log (`train` or `path`) and `events`; the log's own options do
+    the rest (split, negatives, candidate sets)."""
+    if d.path is not None and d.train is not None:
+        raise ConfigError("data.path and data.train both name the event log; keep data.train")
+    if d.events is None:
+        raise ConfigError(
+            "data.kind='events' needs data.events (the log's columns, history_length, "
+            "split, negatives, eval_negatives; see sparsejax.data.SequenceConfig)"
+        )
+    for k in ("eval", "test", "split", "train_rows", "label", "schema"):
+        if getattr(d, k) is not None:
+            raise ConfigError(
+                f"data.{k} does not apply to data.kind='events': the event log's split, "
+                f"labels and columns are set in data.events"
+            )
+    for k in ("joins", "indicator_bags", "field_map"):
+        if getattr(d, k):
+            raise ConfigError(f"data.{k} does not apply to data.kind='events'")
+    names = {"user", "item", "history"}
+    for col, fc in d.features.items():
+        if col not in names:
+            raise _unknown(f"data.features.{col}", col, names)
+        if any(
+            getattr(fc, f) is not None
+            for f in ("max_ids", "min_count", "hash_buckets", "table", "combiner")
+        ):
+            raise ConfigError(
+                f"data.features.{col}: kind=events takes only `dim` (history_length, the "
+                f"item table shared by item and history, and the ids are set by the log)"
+            )
+    _table_options(
+        {
+            c: fc if c != "history" else dataclasses.replace(fc, table="item")
+            for c, fc in d.features.items()
+        }
+    )
 
 
 def _check_split(s: SplitConfig | None, d: DataConfig) -> None:
@@ -458,6 +506,8 @@ def _read_split(d: DataConfig, files: list[str], schema, label) -> tuple[Example
             kw["label"], label_done = label, True
         if schema is not None:
             kw["schema"] = schema
+        if d.field_map:
+            kw["field_map"] = dict(d.field_map)
         parts = [(f, *reader(f, **kw)) for f in files]
     if label is not None and not label_done:  # a reader without label rules
         parts = [
@@ -682,6 +732,13 @@ class DataBundle:
     transform: Any = None
     """File data: the `sparsejax.data.ColumnTransform` applied to raw rows (for readers
     that stream chunks)."""
+    ranking: dict | None = None
+    """kind=events: the candidate sets (`sparsejax.data.CandidateSets`) of the "eval" and
+    "test" splits (held-out item + `eval_negatives` per user), for HR@k / NDCG@k
+    (`sparsejax.train.evaluate_ranking` with `packer`); `eval_batches` hold the eval
+    sets' rows as binary examples (AUC, logloss)."""
+    sequences: Any = None
+    """kind=events: the `sparsejax.data.SequenceData` (id maps, report)."""
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -712,7 +769,58 @@ def build_data(cfg: RunConfig) -> DataBundle:
             eval_batches.append(eval_packer.pack(sparse, labels=labels, dense=dense))
         packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
         return DataBundle(tuple(tables), tuple(features), packer, gen, eval_batches)
+    if d.kind == "events":
+        return _build_events(cfg, table_kw)
     return _build_file_data(cfg, table_kw)
+
+
+def _build_events(cfg: RunConfig, table_kw: dict) -> DataBundle:
+    """kind=events: the log read and made into sequence examples (`load_sequences`):
+    train examples (positives and sampled negatives with their histories), eval and test
+    candidate sets; tables user and item, the history reading the item table."""
+    d = cfg.data
+    key = "data.train" if d.train is not None else "data.path"
+    source = d.train if d.train is not None else d.path
+    if source is None:
+        raise ConfigError("data.kind='events' needs data.train (the event log)")
+    files = resolve_files(source, key)
+    seq, rep = sd.load_sequences(files, d.events, strict=d.strict)
+    dims = _table_options(
+        {
+            c: fc if c != "history" else dataclasses.replace(fc, table="item")
+            for c, fc in d.features.items()
+        }
+    )
+    tables, features = seq.specs(dim=cfg.model.embedding_dim, **table_kw)
+    tables = [
+        dataclasses.replace(t, dim=dims[t.name]["dim"]) if dims.get(t.name, {}).get("dim") else t
+        for t in tables
+    ]
+    eval_b = d.eval_batch_size or d.batch_size
+    eval_packer = BatchPacker(tables, features, batch_size=eval_b)
+    packer = BatchPacker(tables, features, batch_size=d.batch_size)
+    sets = {"eval": seq.valid, "test": seq.test}
+    examples = {k: None if v is None else v.to_examples() for k, v in sets.items()}
+    if examples["eval"] is None or len(examples["eval"]) == 0:
+        raise ConfigError(
+            "data.events gives no validation users (split: time needs valid_time); the run "
+            f"evaluates on them: {seq.report.summary()}"
+        )
+    return DataBundle(
+        tuple(tables),
+        tuple(features),
+        packer,
+        seq.train,
+        sd.pack_examples(examples["eval"], eval_packer),
+        report=f"{rep.summary()}; {seq.report.summary()}",
+        test_batches=None
+        if examples["test"] is None
+        else sd.pack_examples(examples["test"], eval_packer),
+        eval_examples=examples["eval"],
+        test_examples=examples["test"],
+        ranking={k: v for k, v in sets.items() if v is not None},
+        sequences=seq,
+    )
 
 
 def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
@@ -827,9 +935,9 @@ def _roles(d: DataConfig) -> dict[str, str]:
 
 def _file_specs(cfg: RunConfig, train: Examples, parts: list[Examples], mappings, table_kw):
     """One table per table name (a column's own, or the one it shares) and one feature
-    per sparse column: one-id columns as they are, bags mean-pooled, sequences unpooled
-    (or as `data.features` says), each bag sized by its `max_ids` or the longest in the
-    data."""
+    per sparse column: one-id columns as they are, bags mean-pooled (weighted bags
+    summed), sequences unpooled (or as `data.features` says), each bag sized by its
+    `max_ids` or the longest in the data."""
     d, dim = cfg.data, cfg.model.embedding_dim
     opts = _table_options(d.features)
     roles = _roles(d)
@@ -846,12 +954,13 @@ def _file_specs(cfg: RunConfig, train: Examples, parts: list[Examples], mappings
             )
         fc = d.features.get(name) or FeatureConfig()
         longest = max(int(np.max(p.sparse[name].lengths, initial=1)) for p in parts)
+        weighted = train.sparse[name].weights is not None
         role = roles.get(name) or ("one" if longest <= 1 else "bag")
-        combiner = {"one": "sum", "bag": "mean", "sequence": None}[role]
+        # a weighted bag (libSVM idx:val) is summed: the weights carry the values
+        combiner = {"one": "sum", "bag": "sum" if weighted else "mean", "sequence": None}[role]
         if fc.combiner is not None:
             combiner = None if fc.combiner == "sequence" else fc.combiner
         max_ids = fc.max_ids or max(longest, 1)
-        weighted = train.sparse[name].weights is not None
         features.append(
             FeatureSpec(name=name, table=t, combiner=combiner, max_ids=max_ids, weighted=weighted)
         )

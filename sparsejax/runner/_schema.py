@@ -19,6 +19,7 @@ from typing import Literal
 
 import optax
 
+from ..data import SequenceConfig
 from ..nn import MODELS
 from ..ops import optimizers as sparse_optimizers
 from ._config import from_dict, layered, unknown_key_error
@@ -115,13 +116,14 @@ class DataConfig:
     splits from `train` / `eval` / `test` (each a path, a glob or a list of files), or
     from one source (`train` or `path`) and a `split` rule."""
 
-    kind: Literal["synthetic", "criteo", "delimited", "libsvm", "parquet", "behavior"] = (
+    kind: Literal["synthetic", "criteo", "delimited", "libsvm", "parquet", "events", "behavior"] = (
         "synthetic"
     )
     """synthetic: Criteo-shaped Zipf data, no download; criteo: Kaggle DAC TSV files;
     delimited: any CSV/TSV described by `schema`; libsvm: libSVM/libFM text
-    (`label idx:val ...`); parquet: Parquet files described by `schema`; behavior:
-    synthetic user histories (for DIN and two-tower)."""
+    (`label idx:val ...`); parquet: Parquet files described by `schema`; events: a
+    (user, item, time) event log made into sequence examples as `events` says (DIN,
+    two-tower); behavior: synthetic user histories (for DIN and two-tower)."""
     path: str | None = None
     """Data file (one source, split by `split` or `train_rows`); `train` says the same
     and also takes globs and lists. A relative path is looked up in the working
@@ -160,6 +162,13 @@ class DataConfig:
     """Fail on the first malformed line instead of counting and skipping it."""
     schema: dict | None = None
     """delimited/parquet: the column schema (see `sparsejax.data.TableSchema`)."""
+    field_map: dict = dataclasses.field(default_factory=dict)
+    """libsvm: field-aware features, `{libFM field id or "lo-hi" index range: feature}`;
+    default: all of a line's `idx:val` pairs form one weighted bag, `features`."""
+    events: SequenceConfig | None = None
+    """events: the log's columns, the histories (`history_length`), the split
+    (leave_last_out or time), train negatives and the eval candidate sets (held-out item
+    + `eval_negatives`); see `sparsejax.data.SequenceConfig`."""
     max_vocab: int = 100_000
     """synthetic: table sizes follow the Criteo Kaggle cardinalities capped at this."""
     zipf: float = 1.1
