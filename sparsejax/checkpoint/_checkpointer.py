@@ -4,16 +4,20 @@ A checkpoint holds three items: `tables` (every table's weights and sparse optim
 slots under its layer and name), `state` (the other fields of the state: step, dense
 parameters, their optimizer state, RNG), and `meta` (JSON: table specs, data position,
 the run's config). Restoring checks the specs first and names any table whose name or
-shape changed; an unreadable checkpoint (e.g. truncated) raises `CheckpointError`
-naming it and leaves the others usable. `restore_tables` reads the tables alone, from
-the layouts alone: serving needs no trainer and no optimizer state.
+shape changed; an unreadable checkpoint (e.g. truncated) raises
+`CheckpointUnreadableError` (a `CheckpointError`) naming it and leaves the others usable:
+`restore_readable` falls back to the newest readable one, and `set_aside` moves an
+unreadable one out of the way of the next save of its step. Every message is one line.
+`restore_tables` reads the tables alone, from the layouts alone: serving needs no
+trainer and no optimizer state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -27,18 +31,43 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written from, or restored into, the current model."""
 
 
+class CheckpointUnreadableError(CheckpointError):
+    """A checkpoint's files cannot be read (truncated, corrupt, missing parts)."""
+
+
+def _one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (orbax's errors run to many lines)."""
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 200:
+        first = first[:200] + "..."
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
 class NonFiniteStateError(FloatingPointError):
     """The state holds NaN or inf; it is not saved, so the last checkpoint stays good."""
 
 
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])  # bool[len(leaves)]
+
+
 def _first_non_finite(tree) -> str | None:
-    """Path of the first float leaf holding NaN/inf (one fused pass per leaf), or None."""
+    """Path of the first float leaf holding NaN/inf, or None: one jitted pass over every
+    leaf (compiled once per state signature, not once per leaf shape)."""
     floats = [
         (p, x)
         for p, x in jax.tree_util.tree_leaves_with_path(tree)
         if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
     ]
-    flags = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
+    if not floats:
+        return None
+    leaves = [x for _, x in floats]
+    try:
+        flags = jax.device_get(_all_finite(leaves))
+    except ValueError:  # leaves on different device sets: one check per leaf
+        flags = jax.device_get([jnp.isfinite(x).all() for x in leaves])
     for (path, _), ok in zip(floats, flags, strict=True):
         if not ok:
             return jax.tree_util.keystr(path)
@@ -160,9 +189,9 @@ class Checkpointer:
         try:
             meta = self.read_meta(step)
         except Exception as e:  # noqa: BLE001 - any read failure means the same to the user
-            raise CheckpointError(
+            raise CheckpointUnreadableError(
                 f"checkpoint {step} in {self.directory} is unreadable "
-                f"({type(e).__name__}: {e}); other checkpoints: {others}"
+                f"({_one_line(e)}); other checkpoints: {others}"
             ) from e
         self._check_specs(meta["tables"], step)
         try:
@@ -173,9 +202,9 @@ class Checkpointer:
                 ),
             )
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
+            raise CheckpointUnreadableError(
                 f"checkpoint {step} in {self.directory} cannot be restored "
-                f"({type(e).__name__}: {e}); other checkpoints: {others}"
+                f"({_one_line(e)}); other checkpoints: {others}"
             ) from e
         return step, {k: restored[k] for k in items}, meta
 
@@ -192,6 +221,53 @@ class Checkpointer:
             template, tables=stack_tables(self.layouts, got["tables"]), **got["state"]
         )
         return state, meta
+
+    def restore_readable(
+        self, template, *, warn: Callable[[str], None] = print
+    ) -> tuple[Any, dict, list[int]]:
+        """The newest checkpoint that reads (see `restore`): an unreadable one is skipped
+        for the one before it, and `warn` says so naming both.
+
+        Returns:
+          (state, JSON record, the unreadable steps skipped, newest first).
+
+        Raises:
+          CheckpointUnreadableError: no checkpoint reads.
+          CheckpointError: none, or the newest readable one does not fit the model.
+        """
+        skipped: list[int] = []
+        errors: list[str] = []
+        for step in reversed(self.steps()):
+            try:
+                state, meta = self.restore(template, step)
+            except CheckpointUnreadableError as e:
+                skipped.append(step)
+                errors.append(str(e))
+                continue
+            if skipped:
+                warn(
+                    f"checkpoint{'s' * (len(skipped) > 1)} {', '.join(map(str, skipped))} "
+                    f"in {self.directory} unreadable ({errors[0]}); using checkpoint {step}"
+                )
+            return state, meta, skipped
+        if skipped:
+            raise CheckpointUnreadableError(
+                f"no checkpoint in {self.directory} is readable (steps "
+                f"{', '.join(map(str, sorted(skipped)))}; newest: {errors[0]})"
+            )
+        raise CheckpointError(f"no checkpoint in {self.directory}")
+
+    def set_aside(self, step: int) -> str:
+        """Move checkpoint `step` to `<directory>_unreadable/<step>` (out of the way of
+        a new save of that step); returns where it went."""
+        dest_dir = self.directory.rstrip(os.sep) + "_unreadable"
+        os.makedirs(dest_dir, exist_ok=True)
+        dest = os.path.join(dest_dir, str(step))
+        if os.path.exists(dest):
+            shutil.rmtree(dest)
+        shutil.move(os.path.join(self.directory, str(step)), dest)
+        self.manager.reload()
+        return dest
 
     def restore_tables(self, step: int | None = None) -> tuple[dict, dict]:
         """The "embedding" collection at `step` (default: latest), built from the layouts
