@@ -1,10 +1,25 @@
 """Typed, layered experiment configs: the machinery (the schema is `_schema.py`).
 
-A config is a tree of frozen dataclasses (`RunConfig`). It is read
-from YAML files layered left to right (a file may name its own `base:` file, relative to
-itself), then `key.sub=value` overrides (values parsed as YAML). Validation turns the
-merged dict into the dataclasses: an unknown key is an error naming it and the closest
-valid key, a value of the wrong type names the key, the expected type and the value.
+A config is a tree of frozen dataclasses (`RunConfig`). It is read from layers merged in
+order: each YAML file given (a file may name its own `base:` files, relative to itself,
+which come before it), then the command line's `key.sub=value` overrides, all of them
+together one layer (values parsed as YAML). Validation turns the merged dict into the
+dataclasses: an unknown key is an error naming it and the closest valid key, a value of
+the wrong type names the key, the expected type and the value. Every error is one line.
+
+Merging. A mapping merges key by key into the mapping below it; anything else (a
+scalar, a list) replaces. To replace a mapping instead of merging into it:
+
+- in YAML, tag it `!replace`: `sparse_options: !replace {eps: 1.0e-8}`;
+- on the command line, write `key!=value`: `optimizer.sparse_options!={}` empties it.
+
+Switching a kind drops the options of the previous one. When a layer changes
+`optimizer.sparse` (or `model.name`) from the value an earlier layer set, the
+`optimizer.sparse_options` (`model.options`) of the earlier layers are dropped: they
+belonged to the previous optimizer (model). Options the switching layer sets itself
+are kept. So `optimizer.sparse=lazy_adam` on top of a config with Adagrad's
+`initial_accumulator_value` trains LazyAdam with its defaults, and
+`optimizer.sparse=lazy_adam optimizer.sparse_options={b1: 0.8}` with b1 = 0.8.
 """
 
 from __future__ import annotations
@@ -24,6 +39,42 @@ class ConfigError(ValueError):
     """A config file, key or value is invalid; the message names it."""
 
 
+class Replace(dict):
+    """A mapping that replaces the mapping below it instead of merging into it (the
+    `!replace` YAML tag, or `key!=value` on the command line)."""
+
+
+SWITCHES: dict[str, str] = {
+    "optimizer.sparse": "optimizer.sparse_options",
+    "model.name": "model.options",
+}
+"""Kind key -> its options key: a layer that changes the kind (from a value an earlier
+layer set) drops the earlier layers' options (its own are kept)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with the `!replace` tag on mappings."""
+
+
+def _construct_replace(loader: yaml.SafeLoader, node: yaml.Node) -> Replace:
+    if not isinstance(node, yaml.MappingNode):
+        raise yaml.constructor.ConstructorError(
+            None, None, "!replace applies to a mapping ({...})", node.start_mark
+        )
+    return Replace(loader.construct_mapping(node, deep=True))
+
+
+_Loader.add_constructor("!replace", _construct_replace)
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: `line L, column C: problem`."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
 def _closest(key: str, valid) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {sorted(valid)}"
@@ -34,13 +85,55 @@ def unknown_key_error(where: str, key: str, valid) -> ConfigError:
 
 
 def merge(base: Mapping, over: Mapping) -> dict:
-    """Deep merge: mappings merge key by key, anything else in `over` replaces."""
-    out = dict(base)
+    """Deep merge: mappings merge key by key, anything else in `over` replaces, and so
+    does a `Replace` mapping."""
+    out = Replace(base) if isinstance(base, Replace) else dict(base)
     for k, v in over.items():
-        out[k] = (
-            merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
-        )
+        if (
+            isinstance(v, Mapping)
+            and not isinstance(v, Replace)
+            and isinstance(out.get(k), Mapping)
+        ):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
     return out
+
+
+def _get(tree: Mapping, dotted: str, default: Any = None) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+_UNSET = object()
+
+
+def merge_layer(below: Mapping, layer: Mapping) -> dict:
+    """`merge(below, layer)` after dropping the options of a kind `layer` switches
+    (see `SWITCHES` and the module docstring)."""
+    below = dict(below)
+    for kind, options in SWITCHES.items():
+        old, new = _get(below, kind, _UNSET), _get(layer, kind, _UNSET)
+        if old is _UNSET or new is _UNSET or old == new:
+            continue
+        section, key = options.rsplit(".", 1)
+        parent = _get(below, section)
+        if isinstance(parent, Mapping) and key in parent:
+            below[section] = {k: v for k, v in parent.items() if k != key}
+    return merge(below, layer)
+
+
+def plain_tree(tree: Any) -> Any:
+    """`tree` with every `Replace` marker turned into a plain dict."""
+    if isinstance(tree, Mapping):
+        return {k: plain_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [plain_tree(v) for v in tree]
+    return tree
 
 
 def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
@@ -50,11 +143,13 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
         raise ConfigError(f"config {path} includes itself through `base:`")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_Loader) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML ({_yaml_error(e)})") from None
     if not isinstance(data, Mapping):
         raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
     base = data.pop("base", None)
@@ -63,19 +158,28 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
     bases = [base] if isinstance(base, str) else list(base)
     merged: dict = {}
     for b in bases:
-        merged = merge(merged, load_yaml(os.path.join(os.path.dirname(path), b), (*_seen, path)))
-    return merge(merged, data)
+        merged = merge_layer(
+            merged, load_yaml(os.path.join(os.path.dirname(path), b), (*_seen, path))
+        )
+    return merge_layer(merged, data)
 
 
 def parse_override(text: str) -> dict:
-    """`a.b.c=value` -> {"a": {"b": {"c": value}}} with `value` parsed as YAML."""
+    """`a.b.c=value` -> {"a": {"b": {"c": value}}} with `value` parsed as YAML;
+    `a.b.c!=value` replaces the mapping `a.b.c` instead of merging into it."""
     key, sep, value = text.partition("=")
-    if not sep or not key.strip():
+    replace = key.endswith("!")
+    key = key[:-1] if replace else key
+    if not sep or not key.strip() or any(not p for p in key.strip().split(".")):
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = yaml.load(value, Loader=_Loader) if value.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
+        raise ConfigError(
+            f"override {text!r}: value is not valid YAML ({_yaml_error(e)})"
+        ) from None
+    if replace and isinstance(parsed, Mapping):
+        parsed = Replace(parsed)
     out: Any = parsed
     for part in reversed(key.strip().split(".")):
         out = {part: out}
@@ -83,13 +187,14 @@ def parse_override(text: str) -> dict:
 
 
 def layered(files: Sequence[str | os.PathLike], overrides: Sequence[str] = ()) -> dict:
-    """Merge config files left to right, then the overrides."""
+    """Merge config files left to right, then the overrides (one layer together)."""
     merged: dict = {}
     for f in files:
-        merged = merge(merged, load_yaml(f))
+        merged = merge_layer(merged, load_yaml(f))
+    command_line: dict = {}
     for o in overrides:
-        merged = merge(merged, parse_override(o))
-    return merged
+        command_line = merge(command_line, parse_override(o))
+    return plain_tree(merge_layer(merged, command_line))
 
 
 def _type_name(tp) -> str:
@@ -212,3 +317,83 @@ def field_docs(cls) -> dict[str, str]:
         ):
             docs[a.target.id] = str(b.value.value).strip()
     return docs
+
+
+def _type_doc(tp) -> str:
+    """A type as a config writer reads it: `int | null`, `"a" | "b"`, `list of str`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any"
+    if dataclasses.is_dataclass(tp):
+        return f"mapping ({tp.__name__})"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_doc(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
+    if origin in (tuple, list, Sequence) or tp in (tuple, list):
+        items = [a for a in args if a is not Ellipsis]
+        return f"list of {_type_doc(items[0])}" if items else "list"
+    if origin in (dict, Mapping) or tp is dict:
+        return "mapping"
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(tp, _type_name(tp))
+
+
+def _default_doc(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return "required"
+    if dataclasses.is_dataclass(value):
+        return "its section's defaults"
+    text = yaml.safe_dump(to_dict(value), default_flow_style=True, width=1 << 30).strip()
+    return "default `" + text.removesuffix("\n...").removesuffix("...").strip() + "`"
+
+
+def _nested_dataclasses(tp) -> list:
+    if dataclasses.is_dataclass(tp):
+        return [tp]
+    return [c for a in typing.get_args(tp) for c in _nested_dataclasses(a)]
+
+
+def schema_reference(cls, *, title: str = "Config reference", intro: str = "") -> str:
+    """Markdown reference of the config dataclass `cls`: one section per (nested)
+    dataclass, one line per field with its type, default and attribute docstring."""
+    lines = [f"# {title}", ""]
+    if intro:
+        lines += [intro.strip(), ""]
+    todo, seen = [("", cls)], set()
+    while todo:
+        prefix, c = todo.pop(0)
+        if (prefix, c) in seen:
+            continue
+        seen.add((prefix, c))
+        hints, docs = typing.get_type_hints(c), field_docs(c)
+        head = f"`{prefix.rstrip('.')}` ({c.__name__})" if prefix else f"Top level ({c.__name__})"
+        lines += [f"## {head}", ""]
+        class_doc = inspect_doc(c)
+        if class_doc:
+            lines += [class_doc, ""]
+        for f in dataclasses.fields(c):
+            if not f.init or f.name.startswith("_"):
+                continue
+            tp = hints[f.name]
+            doc = " ".join(docs.get(f.name, "").split())
+            line = f"- `{prefix}{f.name}` ({_type_doc(tp)}; {_default_doc(f)})"
+            lines.append(f"{line}: {doc}" if doc else line)
+            is_list = typing.get_origin(tp) in (tuple, list, Sequence)
+            for sub in _nested_dataclasses(tp):
+                todo.append((f"{prefix}{f.name}{'[]' if is_list else ''}.", sub))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def inspect_doc(cls) -> str:
+    """A dataclass's own docstring in one paragraph ("" for the generated one)."""
+    doc = cls.__dict__.get("__doc__") or ""
+    if not doc or doc.startswith(f"{cls.__name__}("):
+        return ""
+    return " ".join(doc.split())
