@@ -217,29 +217,52 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "default"
-    """Run directory name under out_dir."""
+    """Run directory name under out_dir. A run directory belongs to one config: running
+    a different one under the same name is refused (naming the keys that differ) unless
+    only resumable keys changed (see `resume`) or `sparsejax train --restart`."""
     out_dir: str = "runs"
+    """Where run directories live."""
     seed: int = 0
+    """Seeds the model's initialization, the data order and synthetic data."""
     steps: int | None = 300
     """Training steps; or set `epochs` (file data) and leave steps null."""
     epochs: int | None = None
+    """Passes over the training data (file data); set steps to null."""
     log_every: int = 20
+    """Steps between train records (loss, samples/s) in metrics.jsonl and the console."""
     eval_every: int | None = 100
     """Steps between evals (null: only at the end)."""
     checkpoint_every: int | None = None
     """Steps between checkpoints (default: only at the end)."""
     keep_checkpoints: int = 3
+    """Checkpoints kept (>= 1); older ones are deleted."""
     resume: bool = True
-    """Continue from the run directory's latest checkpoint if there is one."""
+    """Continue from the run directory's latest checkpoint if there is one. The
+    resumable keys (steps, epochs, log_every, eval_every, checkpoint_every,
+    keep_checkpoints, progress, data.prefetch) may change between runs of one run
+    directory (each change is logged in run.json); any other change is refused."""
     progress: bool = True
+    """A progress bar (false: one line per logged step)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
 
     def __post_init__(self):
-        if (self.steps is None) == (self.epochs is None):
-            raise ValueError("set exactly one of `steps` and `epochs`")
-        for f in ("steps", "epochs", "log_every", "eval_every", "checkpoint_every"):
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"set exactly one of `steps` and `epochs` (got steps={self.steps} and "
+                f"epochs={self.epochs}): add epochs=null to train {self.steps} steps, or "
+                f"steps=null for {self.epochs} epochs"
+            )
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set exactly one of `steps` and `epochs` (both are null)")
+        if self.epochs is not None and self.data.kind in ("synthetic", "behavior"):
+            raise ValueError(
+                f"`epochs` needs file data (data.kind={self.data.kind!r} has no end); "
+                f"set steps=N and epochs=null"
+            )
+        fields = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every")
+        for f in (*fields, "keep_checkpoints"):
             v = getattr(self, f)
             if v is not None and v < 1:
                 raise ValueError(f"`{f}` must be >= 1, got {v}")
