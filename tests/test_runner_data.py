@@ -224,7 +224,7 @@ def test_eval_and_test_files_and_globs(tmp_path, monkeypatch):
         40,
         40,
     )
-    assert "day_1.csv" in data.report and "day_2.csv" in data.report
+    assert "day_1.csv" in data.report and "day_4.csv" in data.report
     resolved = runner.absolute_data_paths(cfg.data)
     assert resolved.train == (str(tmp_path / "day_1.csv"), str(tmp_path / "day_2.csv"))
     assert resolved.test == str(tmp_path / "day_4.csv")
@@ -591,3 +591,49 @@ def test_event_log_as_a_sequence_model(tmp_path, monkeypatch):
     # train: each positive then its 4 negatives
     assert len(data.train_source) == 5 * (600 - 2 * sets.num_users)
     _train(cfg, data)
+
+
+def _frappe(root: pathlib.Path, sizes=(240, 60, 60)):
+    """libFM files of Frappe's shape (the NFM/AFM papers' CTR data): `-1`/`1` labels and
+    ten `idx:1` features per line, one from each field's index range."""
+    rng = np.random.default_rng(7)
+    starts = np.cumsum([0, 30, 50, 3, 4, 7, 2, 3, 2, 9, 20])
+    (root / "frappe").mkdir(parents=True)
+    labels = {}
+    for name, n in zip(("train", "validation", "test"), sizes, strict=True):
+        idx = starts[:-1] + rng.integers(0, np.diff(starts), (n, 10))
+        y = np.where((idx[:, 1] - starts[1]) % 2 == 0, 1, -1)
+        (root / "frappe" / f"frappe.{name}.libfm").write_text(
+            "".join(
+                f"{a} " + " ".join(f"{i}:1" for i in row) + "\n"
+                for a, row in zip(y, idx, strict=True)
+            )
+        )
+        labels[name] = y
+    return labels
+
+
+def test_libfm_file_with_minus_one_labels(tmp_path, monkeypatch):
+    labels = _frappe(tmp_path)
+    monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path))
+    cfg = _load(
+        "libfm_example.yaml",
+        tmp_path,
+        "data.batch_size=64",
+        "model.embedding_dim=4",
+        "model.options={hidden: [8]}",
+    )
+    data = runner.build_data(cfg)
+    # -1 -> 0, 1 stays: labels in {0, 1}, in file order
+    np.testing.assert_array_equal(data.train_source.labels, labels["train"] == 1)
+    np.testing.assert_array_equal(data.test_examples.labels, labels["test"] == 1)
+    (feature,) = data.features  # one weighted bag of the ten indices, summed
+    assert feature.name == "features" and feature.weighted and feature.combiner == "sum"
+    assert feature.max_ids == 10 and np.all(data.train_source.sparse["features"].lengths == 10)
+    _train(cfg, data)
+    # without the label map the -1 labels stop the read, naming file, line and value
+    bad = _load("libfm_example.yaml", tmp_path, "data.label=null")
+    with pytest.raises(ValueError) as e:
+        runner.build_data(bad)
+    first = int(np.argmax(labels["train"] == -1)) + 1
+    assert f"frappe.train.libfm: line {first}: label -1 is not in {{0, 1}}" in str(e.value)

@@ -489,26 +489,24 @@ def _read_delimited_files(files, schema, *, strict, label):
     return parts, "label" in kw
 
 
-def _read_split(d: DataConfig, files: list[str], schema, label) -> tuple[Examples, list]:
-    """Read the files of one split into raw-id `Examples` and their `ParseReport`s."""
-    kind = d.kind
-    label_done = False
+def _read(kind: str, files: list[str], *, schema, label, strict: bool, key: str, field_map=None):
+    """Read `files` of one format into raw-id `Examples` and their `ParseReport`s, with
+    `sparsejax.data.FileSource` (lists of files, header on the first file only, label
+    rules naming file and line), or the per-file readers of versions without it."""
+    source_cls = getattr(sd, "FileSource", None)
+    if source_cls is not None:
+        kw = {"schema": schema, "label": label, "strict": strict, "key": key}
+        if field_map:
+            kw["field_map"] = dict(field_map)
+        ex, rep = source_cls(files, format=kind, **kw).read()
+        return ex, [rep]
     if kind == "criteo":
-        parts = [(f, *sd.read_criteo(f, strict=d.strict)) for f in files]
+        parts = [(f, *sd.read_criteo(f, strict=strict)) for f in files]
+        label_done = False
     elif kind == "delimited":
-        parts, label_done = _read_delimited_files(files, schema, strict=d.strict, label=label)
+        parts, label_done = _read_delimited_files(files, schema, strict=strict, label=label)
     else:
-        reader = getattr(sd, f"read_{kind}", None)
-        if reader is None:
-            raise ConfigError(f"data.kind={kind!r}: this sparsejax has no {kind} reader yet")
-        kw: dict[str, Any] = {"strict": d.strict}
-        if label is not None and _takes(reader, "label"):
-            kw["label"], label_done = label, True
-        if schema is not None:
-            kw["schema"] = schema
-        if d.field_map:
-            kw["field_map"] = dict(d.field_map)
-        parts = [(f, *reader(f, **kw)) for f in files]
+        raise ConfigError(f"data.kind={kind!r}: this sparsejax has no {kind} reader")
     if label is not None and not label_done:  # a reader without label rules
         parts = [
             (f, dataclasses.replace(ex, labels=label.apply(ex.labels, path=f)), rep)
@@ -516,6 +514,13 @@ def _read_split(d: DataConfig, files: list[str], schema, label) -> tuple[Example
         ]
     exs = [ex for _, ex, _ in parts]
     return (exs[0] if len(exs) == 1 else Examples.concat(exs)), [rep for _, _, rep in parts]
+
+
+def _read_split(d: DataConfig, files: list[str], schema, label, key: str):
+    """Read the files of one split into raw-id `Examples` and their `ParseReport`s."""
+    return _read(
+        d.kind, files, schema=schema, label=label, strict=d.strict, key=key, field_map=d.field_map
+    )
 
 
 def _read_schema(d: DataConfig):
@@ -609,11 +614,11 @@ def _read_splits(cfg: RunConfig, schema, drop) -> _Splits:
     eval_files = None if d.eval is None else resolve_files(d.eval, "data.eval")
     test_files = None if d.test is None else resolve_files(d.test, "data.test")
     label = _label_rule(d)
-    train, reports = _read_split(d, train_files, schema, label)
+    train, reports = _read_split(d, train_files, schema, label, source_key)
     dense_names = _dense_names(d, schema, train)
     test = None
     if eval_files is not None:
-        ev, r = _read_split(d, eval_files, schema, label)
+        ev, r = _read_split(d, eval_files, schema, label, "data.eval")
         reports += r
     else:
         s = d.split
@@ -634,7 +639,7 @@ def _read_splits(cfg: RunConfig, schema, drop) -> _Splits:
                     f"({len(train) + len(ev) + (len(test) if test else 0)} rows read)"
                 )
     if test_files is not None:
-        test, r = _read_split(d, test_files, schema, label)
+        test, r = _read_split(d, test_files, schema, label, "data.test")
         reports += r
     for name, part in (("train", train), ("eval", ev)):
         if len(part) == 0:
@@ -649,10 +654,10 @@ def _read_side_tables(d: DataConfig, main_schema) -> tuple[list[tf.Join], list]:
         key = f"data.joins[{i}]"
         files = resolve_files(j.path, f"{key}.path")
         side_schema = _schema_or_error(_side_schema_dict(j, main_schema, key), f"{key}.schema")
-        parts, _ = _read_delimited_files(files, side_schema, strict=d.strict, label=None)
-        exs = [ex for _, ex, _ in parts]
-        reports += [rep for _, _, rep in parts]
-        ex = exs[0] if len(exs) == 1 else Examples.concat(exs)
+        ex, reps = _read(
+            "delimited", files, schema=side_schema, label=None, strict=d.strict, key=f"{key}.path"
+        )
+        reports += reps
         names = tuple(side_schema.dense)
         for bag, cols in j.indicator_bags.items():
             ex, names = tf.indicator_bag(ex, names, bag, cols)
@@ -851,9 +856,6 @@ def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
             row=e.row,
         ) from None
     train = parts["train"]
-    for col in caps:
-        if col not in train.sparse:
-            raise _unknown(f"data.features.{col}", col, train.sparse)
     for col in d.features:
         if col not in train.sparse:
             raise _unknown(f"data.features.{col}", col, train.sparse)
