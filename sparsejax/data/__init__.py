@@ -1,5 +1,7 @@
-"""The host input pipeline: readers (Criteo TSV, delimited text with a schema), a synthetic
-Zipf generator, id mappings, an in-memory columnar store, and the prefetching, resumable
+"""The host input pipeline: readers (Criteo TSV, delimited text with a schema, libSVM /
+libFM, Parquet; plain, gzip or zstd; one file, a glob or a list), label rules, a
+synthetic Zipf generator, id mappings, an in-memory columnar store, a resumable
+streaming `FileSource` for files larger than memory, and the prefetching, resumable
 `Loader` that packs everything into fixed-shape `SparseBatch`es.
 
 Two forms of a feature's ids: `JaggedIds` on the host (lengths + values, as TorchRec's
@@ -38,6 +40,12 @@ from ._events import build_sequences as build_sequences
 from ._events import load_sequences as load_sequences
 from ._events import popularity_scores as popularity_scores
 from ._events import read_events as read_events
+from ._files import DataFileError as DataFileError
+from ._files import expand_files as expand_files
+from ._files import shard_files as shard_files
+from ._labels import LabelError as LabelError
+from ._labels import LabelRule as LabelRule
+from ._libsvm import read_libsvm as read_libsvm
 from ._loader import BatchSource as BatchSource
 from ._loader import Examples as Examples
 from ._loader import HostBatch as HostBatch
@@ -45,6 +53,11 @@ from ._loader import Loader as Loader
 from ._loader import LoaderPosition as LoaderPosition
 from ._loader import measure_throughput as measure_throughput
 from ._loader import pack_examples as pack_examples
+from ._parquet import read_parquet as read_parquet
+from ._stream import FORMATS as FORMATS
+from ._stream import Chunk as Chunk
+from ._stream import FileSource as FileSource
+from ._stream import StreamPosition as StreamPosition
 from ._synthetic import KAGGLE_CARDINALITIES as KAGGLE_CARDINALITIES
 from ._synthetic import SyntheticCriteo as SyntheticCriteo
 

@@ -16,7 +16,7 @@ only lines that fail are re-checked one by one in Python (to name the reason and
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from os import PathLike
@@ -25,8 +25,10 @@ import numpy as np
 
 from ..embedding._spec import FeatureSpec, TableSpec
 from ._batch import JaggedIds
-from ._csv import MISSING, ParseReport, _Errors, open_text
+from ._csv import MISSING, ParseReport, _Errors
+from ._labels import LabelRule
 from ._loader import Examples
+from ._text import parse_decimal, parse_float, parse_hex, split_fields
 
 NUM_DENSE = 13
 NUM_CATEGORICAL = 26
@@ -34,62 +36,32 @@ DENSE_NAMES = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
 CATEGORICAL_NAMES = tuple(f"C{i}" for i in range(1, NUM_CATEGORICAL + 1))
 MAX_HEX_DIGITS = 8
 """Criteo ids are 32-bit hashes written as 8 hex digits; longer values are malformed."""
-_MAX_FAST_DIGITS = 18  # longer dense integers go to the exact per-line Python path
 
 _DENSE_RE = re.compile(rb"-?[0-9]+")
 _HEX_RE = re.compile(rb"[0-9a-fA-F]{1,%d}" % MAX_HEX_DIGITS)
-_HEX_LUT = np.full(256, 255, np.uint8)
-for _c in b"0123456789":
-    _HEX_LUT[_c] = _c - 48
-for _c in b"abcdef":
-    _HEX_LUT[_c] = _c - 87
-    _HEX_LUT[_c - 32] = _c - 87  # upper case
-
-
-def _parse_decimal(arr: np.ndarray, start: np.ndarray, length: np.ndarray):
-    """Signed decimal integers at `arr[start:start+length]` (elementwise, any shape);
-    returns (values int64, bad bool). Empty fields give 0 and are not bad."""
-    last = arr.shape[0] - 1
-    neg = (length > 0) & (arr[np.minimum(start, last)] == ord("-"))
-    bad = (length > _MAX_FAST_DIGITS) | (neg & (length == 1))
-    val = np.zeros(start.shape, np.int64)
-    width = int(min(length.max(initial=0), _MAX_FAST_DIGITS))
-    for j in range(width):
-        valid = (j < length) & ~(neg & (j == 0))
-        d = arr[np.minimum(start + j, last)].astype(np.int64) - 48
-        ok = (d >= 0) & (d <= 9)
-        bad |= valid & ~ok
-        val = np.where(valid & ok, val * 10 + d, val)
-    return np.where(neg, -val, val), bad
-
-
-def _parse_hex(arr: np.ndarray, start: np.ndarray, length: np.ndarray):
-    """Hex ids (1..MAX_HEX_DIGITS digits); returns (raw int64, empty -> -1, bad bool)."""
-    last = arr.shape[0] - 1
-    bad = length > MAX_HEX_DIGITS
-    val = np.zeros(start.shape, np.uint32)  # 8 hex digits fit 32 bits
-    for j in range(min(int(length.max(initial=0)), MAX_HEX_DIGITS)):
-        valid = j < length
-        d = _HEX_LUT[arr[np.minimum(start + j, last)]]
-        ok = d != 255
-        bad |= valid & ~ok
-        val = np.where(valid & ok, (val << np.uint32(4)) | d, val)
-    return np.where(length == 0, MISSING, val.astype(np.int64)), bad
 
 
 def _dense_transform(x: np.ndarray) -> np.ndarray:
     return np.log1p(np.maximum(x, 0).astype(np.float64)).astype(np.float32)
 
 
-def _check_line(fields: list[bytes], labeled: bool):
+def _check_line(fields: list[bytes], labeled: bool, rule: LabelRule | None):
     """The exact per-line parse (used only for lines the fast path flagged): returns
     (label, dense ints, raw ids) or (reason, field, value) of the first bad field."""
     off = 1 if labeled else 0
-    label = 0
+    label = 0.0
     if labeled:
-        if fields[0] not in (b"0", b"1"):
-            return None, ("bad_label", "label", fields[0].decode(errors="replace"))
-        label = int(fields[0])
+        if rule is None:
+            if fields[0] not in (b"0", b"1"):
+                return None, ("bad_label", "label", fields[0].decode(errors="replace"))
+            label = float(fields[0])
+        else:
+            try:
+                label = float(fields[0])
+            except ValueError:
+                return None, ("bad_label", "label", fields[0].decode(errors="replace"))
+            if not math.isfinite(label):
+                return None, ("bad_label", "label", fields[0].decode(errors="replace"))
     dense = []
     for name, f in zip(DENSE_NAMES, fields[off : off + NUM_DENSE], strict=True):
         if f and not _DENSE_RE.fullmatch(f):
@@ -103,63 +75,73 @@ def _check_line(fields: list[bytes], labeled: bool):
     return (label, dense, cats), None
 
 
-def _parse_chunk(data: bytes, first_line: int, labeled: bool, errs: _Errors):
-    """Parse a chunk of whole lines; returns (labels, dense, raw ids [n, 26], lines)."""
-    if data and not data.endswith(b"\n"):
-        data += b"\n"
-    if b"\r" in data:
-        data = data.replace(b"\r\n", b"\n")
-    n_fields = NUM_DENSE + NUM_CATEGORICAL + (1 if labeled else 0)
-    arr = np.frombuffer(data, np.uint8)
-    sep = np.flatnonzero((arr == 9) | (arr == 10))
-    line_last = np.flatnonzero(arr[sep] == 10)  # index in `sep` of each line's newline
-    n_lines = line_last.shape[0]
-    line_first = np.empty(n_lines, np.int64)  # index in `sep` of each line's first field end
-    line_first[:1] = 0
-    line_first[1:] = line_last[:-1] + 1
-    counts = line_last - line_first + 1
-    good_count = counts == n_fields
-    # Field k of line l ends at sep[line_first[l] + k] and starts after the previous one.
-    field_start = np.empty(sep.shape[0], np.int64)
-    field_start[:1] = 0
-    field_start[1:] = sep[:-1] + 1
-    k = np.minimum(line_first[:, None] + np.arange(n_fields), sep.shape[0] - 1)
-    start, end = field_start[k], sep[k]
-    length = np.where(good_count[:, None], end - start, 0)
-    bad = ~good_count
-    off = 1 if labeled else 0
-    if labeled:
-        lab = arr[start[:, 0]]
-        bad |= (length[:, 0] != 1) | ((lab != ord("0")) & (lab != ord("1")))
-        labels = (lab == ord("1")).astype(np.float32)
-    else:
-        labels = np.zeros(n_lines, np.float32)
-    dsl = slice(off, off + NUM_DENSE)
-    dense_int, bad_d = _parse_decimal(arr, start[:, dsl], length[:, dsl])
-    csl = slice(off + NUM_DENSE, n_fields)
-    raw, bad_c = _parse_hex(arr, start[:, csl], length[:, csl])
-    bad |= bad_d.any(1) | bad_c.any(1)
-    dense = _dense_transform(dense_int)
-    keep = ~bad
-    for i in np.flatnonzero(bad):  # exact re-check names the reason (or accepts the line)
-        line_no = first_line + int(i)
-        lo = int(sep[line_first[i] - 1]) + 1 if i > 0 else 0
-        fields = data[lo : int(sep[line_last[i]])].split(b"\t")
-        if len(fields) != n_fields:
-            errs.add(
-                line_no, "field_count", "(line)", f"{len(fields)} fields", f"expected {n_fields}"
-            )
-            continue
-        parsed, err = _check_line(fields, labeled)
-        if err is not None:
-            errs.add(line_no, *err)
-            continue
-        label, d, c = parsed
-        labels[i] = label
-        dense[i] = _dense_transform(np.asarray(d, np.float64))
-        raw[i] = c
-        keep[i] = True
-    return labels[keep], dense[keep], raw[keep], n_lines
+class CriteoParser:
+    """Parses chunks of whole Criteo TSV lines into `Examples` of raw ids (used by
+    `read_criteo`, `iter_criteo_chunks` and `FileSource(format="criteo")`).
+
+    `label=None` keeps the format's rule: the label field is "0" or "1", other lines are
+    malformed (`bad_label`). With a `LabelRule` the label is any number, mapped and
+    checked by the rule (a value outside the allowed set is a `LabelError`).
+    """
+
+    def __init__(self, *, labeled: bool = True, label: LabelRule | None = None):
+        self.labeled = labeled
+        self.rule = label
+
+    def parse(self, data: bytes, first_line: int, path: str, errs: _Errors):
+        """`(Examples, lines read)` of a chunk of whole lines starting at `first_line`."""
+        labeled, rule = self.labeled, self.rule
+        if data and not data.endswith(b"\n"):
+            data += b"\n"
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        n_fields = NUM_DENSE + NUM_CATEGORICAL + (1 if labeled else 0)
+        arr = np.frombuffer(data, np.uint8)
+        n_lines, start, length, good, lo, hi = split_fields(arr, 9, n_fields)
+        bad = ~good
+        off = 1 if labeled else 0
+        if labeled and rule is None:
+            lab = arr[np.minimum(start[:, 0], max(arr.shape[0] - 1, 0))]
+            bad |= (length[:, 0] != 1) | ((lab != ord("0")) & (lab != ord("1")))
+            labels = (lab == ord("1")).astype(np.float64)
+        elif labeled:
+            labels, lbad = parse_float(arr, start[:, 0], length[:, 0])
+            bad |= lbad | (length[:, 0] == 0)
+        else:
+            labels = np.zeros(n_lines)
+        dsl = slice(off, off + NUM_DENSE)
+        dense_int, bad_d = parse_decimal(arr, start[:, dsl], length[:, dsl])
+        csl = slice(off + NUM_DENSE, n_fields)
+        raw, bad_c = parse_hex(arr, start[:, csl], length[:, csl], MAX_HEX_DIGITS)
+        bad |= bad_d.any(1) | bad_c.any(1)
+        dense = _dense_transform(dense_int)
+        keep = ~bad
+        for i in np.flatnonzero(bad):  # exact re-check names the reason (or accepts the line)
+            line_no = first_line + int(i)
+            fields = data[int(lo[i]) : int(hi[i])].split(b"\t")
+            if len(fields) != n_fields:
+                errs.add(
+                    line_no,
+                    "field_count",
+                    "(line)",
+                    f"{len(fields)} fields",
+                    f"expected {n_fields}",
+                )
+                continue
+            parsed, err = _check_line(fields, labeled, rule)
+            if err is not None:
+                errs.add(line_no, *err)
+                continue
+            label, d, c = parsed
+            labels[i] = label
+            dense[i] = _dense_transform(np.asarray(d, np.float64))
+            raw[i] = c
+            keep[i] = True
+        kept = np.flatnonzero(keep)
+        labels = labels[kept]
+        if labeled and rule is not None:
+            labels = rule.apply(labels, path=path, lines=first_line + kept)
+        return _examples(labels.astype(np.float32), dense[kept], raw[kept]), n_lines
 
 
 def _examples(labels: np.ndarray, dense: np.ndarray, raw: np.ndarray) -> Examples:
@@ -173,42 +155,44 @@ def _examples(labels: np.ndarray, dense: np.ndarray, raw: np.ndarray) -> Example
 
 
 def iter_criteo_chunks(
-    path: str | PathLike,
+    path: str | PathLike | Sequence[str | PathLike],
     *,
     chunk_lines: int = 1 << 15,
     labeled: bool = True,
     strict: bool = False,
     max_lines: int | None = None,
+    label: LabelRule | Mapping | None = None,
 ) -> Iterator[tuple[Examples, ParseReport]]:
-    """Read a Criteo TSV file `chunk_lines` lines at a time (for files larger than memory);
-    yields `(Examples of raw ids, ParseReport of that chunk)`; `ParseReport.merge` joins
-    the reports. See `read_criteo` for the format and preprocessing."""
+    """Read Criteo TSV file(s) `chunk_lines` lines at a time (for files larger than
+    memory); yields `(Examples of raw ids, ParseReport of that chunk)`; `ParseReport.merge`
+    joins the reports. See `read_criteo` for the format and preprocessing, and
+    `FileSource` for resumable streaming."""
+    from ._stream import FileSource
+
     if chunk_lines < 1:
         raise ValueError(f"chunk_lines must be >= 1, got {chunk_lines}")
-    path_s = str(path)
-    line_no = 1
-    remaining = max_lines
-    with open_text(path_s, "rb") as f:
-        while remaining is None or remaining > 0:
-            take = chunk_lines if remaining is None else min(chunk_lines, remaining)
-            data = b"".join(itertools.islice(f, take))
-            if not data:
-                break
-            errs = _Errors(path_s, strict)
-            labels, dense, raw, n_lines = _parse_chunk(data, line_no, labeled, errs)
-            line_no += n_lines
-            if remaining is not None:
-                remaining -= n_lines
-            yield _examples(labels, dense, raw), errs.report(n_lines, labels.shape[0])
+    src = FileSource(
+        path,
+        format="criteo",
+        labeled=labeled,
+        label=label,
+        strict=strict,
+        max_lines=max_lines,
+        block_lines=chunk_lines,
+        key="path",
+    )
+    for chunk in src.chunks():
+        yield chunk.examples, chunk.report
 
 
 def read_criteo(
-    path: str | PathLike,
+    path: str | PathLike | Sequence[str | PathLike],
     *,
     labeled: bool = True,
     strict: bool = False,
     max_lines: int | None = None,
-    chunk_lines: int = 1 << 15,
+    chunk_lines: int | None = None,
+    label: LabelRule | Mapping | None = None,
 ) -> tuple[Examples, ParseReport]:
     """Read a Criteo Kaggle DAC file into `Examples` of raw ids, and a `ParseReport`.
 
@@ -218,6 +202,10 @@ def read_criteo(
     features `"C1".."C26"` hold one raw id each: the hex value as int64, empty -> -1.
     Apply an id mapping per feature (`HashMapping`, `VocabMapping`) with
     `Examples.map_ids` before packing.
+
+    `path`: a file, a glob or a list of them (`expand_files`), plain, `.gz` or `.zst`.
+    `label`: a `LabelRule` for files whose labels are not 0/1 (e.g. `{"map": {-1: 0}}`);
+    without one, a label other than "0"/"1" makes the line malformed.
 
     Malformed lines (wrong field count, bad label, a dense field that is not an integer,
     a categorical that is not 1-8 hex digits) are skipped and counted in the report; with
@@ -231,21 +219,27 @@ def read_criteo(
         vocab = fit_vocab(train, min_count=2)
         train, valid = train.map_ids(vocab), valid.map_ids(vocab)
     """
-    chunks, report = [], ParseReport(path=str(path))
-    for ex, rep in iter_criteo_chunks(
-        path, chunk_lines=chunk_lines, labeled=labeled, strict=strict, max_lines=max_lines
-    ):
-        chunks.append(ex)
-        report = report.merge(rep)
-    if not chunks:
-        chunks = [
-            _examples(
-                np.zeros(0, np.float32),
-                np.zeros((0, NUM_DENSE), np.float32),
-                np.zeros((0, NUM_CATEGORICAL), np.int64),
-            )
-        ]
-    return (chunks[0] if len(chunks) == 1 else Examples.concat(chunks)), report
+    from ._stream import FileSource
+
+    return FileSource(
+        path,
+        format="criteo",
+        labeled=labeled,
+        label=label,
+        strict=strict,
+        max_lines=max_lines,
+        block_lines=chunk_lines,
+        key="path",
+    ).read()
+
+
+def empty_criteo() -> Examples:
+    """Criteo-shaped `Examples` with no rows."""
+    return _examples(
+        np.zeros(0, np.float32),
+        np.zeros((0, NUM_DENSE), np.float32),
+        np.zeros((0, NUM_CATEGORICAL), np.int64),
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,12 +1,19 @@
-"""Schema-driven reader of delimited text (CSV/TSV) into `Examples`, and the `ParseReport`
-that every reader returns."""
+"""Schema-driven reader of delimited text (CSV/TSV, any one-character delimiter) into
+`Examples`, and the `ParseReport` that every reader returns.
+
+Parsing is vectorized over a chunk of lines (see `_text.py`): the chunk is split into
+fields with numpy, numbers are converted by digit arithmetic, string ids are hashed once
+per distinct string; only lines the fast path flags are re-checked one by one in Python,
+to name the reason and the field. `read_delimited` reads one file, several files or a
+glob (the header on the first file only; see `_files.delimited_header`), plain, gzip or
+zstd; `FileSource(format="delimited")` streams the same parse chunk by chunk.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import gzip
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from os import PathLike
@@ -14,7 +21,17 @@ from os import PathLike
 import numpy as np
 
 from ._batch import JaggedIds
+from ._labels import LabelRule
 from ._loader import Examples
+from ._text import (
+    Hasher,
+    items_of,
+    parse_decimal,
+    parse_float,
+    split_fields,
+    stable_hash_bytes,
+)
+from ._text import stable_hash as stable_hash
 
 MISSING = -1
 """Raw id of a missing categorical value (id mappings send it to row 0)."""
@@ -34,6 +51,8 @@ class ParseReport:
     """Skipped lines per reason, e.g. {"field_count": 1, "bad_dense": 2}."""
     first_errors: tuple[tuple[int, str, str, str], ...] = ()
     """The first few malformed lines: (1-based line number, reason, field, value)."""
+    first_error_paths: tuple[str, ...] = ()
+    """The file of each of `first_errors` (when read from several files; else empty)."""
 
     MAX_FIRST_ERRORS = 10
 
@@ -46,20 +65,32 @@ class ParseReport:
         errors = dict(self.errors)
         for k, v in other.errors.items():
             errors[k] = errors.get(k, 0) + v
+        first = (self.first_errors + other.first_errors)[: self.MAX_FIRST_ERRORS]
+        paths = ()
+        if self.first_error_paths or other.first_error_paths or other.path != self.path:
+            paths = (self._error_paths() + other._error_paths())[: len(first)]
         return ParseReport(
             path=self.path,
             lines_read=self.lines_read + other.lines_read,
             lines_kept=self.lines_kept + other.lines_kept,
             errors=errors,
-            first_errors=(self.first_errors + other.first_errors)[: self.MAX_FIRST_ERRORS],
+            first_errors=first,
+            first_error_paths=paths,
         )
+
+    def _error_paths(self) -> tuple[str, ...]:
+        return self.first_error_paths or (self.path,) * len(self.first_errors)
 
     def summary(self) -> str:
         s = f"{self.path}: kept {self.lines_kept:,} of {self.lines_read:,} lines"
         if not self.errors:
             return s + "; no malformed lines"
         reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(self.errors.items()))
-        first = "; ".join(f"line {ln} {r} {f}={v!r}" for ln, r, f, v in self.first_errors[:3])
+        paths = self.first_error_paths
+        first = "; ".join(
+            (f"{paths[i]}:{ln}" if paths else f"line {ln}") + f" {r} {f}={v!r}"
+            for i, (ln, r, f, v) in enumerate(self.first_errors[:3])
+        )
         return f"{s}; skipped {self.lines_skipped:,} ({reasons}); first: {first}"
 
     def __str__(self) -> str:
@@ -95,16 +126,18 @@ class _Errors:
 
 
 def open_text(path: str | PathLike, mode: str = "rb"):
-    """Open a plain or gzip-compressed (`.gz`) file."""
+    """Open a plain, gzip (`.gz`) or zstd (`.zst`, `.zstd`) file with `open`'s modes.
+    (Readers use `_files.open_file`, which also turns a truncated file into a one-line
+    error.)"""
     path = str(path)
-    return gzip.open(path, mode) if path.endswith(".gz") else open(path, mode)
+    low = path.lower()
+    if low.endswith(".gz"):
+        return gzip.open(path, mode)
+    if low.endswith((".zst", ".zstd")):
+        import zstandard
 
-
-def stable_hash(value: str) -> int:
-    """A 63-bit id of a string, the same in every process and Python version (blake2b);
-    never negative, so it cannot collide with the missing id -1."""
-    digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+        return zstandard.open(path, mode)
+    return open(path, mode)
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,14 +252,274 @@ class _Bad(Exception):
         self.reason, self.field, self.value, self.detail = reason, field, value, detail
 
 
+def _text(b: bytes) -> str:
+    return b.decode(errors="replace")
+
+
+class DelimitedParser:
+    """Parses chunks of whole lines of a delimited file with columns `names` into
+    `Examples` of raw ids (used by `read_delimited` and `FileSource`).
+
+    The label comes from `label.column`, else `schema.label` (None: unlabeled, labels 0);
+    `label` (a `LabelRule`, default: values must be 0 or 1) maps and checks it.
+    """
+
+    def __init__(
+        self,
+        schema: TableSchema,
+        names: Sequence[str],
+        label: LabelRule | None = None,
+        *,
+        hasher: Hasher | None = None,
+    ):
+        names = list(names)
+        schema.check_columns(names)
+        self.schema = schema
+        self.rule = label if label is not None else LabelRule(column=schema.label)
+        self.label_col = self.rule.column or schema.label
+        if self.label_col is not None and self.label_col not in names:
+            TableSchema(header=True, label=self.label_col).check_columns(names)
+        pos = {c: i for i, c in enumerate(names)}
+        self.n_fields = len(names)
+        self.delim = schema.delimiter.encode()
+        self.label_i = pos[self.label_col] if self.label_col is not None else None
+        self.dense_i = [pos[c] for c in schema.dense]
+        self.cat_i = [(c, pos[c]) for c in schema.categorical]
+        self.bag_i = [
+            (c, pos[c], c in schema.weighted) for c in (*schema.multi_hot, *schema.sequence)
+        ]
+        self.hasher = hasher or Hasher()
+
+    # -- the exact per-line path (names the reason; the reference for the fast path) ----
+    def _to_id(self, col: str, text: bytes) -> int:
+        if self.schema.int_ids:
+            if not text.isdigit() or len(text) > 18:
+                detail = "expected a non-negative integer id" + (
+                    " below 10**18" if text.isdigit() else ""
+                )
+                raise _Bad("bad_id", col, _text(text), detail)
+            return int(text)
+        return stable_hash_bytes(text)
+
+    @staticmethod
+    def _to_float(reason: str, col: str, text: bytes) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise _Bad(reason, col, _text(text), "not a number") from None
+        if not math.isfinite(x):
+            raise _Bad(reason, col, _text(text), "not finite")
+        return x
+
+    def exact_line(self, line: bytes):
+        """(raw label, dense row, categorical ids, bags) of one line, or raises `_Bad`."""
+        s = self.schema
+        fields = line.split(self.delim)
+        if len(fields) != self.n_fields:
+            raise _Bad(
+                "field_count", "(line)", f"{len(fields)} fields", f"expected {self.n_fields}"
+            )
+        y = 0.0
+        if self.label_i is not None:
+            y = self._to_float("bad_label", self.label_col, fields[self.label_i])
+        row = [
+            s.dense_missing
+            if fields[i] == b""
+            else self._to_float("bad_dense", s.dense[k], fields[i])
+            for k, i in enumerate(self.dense_i)
+        ]
+        cats = [-1 if fields[i] == b"" else self._to_id(c, fields[i]) for c, i in self.cat_i]
+        bags = []
+        sep, wsep = s.separator.encode(), s.weight_separator.encode()
+        for c, i, is_weighted in self.bag_i:
+            items = fields[i].split(sep) if fields[i] else []
+            if not is_weighted:
+                bags.append(([self._to_id(c, t) for t in items], None))
+                continue
+            ids, ws = [], []
+            for t in items:
+                key, found, w = t.rpartition(wsep)
+                if not found:
+                    raise _Bad("bad_weight", c, _text(t), "expected id:weight")
+                ids.append(self._to_id(c, key))
+                ws.append(self._to_float("bad_weight", c, w))
+            bags.append((ids, ws))
+        return y, row, cats, bags
+
+    def _exact_chunk(self, lines: list[bytes], first_line: int, path: str, errs):
+        s = self.schema
+        labels, dense_rows, kept_lines = [], [], []
+        lengths = {c: [] for c in s.sparse_columns}
+        values = {c: [] for c in s.sparse_columns}
+        weights = {c: [] for c in s.weighted}
+        for k, line in enumerate(lines):
+            try:
+                y, row, cats, bags = self.exact_line(line)
+            except _Bad as e:
+                errs.add(first_line + k, e.reason, e.field, e.value, e.detail)
+                continue
+            labels.append(y)
+            dense_rows.append(row)
+            kept_lines.append(first_line + k)
+            for (c, _), v in zip(self.cat_i, cats, strict=True):
+                lengths[c].append(1)
+                values[c].append(v)
+            for (c, _, is_weighted), (ids, ws) in zip(self.bag_i, bags, strict=True):
+                lengths[c].append(len(ids))
+                values[c].extend(ids)
+                if is_weighted:
+                    weights[c].extend(ws)
+        n = len(labels)
+        sparse = {
+            c: JaggedIds(
+                lengths=np.asarray(lengths[c], np.int32),
+                values=np.asarray(values[c], np.int64),
+                weights=np.asarray(weights[c], np.float32) if c in weights else None,
+            )
+            for c in s.sparse_columns
+        }
+        dense = np.asarray(dense_rows, np.float64).reshape(n, len(s.dense))
+        return self._finish(np.asarray(labels), dense, sparse, np.asarray(kept_lines), path)
+
+    def _finish(self, raw_labels, dense, sparse, lines, path) -> Examples:
+        if self.label_col is not None:
+            labels = self.rule.apply(raw_labels, path=path, lines=lines)
+        else:
+            labels = np.zeros(len(lines), np.float32)
+        if self.schema.dense_log1p:
+            dense = np.log1p(np.maximum(dense, 0.0))
+        return Examples(labels=labels, dense=dense.astype(np.float32), sparse=sparse)
+
+    # -- the vectorized path ---------------------------------------------------------
+    @staticmethod
+    def _floats(data: bytes, arr, start, length):
+        """(values, bad) of float fields: `parse_float`, with the values it flags
+        re-tried by Python's float() (bad: not a number or not finite; empty is 0)."""
+        val, flag = parse_float(arr, start, length)
+        bad = np.zeros(flag.shape, bool)
+        for idx in zip(*np.nonzero(flag), strict=True):
+            s0 = int(start[idx])
+            try:
+                x = float(data[s0 : s0 + int(length[idx])])
+            except ValueError:
+                bad[idx] = True
+                continue
+            val[idx] = x
+            bad[idx] = not math.isfinite(x)
+        return val, bad
+
+    def _ids(self, arr, start, length):
+        """(ids, bad) of id fields (1-D); empty fields give -1 (callers decide)."""
+        if self.schema.int_ids:
+            v, b = parse_decimal(arr, start, length, signed=False)
+            return np.where(length == 0, -1, v), b
+        ids = np.full(start.shape[0], -1, np.int64)
+        nz = np.flatnonzero(length > 0)
+        ids[nz] = self.hasher(arr, start[nz], length[nz])
+        return ids, np.zeros(start.shape[0], bool)
+
+    def parse(self, data: bytes, first_line: int, path: str, errs: _Errors):
+        """`(Examples, lines read)` of a chunk of whole lines starting at `first_line`."""
+        s = self.schema
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        if data and not data.endswith(b"\n"):
+            data += b"\n"
+        arr = np.frombuffer(data, np.uint8)
+        n, start, length, good, lo, hi = split_fields(arr, self.delim[0], self.n_fields)
+        bad = ~good
+        floats = ([self.label_i] if self.label_i is not None else []) + self.dense_i
+        fval = np.zeros((n, 0))
+        if floats:
+            fs, fl = start[:, floats], length[:, floats]
+            fval, fbad = self._floats(data, arr, fs, fl)
+            bad |= fbad.any(1)
+            if self.label_i is not None:
+                bad |= fl[:, 0] == 0
+            if self.dense_i:
+                nd = len(floats) - len(self.dense_i)
+                fval[:, nd:] = np.where(fl[:, nd:] == 0, s.dense_missing, fval[:, nd:])
+        cat_ids = []
+        for _, i in self.cat_i:
+            ids, b = self._ids(arr, start[:, i], length[:, i])
+            bad |= b & good
+            cat_ids.append(ids)
+        bags = []
+        sep, wsep = ord(s.separator), ord(s.weight_separator)
+        for _, i, is_weighted in self.bag_i:
+            ist, ilen, cell, counts = items_of(arr, start[:, i], length[:, i], sep)
+            w = None
+            if is_weighted:  # id:weight items: split each at its last weight separator
+                wpos = np.flatnonzero(arr == wsep)
+                k = np.searchsorted(wpos, ist + ilen) - 1
+                wp = wpos[np.maximum(k, 0)] if wpos.size else ist + ilen
+                has = (k >= 0) & (wp >= ist) if wpos.size else np.zeros(ist.shape, bool)
+                wp = np.where(has, wp, ist + ilen)
+                wlen = np.maximum(ist + ilen - wp - 1, 0)
+                w, wbad = self._floats(data, arr, wp + 1, wlen)
+                bad[cell[~has | wbad | (wlen == 0)]] = True
+                ilen = wp - ist  # the id part
+            ids, b = self._ids(arr, ist, ilen)
+            if s.int_ids:
+                b |= ilen == 0
+            else:
+                ids = np.where(ilen == 0, _EMPTY_HASH, ids)
+            bad[cell[b]] = True
+            bags.append((ids, w, cell, counts))
+        # Lines the fast path refused: the exact path names the reason (or accepts them).
+        lines_of = {}
+        for i in np.flatnonzero(bad):
+            line = data[int(lo[i]) : int(hi[i])]
+            try:
+                self.exact_line(line)
+            except _Bad as e:
+                lines_of[int(i)] = e
+                continue
+            # The fast path refused a line the exact one accepts: parse the chunk exactly.
+            lines = data.split(b"\n")
+            if lines and lines[-1] == b"":
+                lines.pop()
+            return self._exact_chunk(lines, first_line, path, errs), n
+        for i, e in lines_of.items():
+            errs.add(first_line + i, e.reason, e.field, e.value, e.detail)
+        keep = ~bad
+        kept = np.flatnonzero(keep)
+        sparse = {}
+        for (c, _), ids in zip(self.cat_i, cat_ids, strict=True):
+            sparse[c] = JaggedIds(lengths=np.ones(kept.shape[0], np.int32), values=ids[kept])
+        for (c, _, _), (ids, w, cell, counts) in zip(self.bag_i, bags, strict=True):
+            item_keep = keep[cell]
+            sparse[c] = JaggedIds(
+                lengths=counts[kept].astype(np.int32),
+                values=ids[item_keep],
+                weights=None if w is None else w[item_keep].astype(np.float32),
+            )
+        nl = 1 if self.label_i is not None else 0
+        raw_labels = fval[kept, 0] if nl else np.zeros(kept.shape[0])
+        dense = fval[kept, nl:]
+        sparse = {c: sparse[c] for c in s.sparse_columns}
+        return self._finish(raw_labels, dense, sparse, first_line + kept, path), n
+
+
+_EMPTY_HASH = stable_hash_bytes(b"")
+
+
 def read_delimited(
-    path: str | PathLike,
+    path: str | PathLike | Sequence[str | PathLike],
     schema: TableSchema | Mapping,
     *,
     strict: bool = False,
     max_lines: int | None = None,
+    label: LabelRule | Mapping | None = None,
 ) -> tuple[Examples, ParseReport]:
-    """Read a delimited text file as `schema` says into `Examples` of raw ids.
+    """Read delimited text as `schema` says into `Examples` of raw ids.
+
+    `path`: a file, a glob or a list of them (see `expand_files`), plain, `.gz` or
+    `.zst`; with `schema.header` the first file's line 1 is the header and a later file
+    may repeat it or start with data (a table split into a headed part and a header-less
+    continuation reads as one table). `label`: a `LabelRule` (or its dict) that maps and
+    checks the labels; default: `schema.label` must hold 0 or 1, else a `LabelError`
+    naming file, line and value.
 
     Malformed lines (wrong number of fields, a bad label/dense/id/weight) are skipped and
     counted in the `ParseReport`; with `strict=True` the first one raises a `ValueError`
@@ -240,112 +533,14 @@ def read_delimited(
         examples, report = read_delimited("clicks.csv", schema)
         print(report)
     """
-    if not isinstance(schema, TableSchema):
-        schema = TableSchema.from_dict(schema)
-    path = str(path)
-    errs = _Errors(path, strict)
-    nd = len(schema.dense)
-    labels: list[float] = []
-    dense_rows: list[list[float]] = []
-    lengths: dict[str, list[int]] = {c: [] for c in schema.sparse_columns}
-    values: dict[str, list[int]] = {c: [] for c in schema.sparse_columns}
-    weights: dict[str, list[float]] = {c: [] for c in schema.weighted}
-    hash_cache: dict[str, int] = {}
+    from ._stream import FileSource
 
-    def to_id(col: str, text: str) -> int:
-        if schema.int_ids:
-            if not text.isdigit() or not text.isascii():
-                raise _Bad("bad_id", col, text, "expected a non-negative integer id")
-            return int(text)
-        h = hash_cache.get(text)
-        if h is None:
-            h = hash_cache[text] = stable_hash(text)
-        return h
-
-    def to_float(reason: str, col: str, text: str) -> float:
-        try:
-            x = float(text)
-        except ValueError:
-            raise _Bad(reason, col, text, "not a number") from None
-        if not math.isfinite(x):
-            raise _Bad(reason, col, text, "not finite")
-        return x
-
-    with open_text(path, "rt") as f:
-        first_line = 1
-        if schema.header:
-            header = f.readline().rstrip("\r\n").split(schema.delimiter)
-            first_line = 2
-        names = list(schema.columns) if schema.columns is not None else header
-        schema.check_columns(names)
-        pos = {c: i for i, c in enumerate(names)}
-        n_fields = len(names)
-        label_i = pos[schema.label] if schema.label else None
-        dense_i = [pos[c] for c in schema.dense]
-        cat_i = [(c, pos[c]) for c in schema.categorical]
-        bag_i = [(c, pos[c], c in schema.weighted) for c in (*schema.multi_hot, *schema.sequence)]
-        read = 0
-        for line_no, line in enumerate(f, first_line):
-            if max_lines is not None and read >= max_lines:
-                break
-            read += 1
-            fields = line.rstrip("\r\n").split(schema.delimiter)
-            try:
-                if len(fields) != n_fields:
-                    raise _Bad(
-                        "field_count", "(line)", f"{len(fields)} fields", f"expected {n_fields}"
-                    )
-                y = 0.0
-                if label_i is not None:
-                    y = to_float("bad_label", schema.label, fields[label_i])
-                row = [
-                    schema.dense_missing
-                    if fields[i] == ""
-                    else to_float("bad_dense", schema.dense[k], fields[i])
-                    for k, i in enumerate(dense_i)
-                ]
-                cats = [MISSING if fields[i] == "" else to_id(c, fields[i]) for c, i in cat_i]
-                bags = []
-                for c, i, is_weighted in bag_i:
-                    items = fields[i].split(schema.separator) if fields[i] else []
-                    if not is_weighted:
-                        bags.append(([to_id(c, t) for t in items], None))
-                        continue
-                    ids, ws = [], []
-                    for t in items:
-                        key, sep, w = t.rpartition(schema.weight_separator)
-                        if not sep:
-                            raise _Bad("bad_weight", c, t, "expected id:weight")
-                        ids.append(to_id(c, key))
-                        ws.append(to_float("bad_weight", c, w))
-                    bags.append((ids, ws))
-            except _Bad as e:
-                errs.add(line_no, e.reason, e.field, e.value, e.detail)
-                continue
-            labels.append(y)
-            dense_rows.append(row)
-            for (c, _), v in zip(cat_i, cats, strict=True):
-                lengths[c].append(1)
-                values[c].append(v)
-            for (c, _, is_weighted), (ids, ws) in zip(bag_i, bags, strict=True):
-                lengths[c].append(len(ids))
-                values[c].extend(ids)
-                if is_weighted:
-                    weights[c].extend(ws)
-
-    n = len(labels)
-    dense = np.asarray(dense_rows, np.float64).reshape(n, nd)
-    if schema.dense_log1p:
-        dense = np.log1p(np.maximum(dense, 0.0))
-    sparse = {
-        c: JaggedIds(
-            lengths=np.asarray(lengths[c], np.int32),
-            values=np.asarray(values[c], np.int64),
-            weights=np.asarray(weights[c], np.float32) if c in weights else None,
-        )
-        for c in schema.sparse_columns
-    }
-    examples = Examples(
-        labels=np.asarray(labels, np.float32), dense=dense.astype(np.float32), sparse=sparse
-    )
-    return examples, errs.report(read, n)
+    return FileSource(
+        path,
+        format="delimited",
+        schema=schema,
+        label=label,
+        strict=strict,
+        max_lines=max_lines,
+        key="path",
+    ).read()

@@ -1,4 +1,9 @@
-"""In-memory columnar examples and the prefetching, resumable `Loader` of `SparseBatch`es."""
+"""In-memory columnar examples and the prefetching, resumable `Loader` of `SparseBatch`es.
+
+The `Loader` trains from three kinds of source: `Examples` in memory (shuffled globally
+per epoch), a batch generator (`SyntheticCriteo`), or a stream of chunks (`FileSource`:
+files larger than memory, read with a bounded shuffle buffer and resumable mid-file).
+"""
 
 from __future__ import annotations
 
@@ -221,13 +226,26 @@ class LoaderPosition:
     """Epoch of the next batch (always 0 for an endless generator)."""
     batch: int = 0
     """Batches of that epoch already yielded (for a generator: batches yielded so far)."""
+    stream: Mapping[str, Any] | None = None
+    """Streaming sources only: where the next batch's first example is, as
+    {"window": the source position where its shuffle window starts (None: the epoch's
+    start), "index": the window's number in the epoch, "skip": examples of the window
+    (in its shuffled order) already yielded}. None: the start of `epoch`."""
 
-    def to_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch}
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"epoch": self.epoch, "batch": self.batch}
+        if self.stream is not None:
+            d["stream"] = dict(self.stream)
+        return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, int]) -> LoaderPosition:
-        return cls(epoch=int(d["epoch"]), batch=int(d["batch"]))
+    def from_dict(cls, d: Mapping[str, Any]) -> LoaderPosition:
+        stream = d.get("stream")
+        return cls(
+            epoch=int(d["epoch"]),
+            batch=int(d["batch"]),
+            stream=None if stream is None else dict(stream),
+        )
 
 
 class _Failure:
@@ -266,12 +284,9 @@ def _schedule(
             epoch, b = epoch + 1, 0
 
 
-def _produce(
-    make: Callable[[int, int], Any],
-    schedule: Iterator[tuple[int, int]],
-    q: queue.Queue,
-    stop: threading.Event,
-) -> None:
+def _produce(items: Iterator[tuple[LoaderPosition, Any]], q: queue.Queue, stop: threading.Event):
+    """Put `(position after, batch)` items on `q` until they end or `stop` is set."""
+
     def put(item) -> bool:
         while not stop.is_set():
             try:
@@ -282,8 +297,8 @@ def _produce(
         return False
 
     try:
-        for epoch, b in schedule:
-            if stop.is_set() or not put(((epoch, b), make(epoch, b))):
+        for item in items:
+            if stop.is_set() or not put(item):
                 return
         put(_END)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
@@ -305,10 +320,19 @@ class Loader:
         padded with mask-0 rows. Packer errors name the example by its position in the
         epoch's order (its index in the store when `shuffle=False`).
       * a generator with `batch(index, batch_size)` (e.g. `SyntheticCriteo`): endless.
+      * a streaming source with `chunks(position)` (`FileSource`): files larger than
+        memory. Rows are shuffled within consecutive windows of about `shuffle_buffer`
+        rows (whole chunks; a window's order is a permutation seeded by `(seed, epoch,
+        window number)`), so memory stays bounded by the window, a few chunks and the
+        `prefetch` batches. Each chunk is parsed (and the source's `transform` applied)
+        in the background thread. Batches do not span epochs; the last one is padded or
+        dropped as for `Examples`.
 
     Resuming: `position` is the next batch to be yielded (`LoaderPosition`); a loader
     constructed with that position yields bit-identical batches to the ones the
-    uninterrupted loader would have yielded next.
+    uninterrupted loader would have yielded next. For a stream the position records the
+    source position of the current shuffle window and how far into it the loader is, so
+    resuming re-reads one window, not the files before it.
 
     Example::
 
@@ -329,7 +353,8 @@ class Loader:
         drop_remainder: bool = False,
         prefetch: int = 2,
         device_put: bool | jax.Device | jax.sharding.Sharding = False,
-        position: LoaderPosition | Mapping[str, int] | None = None,
+        position: LoaderPosition | Mapping[str, Any] | None = None,
+        shuffle_buffer: int = 1 << 16,
     ):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -345,6 +370,10 @@ class Loader:
         self.drop_remainder = drop_remainder
         self.prefetch = prefetch
         self.device_put = device_put
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
+        self.shuffle_buffer = shuffle_buffer
+        self.streaming = False
         b = packer.batch_size
         if isinstance(source, Examples):
             n = len(source)
@@ -356,10 +385,13 @@ class Loader:
                 )
         elif callable(getattr(source, "batch", None)):
             self.batches_per_epoch = None
+        elif callable(getattr(source, "chunks", None)):
+            self.batches_per_epoch = None
+            self.streaming = True
         else:
             raise TypeError(
-                "Loader source must be Examples or have batch(index, batch_size), "
-                f"got {type(source).__name__}"
+                "Loader source must be Examples, have batch(index, batch_size) or "
+                f"chunks(position), got {type(source).__name__}"
             )
         self._position = position or LoaderPosition()
         self._normalize()
@@ -380,8 +412,34 @@ class Loader:
             extra, b = divmod(p.batch, self.batches_per_epoch)
             self._position = LoaderPosition(epoch=p.epoch + extra, batch=b)
 
-    def _make(self) -> Callable[[int, int], Any]:
+    def _items(self) -> Iterator[tuple[LoaderPosition, Any]]:
+        """`(position after, batch)` of every batch from the current position on."""
         # Refers to no `self`, so the thread does not keep the loader alive.
+        if self.streaming:
+            return _stream_batches(
+                self.source,
+                self.packer,
+                self._position,
+                epochs=self.epochs,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                buffer_rows=self.shuffle_buffer,
+                drop_remainder=self.drop_remainder,
+                target=self.device_put,
+            )
+        make, per_epoch = self._make(), self.batches_per_epoch
+
+        def after(epoch: int, b: int) -> LoaderPosition:
+            if per_epoch is not None and b + 1 >= per_epoch:
+                return LoaderPosition(epoch=epoch + 1, batch=0)
+            return LoaderPosition(epoch=epoch, batch=b + 1)
+
+        return (
+            (after(epoch, b), make(epoch, b))
+            for epoch, b in _schedule(self._position, self.epochs, per_epoch)
+        )
+
+    def _make(self) -> Callable[[int, int], Any]:
         source, packer, target = self.source, self.packer, self.device_put
         shuffle, seed, bs = self.shuffle, self.seed, packer.batch_size
         endless = self.batches_per_epoch is None
@@ -396,11 +454,7 @@ class Loader:
                     cache[epoch] = _epoch_order(len(source), shuffle, seed, epoch)
                 sparse, labels, dense = source.take(cache[epoch][index * bs : (index + 1) * bs])
             batch = packer.pack(sparse, labels=labels, dense=dense, first_example=index * bs)
-            if target is True:
-                batch = jax.device_put(batch)
-            elif target is not False and target is not None:
-                batch = jax.device_put(batch, target)
-            return batch
+            return _to_device(batch, target)
 
         return make
 
@@ -411,12 +465,7 @@ class Loader:
         # The thread gets no reference to `self`, so dropping the loader shuts it down.
         self._thread = threading.Thread(
             target=_produce,
-            args=(
-                self._make(),
-                _schedule(self._position, self.epochs, self.batches_per_epoch),
-                self._queue,
-                stop,
-            ),
+            args=(self._items(), self._queue, stop),
             name="sparsejax-loader",
             daemon=True,
         )
@@ -438,9 +487,7 @@ class Loader:
         if isinstance(item, _Failure):
             self.close()
             raise item.exc
-        (epoch, b), batch = item
-        self._position = LoaderPosition(epoch=epoch, batch=b + 1)
-        self._normalize()
+        self._position, batch = item
         return batch
 
     def close(self) -> None:
@@ -454,6 +501,98 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _to_device(batch, target):
+    if target is True:
+        return jax.device_put(batch)
+    if target is not False and target is not None:
+        return jax.device_put(batch, target)
+    return batch
+
+
+def _take_examples(ex: Examples, idx: np.ndarray) -> Examples:
+    sparse, labels, dense = ex.take(idx)
+    return Examples(labels=labels, dense=dense, sparse=sparse)
+
+
+def _windows(chunks, start: Mapping | None, rows: int):
+    """(start position, end position, Examples) of consecutive windows of whole chunks
+    holding at least `rows` rows each (the last may hold fewer)."""
+    parts, n, w_start = [], 0, start
+    for chunk in chunks:
+        parts.append(chunk.examples)
+        n += len(chunk.examples)
+        if n >= rows:
+            end = chunk.position.to_dict()
+            yield w_start, end, parts[0] if len(parts) == 1 else Examples.concat(parts)
+            parts, n, w_start = [], 0, end
+    if n:
+        yield w_start, None, parts[0] if len(parts) == 1 else Examples.concat(parts)
+
+
+def _stream_batches(
+    source,
+    packer: BatchPacker,
+    start: LoaderPosition,
+    *,
+    epochs: int | None,
+    shuffle: bool,
+    seed: int,
+    buffer_rows: int,
+    drop_remainder: bool,
+    target,
+) -> Iterator[tuple[LoaderPosition, Any]]:
+    """The batches of a streaming source from `start`, with the position after each."""
+    bs = packer.batch_size
+    epoch, st, batch_i = start.epoch, start.stream, start.batch
+    while epochs is None or epoch < epochs:
+        st = st or {"window": None, "index": 0, "skip": 0}
+        w0, skip = int(st["index"]), int(st["skip"])
+        pending: list[Examples] = []
+        pending_n = 0
+        for k, (w_start, w_end, ex) in enumerate(
+            _windows(source.chunks(st["window"]), st["window"], buffer_rows)
+        ):
+            w = w0 + k
+            n = len(ex)
+            order = (
+                np.random.default_rng([seed, epoch, w]).permutation(n) if shuffle else np.arange(n)
+            )
+            off = skip if k == 0 else 0
+            while off < n:
+                take = min(bs - pending_n, n - off)
+                pending.append(_take_examples(ex, order[off : off + take]))
+                pending_n += take
+                off += take
+                if pending_n < bs:
+                    continue
+                if off < n:
+                    nxt = {"window": w_start, "index": w, "skip": off}
+                elif w_end is not None:
+                    nxt = {"window": w_end, "index": w + 1, "skip": 0}
+                else:  # the epoch's last example: the next batch starts the next epoch
+                    nxt = None
+                after = (
+                    LoaderPosition(epoch=epoch + 1, batch=0)
+                    if nxt is None
+                    else LoaderPosition(epoch=epoch, batch=batch_i + 1, stream=nxt)
+                )
+                yield after, _pack(packer, pending, batch_i * bs, target)
+                batch_i += 1
+                pending, pending_n = [], 0
+        if pending_n and not drop_remainder:
+            yield (
+                LoaderPosition(epoch=epoch + 1, batch=0),
+                _pack(packer, pending, batch_i * bs, target),
+            )
+        epoch, st, batch_i = epoch + 1, None, 0
+
+
+def _pack(packer: BatchPacker, parts: list[Examples], first: int, target):
+    ex = parts[0] if len(parts) == 1 else Examples.concat(parts)
+    batch = packer.pack(dict(ex.sparse), labels=ex.labels, dense=ex.dense, first_example=first)
+    return _to_device(batch, target)
 
 
 def measure_throughput(loader: Loader, *, num_batches: int = 50, warmup: int = 2) -> float:
