@@ -312,3 +312,16 @@ def test_examples_fit_din_and_two_tower():
         assert out.shape in ((32,), (32, 32))
     # the candidate rows: user-major, label 1 on each set's first row
     assert list(labels[:22]) == [1.0] + [0.0] * 20 + [1.0]
+
+
+def test_synthetic_log_round_trips_through_csv(tmp_path):
+    log = sd.synthetic_events(num_users=50, num_items=60, num_categories=6, seed=3)
+    assert len(log) >= 50 * 10 and (log.item % 6 < 6).all()
+    back, report = sd.read_events(log.write_csv(tmp_path / "events.csv.gz"))
+    assert report.lines_kept == len(log)
+    for name in ("user", "item", "time"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(log, name))
+    again = sd.synthetic_events(num_users=50, num_items=60, num_categories=6, seed=3)
+    np.testing.assert_array_equal(again.item, log.item)
+    data = build_sequences(back, SequenceConfig(eval_negatives=20))
+    assert data.test.num_users == 50

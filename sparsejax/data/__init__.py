@@ -40,6 +40,7 @@ from ._events import build_sequences as build_sequences
 from ._events import load_sequences as load_sequences
 from ._events import popularity_scores as popularity_scores
 from ._events import read_events as read_events
+from ._events import synthetic_events as synthetic_events
 from ._files import DataFileError as DataFileError
 from ._files import expand_files as expand_files
 from ._files import shard_files as shard_files

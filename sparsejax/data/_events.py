@@ -245,6 +245,23 @@ class EventLog:
     def __len__(self) -> int:
         return int(self.user.shape[0])
 
+    def write_csv(self, path: str | os.PathLike, *, delimiter: str = ",") -> str:
+        """Write the log as a delimited file with a header `user,item,time[,rating]`
+        (what `read_events` reads with the default config); `.gz` is compressed."""
+        path = os.fspath(path)
+        cols = {"user": self.user, "item": self.item, "time": self.time}
+        if self.rating is not None:
+            cols["rating"] = self.rating
+        with open_text(path, "wt") as f:
+            f.write(delimiter.join(cols) + "\n")
+            for start in range(0, len(self), 1 << 16):
+                part = [np.asarray(c[start : start + (1 << 16)]).astype(str) for c in cols.values()]
+                rows = part[0]
+                for c in part[1:]:
+                    rows = np.char.add(np.char.add(rows, delimiter), c)
+                f.write("\n".join(rows.tolist()) + "\n")
+        return path
+
 
 def read_events(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
@@ -960,6 +977,53 @@ def _fill_row(rng, neg, row, user, positive, k, n_items, seen_keys, distinct) ->
     return int(relaxed or (distinct and repeat))
 
 
+def synthetic_events(
+    *,
+    num_users: int = 1000,
+    num_items: int = 500,
+    num_categories: int = 20,
+    preferred: int = 3,
+    events_per_user: tuple[int, int] = (10, 40),
+    stickiness: float = 0.7,
+    noise: float = 0.1,
+    popularity_skew: float = 1.0,
+    seed: int = 0,
+) -> EventLog:
+    """A generated implicit-feedback log with learnable structure: item `i` has category
+    `i % num_categories`; each user prefers `preferred` categories and moves between
+    them (staying in its current category with probability `stickiness`; a uniformly
+    random category with probability `noise`); within a category items are drawn with
+    Zipf(`popularity_skew`) popularity. So the next item depends on the recent history
+    (what target attention can use) and on popularity (what a popularity baseline uses).
+    Users are numbered 0.., times are seconds from 1.7e9, one event per user and second.
+    """
+    rng = np.random.default_rng([seed, 0xE7])
+    lo, hi = events_per_user
+    lengths = rng.integers(lo, hi + 1, num_users)
+    prefs = np.stack(
+        [rng.choice(num_categories, preferred, replace=False) for _ in range(num_users)]
+    )
+    steps = int(lengths.max())
+    # the category path of every user, one step at a time over users (vectorized)
+    cat = np.empty((num_users, steps), np.int64)
+    cur = prefs[np.arange(num_users), rng.integers(0, preferred, num_users)]
+    for t in range(steps):
+        move = rng.random(num_users) >= stickiness
+        cur = np.where(
+            move, prefs[np.arange(num_users), rng.integers(0, preferred, num_users)], cur
+        )
+        noisy = rng.random(num_users) < noise
+        cat[:, t] = np.where(noisy, rng.integers(0, num_categories, num_users), cur)
+    per_cat = num_items // num_categories
+    w = 1.0 / np.arange(1, per_cat + 1) ** popularity_skew
+    rank = rng.choice(per_cat, cat.shape, p=w / w.sum())
+    item = rank * num_categories + cat
+    keep = np.arange(steps)[None, :] < lengths[:, None]
+    user = np.broadcast_to(np.arange(num_users)[:, None], cat.shape)[keep]
+    time = 1.7e9 + np.broadcast_to(np.arange(steps)[None, :], cat.shape)[keep]
+    return EventLog(user=user, item=item[keep], time=time.astype(np.float64))
+
+
 def popularity_scores(data: SequenceData, sets: CandidateSets) -> np.ndarray:
     """`[M, 1 + K]` scores of the popularity baseline (train count of each candidate),
     to compare a model's HR/NDCG with."""
@@ -977,4 +1041,5 @@ __all__ = [
     "load_sequences",
     "popularity_scores",
     "read_events",
+    "synthetic_events",
 ]
