@@ -13,6 +13,7 @@ from sparsejax import data as sd
 from sparsejax import runner
 from sparsejax.data import _transforms as tf
 from sparsejax.runner import ConfigError
+from sparsejax.train import evaluate_ranking
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 FAST = ["progress=false", "log_every=1000", "eval_every=null", "epochs=null", "steps=4"]
@@ -26,7 +27,8 @@ def _load(config, tmp_path, *overrides):
 def _train(cfg, data):
     """A few training steps of the configured model on `data`, then the eval and test
     splits: the loss moves and every metric is finite. (The runner's own loop, with its
-    checkpoints and plots, is tested in test_cli.py; here one compile per step kind.)"""
+    checkpoints and plots, is tested in test_cli.py; here one compile per step kind.)
+    Returns the trainer and the state."""
     model = runner.build_model(cfg, data.tables, data.features)
     trainer = runner.Trainer(model, runner.dense_optimizer(cfg.optimizer))
     batches = sd.pack_examples(data.train_source, data.packer)[: cfg.steps]
@@ -40,6 +42,7 @@ def _train(cfg, data):
         if split:
             m = trainer.evaluate(state, split)
             assert all(math.isfinite(v) for v in m.values()), m
+    return trainer, state
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,13 +106,13 @@ def _movielens(root: pathlib.Path, n=400, users=30, items=40, lost_user=7):
             if u != lost_user
         )
     )
-    (d / "u.item").write_text(
+    (d / "u.item").write_bytes(  # latin-1, as the real file (titles like "Misérables")
         "".join(
-            f"{i}|Movie {i} (1995)|01-Jan-199{i % 4}||http://imdb/{i}|"
+            f"{i}|Mis\xe9rables {i} (1995)|01-Jan-199{i % 4}||http://imdb/{i}|"
             + "|".join(map(str, genres[i]))
             + "\n"
             for i in range(1, items + 1)
-        )
+        ).encode("latin-1")
     )
     return dict(user=user, item=item, rating=rating, time=time, genres=genres)
 
@@ -590,7 +593,10 @@ def test_event_log_as_a_sequence_model(tmp_path, monkeypatch):
     assert data.test_examples.labels.sum() == sets.num_users  # one held-out item each
     # train: each positive then its 4 negatives
     assert len(data.train_source) == 5 * (600 - 2 * sets.num_users)
-    _train(cfg, data)
+    trainer, state = _train(cfg, data)
+    # the paper's protocol: the held-out item ranked among its 100 sampled negatives
+    m = evaluate_ranking(trainer, state, sets, data.packer, ks=(10,))
+    assert 0 <= m["hr@10"] <= 1 and 0 <= m["ndcg@10"] <= m["hr@10"] and m["candidates"] == 101
 
 
 def _frappe(root: pathlib.Path, sizes=(240, 60, 60)):
@@ -637,3 +643,44 @@ def test_libfm_file_with_minus_one_labels(tmp_path, monkeypatch):
         runner.build_data(bad)
     first = int(np.argmax(labels["train"] == -1)) + 1
     assert f"frappe.train.libfm: line {first}: label -1 is not in {{0, 1}}" in str(e.value)
+
+
+def test_streamed_train_files_give_the_batches_of_the_in_memory_read(tmp_path):
+    rng = np.random.default_rng(8)
+    for name, n in (("train", 150), ("eval", 40)):
+        rows = [
+            f"{int(rng.random() < 0.4)},u{rng.integers(0, 20)},"
+            + "|".join(f"t{x}" for x in rng.integers(0, 9, rng.integers(0, 6)))
+            + f",{rng.random():.3f}"
+            for _ in range(n)
+        ]
+        (tmp_path / f"{name}.csv").write_text("y,user,tags,x\n" + "\n".join(rows) + "\n")
+    common = [
+        "data.kind=delimited",
+        f"data.train={tmp_path}/train.csv",
+        f"data.eval={tmp_path}/eval.csv",
+        "data.schema={label: y, categorical: [user], multi_hot: [tags], dense: [x]}",
+        "data.id_mapping=hash",
+        "data.hash_buckets=50",
+        "data.features={tags: {max_ids: 3}}",
+        "data.batch_size=32",
+    ]
+    memory = runner.build_data(_load(None, tmp_path, *common))
+    stream = runner.build_data(_load(None, tmp_path, *common, "data.stream=true"))
+    assert stream.tables == memory.tables and stream.features == memory.features
+    assert isinstance(stream.train_source, sd.FileSource) and stream.steps_per_epoch is None
+    with sd.Loader(stream.train_source, stream.packer, shuffle=False, epochs=1) as loader:
+        streamed = list(loader)
+    expect = sd.pack_examples(memory.train_source, memory.packer)
+    assert len(streamed) == len(expect) == 5
+    for a, b in zip(streamed, expect, strict=True):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # the cap on the streamed rows is counted as they are read
+    assert stream.transform.report.truncated["tags"] == memory.transform.report.truncated["tags"]
+    for bad, msg in (
+        ("data.id_mapping=vocab", "data.stream needs data.id_mapping: hash"),
+        ("data.eval=null", "data.stream needs data.eval files"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            _load(None, tmp_path, *common, "data.stream=true", bad)

@@ -174,6 +174,19 @@ def check_data_config(d: DataConfig) -> None:
             raise ConfigError("data.train_rows and data.split both split the data; keep data.split")
         if d.train_rows < 1:
             raise ConfigError(f"data.train_rows must be >= 1, got {d.train_rows}")
+    if d.stream:
+        if d.eval is None:
+            raise ConfigError(
+                "data.stream needs data.eval files (a stream is read once, in order, and "
+                "cannot be split)"
+            )
+        if d.id_mapping != "hash" or any(fc.min_count is not None for fc in feats.values()):
+            raise ConfigError(
+                "data.stream needs data.id_mapping: hash (a vocabulary is fitted on all the "
+                "train rows, which a stream does not hold)"
+            )
+    if d.shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")
     if d.split is not None and d.eval is not None:
         raise ConfigError(
             "data.split divides one source, but data.eval names eval files; remove one"
@@ -833,6 +846,8 @@ def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
     schema, drop = _read_schema(d)
     main_schema = _schema_or_error(d.schema, "data.schema") if d.schema is not None else None
     joins, side_reports = _read_side_tables(d, main_schema)
+    if d.stream:
+        return _build_stream(cfg, table_kw, schema, drop, joins, side_reports)
     splits = _read_splits(cfg, schema, drop)
     caps = {c: fc.max_ids for c, fc in d.features.items() if fc.max_ids is not None}
     transform = tf.ColumnTransform(
@@ -890,6 +905,77 @@ def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
     )
 
 
+def _build_stream(cfg: RunConfig, table_kw: dict, schema, drop, joins, side_reports):
+    """data.stream: the eval (and test) files in memory, the train files a
+    `sparsejax.data.FileSource` whose chunks get the column transforms and the hash
+    mappings in the loader's thread. A bag's `max_ids` defaults to the longest in the
+    eval split; longer train rows keep their last ids, counted in `transform.report`."""
+    import jax
+
+    d = cfg.data
+    source = d.train if d.train is not None else d.path
+    key = "data.train" if d.train is not None else "data.path"
+    if source is None:
+        raise ConfigError(f"data.kind={d.kind!r} needs data.train (the files to stream)")
+    train_files = resolve_files(source, key)
+    label = _label_rule(d)
+    ev, reports = _read_split(d, resolve_files(d.eval, "data.eval"), schema, label, "data.eval")
+    test = None
+    if d.test is not None:
+        test, r = _read_split(d, resolve_files(d.test, "data.test"), schema, label, "data.test")
+        reports += r
+    dense_names = _dense_names(d, schema, ev)
+    plain = tf.ColumnTransform(dense_names, indicator_bags=d.indicator_bags, joins=joins, drop=drop)
+    held = [plain(ev)] + ([] if test is None else [plain(test)])
+    roles = _roles(d)
+    caps = {}
+    for name in held[0].feature_names:
+        fc = d.features.get(name) or FeatureConfig()
+        longest = max(int(np.max(p.sparse[name].lengths, initial=1)) for p in held)
+        if fc.max_ids is not None or roles.get(name, "bag" if longest > 1 else "one") != "one":
+            caps[name] = fc.max_ids or longest
+    transform = tf.ColumnTransform(
+        dense_names, indicator_bags=d.indicator_bags, joins=joins, drop=drop, max_ids=caps
+    )
+    mappings = _id_mappings(d, held[0])
+    parts = [transform(p).map_ids(mappings) for p in (ev, *([] if test is None else [test]))]
+
+    def chunk(ex: Examples) -> Examples:
+        return transform(ex).map_ids(mappings)
+
+    kw = {"schema": schema, "label": label, "strict": d.strict, "key": key}
+    if d.field_map:
+        kw["field_map"] = dict(d.field_map)
+    train_source = sd.FileSource(
+        train_files,
+        format=d.kind,
+        transform=chunk,
+        rank=jax.process_index(),
+        num_processes=jax.process_count(),
+        **kw,
+    )
+    tables, features = _file_specs(cfg, parts[0], parts, mappings, table_kw, max_ids=caps)
+    num_dense = parts[0].num_dense
+    eval_b = d.eval_batch_size or d.batch_size
+    eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
+    packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
+    summaries = [r.summary() for r in (*reports, *side_reports)]
+    summaries.append(f"train: streaming {train_source!r}")
+    return DataBundle(
+        tuple(tables),
+        tuple(features),
+        packer,
+        train_source,
+        sd.pack_examples(parts[0], eval_packer),
+        report="; ".join(summaries),
+        test_batches=None if test is None else sd.pack_examples(parts[1], eval_packer),
+        eval_examples=parts[0],
+        test_examples=None if test is None else parts[1],
+        mappings=mappings,
+        transform=transform,
+    )
+
+
 def _table_of(d: DataConfig, name: str) -> str:
     fc = d.features.get(name)
     return fc.table if fc is not None and fc.table else name
@@ -935,7 +1021,9 @@ def _roles(d: DataConfig) -> dict[str, str]:
     return roles
 
 
-def _file_specs(cfg: RunConfig, train: Examples, parts: list[Examples], mappings, table_kw):
+def _file_specs(
+    cfg: RunConfig, train: Examples, parts: list[Examples], mappings, table_kw, max_ids=None
+):
     """One table per table name (a column's own, or the one it shares) and one feature
     per sparse column: one-id columns as they are, bags mean-pooled (weighted bags
     summed), sequences unpooled (or as `data.features` says), each bag sized by its
@@ -962,9 +1050,10 @@ def _file_specs(cfg: RunConfig, train: Examples, parts: list[Examples], mappings
         combiner = {"one": "sum", "bag": "sum" if weighted else "mean", "sequence": None}[role]
         if fc.combiner is not None:
             combiner = None if fc.combiner == "sequence" else fc.combiner
-        max_ids = fc.max_ids or max(longest, 1)
+        cap = fc.max_ids or (max_ids or {}).get(name)
+        max_ids_ = cap or max(longest, 1)
         features.append(
-            FeatureSpec(name=name, table=t, combiner=combiner, max_ids=max_ids, weighted=weighted)
+            FeatureSpec(name=name, table=t, combiner=combiner, max_ids=max_ids_, weighted=weighted)
         )
     return list(tables.values()), features
 

@@ -180,6 +180,14 @@ class DataConfig:
     """synthetic/behavior: batches in the held-out eval set."""
     shuffle: bool = True
     prefetch: int = 4
+    stream: bool = False
+    """File data: read the train files chunk by chunk while training, in the loader's
+    background thread (files larger than memory train with bounded memory; each process
+    reads its share). Needs `eval` files (a stream is not split), `id_mapping: hash`, and
+    `steps` (a stream's length is unknown); bags keep at most their `max_ids` (default:
+    the longest in the eval split) ids, the rows cut counted."""
+    shuffle_buffer: int = 1 << 16
+    """stream: rows shuffled together (a window of whole chunks); bounds the memory."""
 
     def __post_init__(self):
         from ._build import check_data_config  # the checks live with the code they guard
