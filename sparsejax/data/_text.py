@@ -444,7 +444,7 @@ def items_of(arr: np.ndarray, start: np.ndarray, length: np.ndarray, sep: int):
     item_start_buf = np.empty(seps.shape[0], np.int64)
     item_start_buf[:1] = 0
     item_start_buf[1:] = seps[:-1] + 1
-    cell = np.searchsorted(offs[1:], seps, side="left")
+    cell = np.searchsorted(offs[1:], seps, side="right")
     keep = nonempty[cell]
     item_start_buf, item_end_buf, cell = item_start_buf[keep], seps[keep], cell[keep]
     # Back to positions in arr: a cell's bytes are contiguous in both.
