@@ -110,3 +110,77 @@ def test_no_shipped_config_names_a_path_outside_the_repository():
                 path.name,
                 value,
             )
+
+
+def _root():
+    return CONFIGS[0].parent
+
+
+def test_an_override_replaces_a_mapping_with_bang_equals(tmp_path):
+    criteo = _root() / "criteo_sample.yaml"
+    merged = runner.load_config([criteo], ["optimizer.sparse_options={eps: 1.0e-6}"])
+    assert merged.optimizer.sparse_options == {"initial_accumulator_value": 0.0, "eps": 1e-6}
+    cleared = runner.load_config([criteo], ["optimizer.sparse_options!={}"])
+    assert cleared.optimizer.sparse_options == {}
+    replaced = runner.load_config([criteo], ["optimizer.sparse_options!={eps: 1.0e-6}"])
+    assert replaced.optimizer.sparse_options == {"eps": 1e-6}
+    # in YAML: the !replace tag, at any depth and through base: chains
+    (tmp_path / "exp.yaml").write_text(
+        f"base: {criteo}\noptimizer:\n  sparse_options: !replace {{eps: 1.0e-7}}\n"
+    )
+    cfg = runner.load_config([tmp_path / "exp.yaml"], ["optimizer.sparse_learning_rate=0.1"])
+    assert cfg.optimizer.sparse_options == {"eps": 1e-7}
+    assert cfg.optimizer.sparse_learning_rate == 0.1
+    assert runner.config_from_dict(_config.to_dict(cfg)) == cfg  # no marker left behind
+    (tmp_path / "bad.yaml").write_text("optimizer: !replace 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML \(line 1, column 12: "):
+        runner.load_config([tmp_path / "bad.yaml"])
+
+
+def test_switching_the_sparse_optimizer_or_the_model_drops_the_old_options():
+    criteo = _root() / "criteo_sample.yaml"  # adagrad with initial_accumulator_value
+    cfg = runner.load_config([criteo], ["optimizer.sparse=lazy_adam"])
+    assert cfg.optimizer.sparse == "lazy_adam" and cfg.optimizer.sparse_options == {}
+    assert type(runner.sparse_optimizer(cfg.optimizer)).__name__ == "LazyAdam"
+    for order in (1, -1):  # the command line is one layer: its own options are kept
+        overrides = ["optimizer.sparse=lazy_adam", "optimizer.sparse_options={b1: 0.8}"]
+        cfg = runner.load_config([criteo], overrides[::order])
+        assert cfg.optimizer.sparse_options == {"b1": 0.8}
+    same = runner.load_config([criteo], ["optimizer.sparse=adagrad"])  # not a switch
+    assert same.optimizer.sparse_options == {"initial_accumulator_value": 0.0, "eps": 1e-10}
+    deepfm = runner.load_config([_root() / "dlrm_criteo.yaml"], ["model.name=deepfm"])
+    assert deepfm.model.options == {}  # dlrm's bottom/top would be unknown to DeepFM
+
+
+def test_the_runner_checks_what_cannot_work_at_load_time():
+    criteo = _root() / "criteo_sample.yaml"  # an epochs config
+    with pytest.raises(ConfigError, match="add epochs=null to train 50 steps") as e:
+        runner.load_config([criteo], ["steps=50"])
+    assert "\n" not in str(e.value)
+    assert runner.load_config([criteo], ["steps=50", "epochs=null"]).steps == 50
+    for override, message in [
+        ("keep_checkpoints=0", "`keep_checkpoints` must be >= 1, got 0"),
+        ("data.eval_batches=0", "eval_batches must be >= 1"),
+        ("data.batch_size=0", "batch_size must be >= 1"),
+        ("epochs=2", "`epochs` needs file data"),
+    ]:
+        extra = ["steps=null"] if override.startswith("epochs") else []
+        with pytest.raises(ConfigError, match=message):
+            runner.load_config([], [override, *extra])
+
+
+def test_docs_config_md_is_the_generated_schema_reference():
+    path = _root().parent / "docs" / "config.md"
+    assert path.read_text() == runner.config_reference(), (
+        "docs/config.md is out of date: run `sparsejax config --schema > docs/config.md`"
+    )
+
+
+def test_schema_reference_documents_every_top_level_key():
+    docs = _config.field_docs(runner.RunConfig)
+    fields = [f.name for f in __import__("dataclasses").fields(runner.RunConfig)]
+    assert set(fields) - set(docs) <= {"data", "model", "optimizer"}, set(fields) - set(docs)
+    ref = runner.config_reference()
+    for key in ("`steps` (int | null; default `300`)", "`data.batch_size`", "`optimizer.sparse`"):
+        assert key in ref
+    assert "`key!=value`" in ref and "!replace" in ref and "`data.prefetch`" in ref

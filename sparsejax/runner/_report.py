@@ -26,8 +26,15 @@ def plain(d: Mapping) -> dict:
     }
 
 
+_COUNTS = ("users", "candidates")  # counts among the metrics (evaluate_ranking)
+
+
 def format_metrics(result: Mapping) -> str:
-    return ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "examples")
+    return ", ".join(
+        f"{k} {int(v)}" if k in _COUNTS else f"{k} {v:.4f}"
+        for k, v in result.items()
+        if k != "examples"
+    )
 
 
 class MetricsLog(Hook):

@@ -1,23 +1,37 @@
 """The jobs behind `sparsejax train` and `sparsejax eval`: build a run from its config
 (resuming from its latest checkpoint), train it with `sparsejax.train.fit`, evaluate a
-run directory's checkpoint."""
+run directory's checkpoint.
+
+A run directory belongs to one config. `train` locks it (`RUN/.lock`, one process at a
+time), records the resolved config (`config.yaml`, data paths absolute) and its hash
+(`run.json`, with a history of starts), and refuses to continue a run whose config
+differs in any key but the `RESUMABLE_KEYS`, naming the keys; `restart=True`
+(`sparsejax train --restart`) moves the old run aside and starts over.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
-from collections.abc import Callable, Sequence
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import yaml
 
 from ..checkpoint import Checkpointer, embedding_layouts
 from ..data import Loader
 from ..train import Trainer, TrainState, fit
-from ._build import DataBundle, build_data, build_model, first_train_batch
-from ._config import ConfigError, to_dict
+from ._build import DataBundle, absolute_data_paths, build_data, build_model, first_train_batch
+from ._config import ConfigError, schema_reference, to_dict
+from ._lock import LOCK_NAME, RunLock
 from ._report import (
     Console,
     MetricsLog,
@@ -26,7 +40,22 @@ from ._report import (
     plot_curves,
     write_summary,
 )
-from ._schema import RunConfig, dense_optimizer, load_config
+from ._schema import RunConfig, config_from_dict, dense_optimizer, load_config
+
+RESUMABLE_KEYS = (
+    "steps",
+    "epochs",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "progress",
+    "data.prefetch",
+)
+"""Keys that may change between runs of one run directory: the run resumes with the new
+values (and `run.json` records the change). Any other change is refused."""
+
+_WHERE_KEYS = ("name", "out_dir", "resume")  # where a run lives and whether to go on
 
 
 @dataclasses.dataclass
@@ -50,12 +79,192 @@ class Run:
         return self.cfg.epochs * self.data.steps_per_epoch
 
 
+def _flatten(tree: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))  # an empty mapping is no key
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+_UNSET = "<unset>"
+
+
+def config_changes(old: Mapping, new: Mapping) -> list[tuple[str, Any, Any]]:
+    """`(dotted key, old value, new value)` of every key whose value differs between
+    two config dicts (nested mappings compared key by key; `<unset>` where absent)."""
+    a, b = _flatten(old), _flatten(new)
+    return [
+        (k, a.get(k, _UNSET), b.get(k, _UNSET))
+        for k in sorted(set(a) | set(b))
+        if a.get(k, _UNSET) != b.get(k, _UNSET)
+    ]
+
+
+def _identity(cfg_dict: Mapping) -> dict:
+    """The keys that make a run what it is (not where it lives, not how long it goes)."""
+    skip = (*RESUMABLE_KEYS, *_WHERE_KEYS)
+    return {k: v for k, v in _flatten(cfg_dict).items() if k not in skip}
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 of the config's identity: every key but the `RESUMABLE_KEYS`, `name`,
+    `out_dir` and `resume` (so a resumable change keeps the hash)."""
+    text = json.dumps(_identity(to_dict(cfg)), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def resolved_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its data files as absolute paths (globs expanded), as `config.yaml`
+    records them: evaluation then reads the same files from any directory. A missing
+    file is a `ConfigError` naming the key."""
+    return dataclasses.replace(cfg, data=absolute_data_paths(cfg.data))
+
+
+def _short(v: Any) -> str:
+    if v is _UNSET:
+        return v
+    text = yaml.safe_dump(v, default_flow_style=True, width=1 << 20).strip()
+    text = text.removesuffix("...").strip()
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checkpoint_steps(run_dir: str) -> list[int]:
+    d = os.path.join(run_dir, "checkpoints")
+    return sorted(int(p) for p in os.listdir(d) if p.isdigit()) if os.path.isdir(d) else []
+
+
+def _saved_config(run_dir: str) -> dict | None:
+    """The run directory's config.yaml, normalized like a fresh config when it still
+    validates (defaults filled in, data paths absolute)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    try:
+        old = config_from_dict(raw)
+    except ConfigError:
+        return raw
+    try:
+        old = resolved_config(old)
+    except ConfigError:
+        pass
+    return to_dict(old)
+
+
+def _set_aside_run(run_dir: str) -> str:
+    """Move everything in `run_dir` but its lock to `<run_dir>.replaced-<time>`."""
+    dest = f"{run_dir.rstrip(os.sep)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = f"{run_dir.rstrip(os.sep)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    os.makedirs(dest)
+    for entry in os.listdir(run_dir):
+        if entry != LOCK_NAME:
+            shutil.move(os.path.join(run_dir, entry), os.path.join(dest, entry))
+    return dest
+
+
+def _prepare_run_dir(cfg: RunConfig, *, restart: bool) -> tuple[list[str], dict]:
+    """Check that `cfg` may use its run directory (see the module docstring); move the
+    old run aside on `restart`. Returns (lines to log, the history entry of this start)."""
+    run_dir, notes = cfg.run_dir, []
+    steps = _checkpoint_steps(run_dir)
+    entry: dict = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid()}
+    if restart and any(e != LOCK_NAME for e in os.listdir(run_dir)):
+        dest = _set_aside_run(run_dir)
+        notes.append(f"--restart: moved the previous run of {run_dir} to {dest}")
+        return notes, {**entry, "event": "restart", "previous_run": dest}
+    if not steps:
+        return notes, {**entry, "event": "start"}
+    way_out = (
+        f"use a new name= to keep both runs, or --restart to start over (moves the old "
+        f"run to {run_dir}.replaced-<time>)"
+    )
+    if not cfg.resume:
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints (latest step {steps[-1]}) and resume=false;"
+            f" {way_out}, or resume=true to continue it"
+        )
+    old = _saved_config(run_dir)
+    if old is None:
+        notes.append(f"warning: {run_dir} has checkpoints but no config.yaml; not checked")
+        return notes, {**entry, "event": "resume", "step": steps[-1]}
+    changes = [c for c in config_changes(old, to_dict(cfg)) if c[0] not in _WHERE_KEYS]
+    blocking = [c for c in changes if c[0] not in RESUMABLE_KEYS]
+    if blocking:
+        shown = ", ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in blocking[:6])
+        more = f" and {len(blocking) - 6} more" if len(blocking) > 6 else ""
+        raise ConfigError(
+            f"{run_dir} holds a run (checkpoint {steps[-1]}) of a different config "
+            f"({shown}{more}); {way_out}. Resumable without a restart: "
+            f"{', '.join(RESUMABLE_KEYS)}"
+        )
+    entry = {**entry, "event": "resume", "step": steps[-1]}
+    if changes:
+        notes.append(
+            "resuming with " + ", ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in changes)
+        )
+        entry["changed"] = {k: [a, b] for k, a, b in changes}
+    return notes, entry
+
+
+def _record_start(cfg: RunConfig, entry: dict) -> None:
+    """config.yaml and run.json (hash, history of starts)."""
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    path = os.path.join(cfg.run_dir, "run.json")
+    record: dict = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = {}
+    record["config_sha256"] = config_hash(cfg)
+    record.setdefault("history", []).append(entry)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+
+
+class _RunLogFile:
+    """`RUN/run.log`: every line the run logs, with its time, and the traceback of the
+    error that ended it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def write(self, text: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+
+    def tee(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        def both(line: str) -> None:
+            self.write(f"{time.strftime('%H:%M:%S')} {line}")
+            log(line)
+
+        return both
+
+
 def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
-    """Data, model, trainer and the initial (or resumed) state of a run."""
+    """Data, model, trainer and the initial (or resumed) state of a run.
+
+    Resuming reads the newest readable checkpoint: an unreadable newer one (truncated,
+    corrupt) is named in a warning and moved to `RUN/checkpoints_unreadable/`.
+    """
     os.makedirs(cfg.run_dir, exist_ok=True)
     data = build_data(cfg)
     if data.report:
         log(f"data: {data.report}")
+    if not data.eval_batches:
+        raise ConfigError(
+            "the eval split is empty: every run evaluates (during training and at the end);"
+            " give data.eval files or a split with eval rows"
+        )
     model = build_model(cfg, data.tables, data.features)
     trainer = Trainer(model, dense_optimizer(cfg.optimizer))
     first = first_train_batch(data)
@@ -67,34 +276,49 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     state = trainer.init(jax.random.key(cfg.seed), first)
     position: dict = {"epoch": 0, "batch": 0}
     if cfg.resume and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(state)
+        state, meta, skipped = ckpt.restore_readable(state, warn=lambda m: log(f"warning: {m}"))
+        for s in skipped:  # out of the way of this run's next save of that step
+            log(f"warning: moved unreadable checkpoint {s} to {ckpt.set_aside(s)}")
         state = trainer.put_state(state)
         position = meta["data_position"]
         log(f"resumed from {ckpt.directory}/{int(state.step)} (data position {position})")
     return Run(cfg, data, model, trainer, state, ckpt, position)
 
 
-def train(cfg: RunConfig, *, log: Callable[[str], None] = print) -> dict:
+def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] = print) -> dict:
     """Train (or resume) a run to `cfg.steps`, evaluating and checkpointing on the way.
+
+    The run directory is locked for the duration, and checked before any data is read:
+    a run of a different config there is refused naming the keys that differ (only the
+    `RESUMABLE_KEYS` may change on resume); `restart=True` moves the old run aside to
+    `RUN.replaced-<time>` and starts over. Everything logged goes to `RUN/run.log` too,
+    with the traceback of an error that ends the run (its path in the exception's
+    `run_log` attribute).
 
     Returns the summary (final eval metrics, steps, throughput). Raises
     `NonFiniteLossError` naming the step when the loss becomes NaN/inf; the run
-    directory keeps the last good checkpoint.
+    directory keeps the last good checkpoint. `RunLockedError` when another process
+    trains in the run directory; `ConfigError` for the config problems above.
     """
-    run = build_run(cfg, log=log)
-    existing = run.checkpointer.latest_step()
-    if not cfg.resume and existing is not None:
-        run.checkpointer.close()
-        raise ConfigError(
-            f"{cfg.run_dir} already holds checkpoints (latest step {existing}) and resume=false;"
-            f" choose another name= or out_dir=, or resume=true to continue that run"
-        )
-    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    try:
-        return train_run(run, log=log)
-    finally:
-        run.checkpointer.close()
+    cfg = resolved_config(cfg)
+    with RunLock(cfg.run_dir, log=log):
+        notes, entry = _prepare_run_dir(cfg, restart=restart)
+        run_log = _RunLogFile(os.path.join(cfg.run_dir, "run.log"))
+        log = run_log.tee(log)
+        try:
+            log(f"sparsejax train: pid {os.getpid()}, config sha256 {config_hash(cfg)[:12]}")
+            for line in notes:
+                log(line)
+            _record_start(cfg, entry)
+            run = build_run(cfg, log=log)
+            try:
+                return train_run(run, log=log)
+            finally:
+                run.checkpointer.close()
+        except BaseException as e:
+            run_log.write("".join(traceback.format_exception(e)))
+            e.run_log = run_log.path  # type: ignore[attr-defined]
+            raise
 
 
 def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
@@ -135,7 +359,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             checkpointer=run.checkpointer,
             checkpoint_every=cfg.checkpoint_every,
             data_position=lambda: loader.position.to_dict(),
-            checkpoint_extra={"config": to_dict(cfg)},
+            checkpoint_extra={"config": to_dict(cfg), "config_sha256": config_hash(cfg)},
             log_every=cfg.log_every,
             hooks=[MetricsLog(metrics_path, start), console],
         )
@@ -161,25 +385,183 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
 def evaluate_run(
     run_dir: str,
     *,
-    step: int | None = None,
+    step: int | str | None = None,
+    split: str = "eval",
+    predictions: str | os.PathLike | None = None,
+    ks: Sequence[int] = (10,),
     overrides: Sequence[str] = (),
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Evaluate a run's checkpoint (default: latest) on its eval split."""
+    """Evaluate a run directory's checkpoint on a split of its data.
+
+    Args:
+      run_dir: the run directory (its config.yaml names the data by absolute paths,
+        so this works from any directory).
+      step: a checkpoint step, "last" / None (the newest readable checkpoint; an
+        unreadable newer one is skipped with a warning), or "best" (the best eval's
+        state, kept by `early_stopping`).
+      split: "eval" (the split evaluated during training) or "test".
+      predictions: also write one row per example (`row`: its index in the split,
+        `label`, `score`: the predicted probability, or a retrieval model's score of
+        the example's own item) to this `.parquet` (needs pyarrow), `.csv` or `.tsv`
+        file (`.gz`: compressed).
+      ks: the k of HR@k / NDCG@k, for data with candidate sets (data.kind=events).
+      overrides: `key=value` config overrides (e.g. `data.eval_batch_size=4096`).
+
+    Returns:
+      `{"step", "split", metrics...}` (and `"predictions"`: the file written).
+    """
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(cfg_path):
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    if split not in ("eval", "test"):
+        raise ConfigError(f"--split {split!r}: expected eval or test")
+    if predictions is not None:
+        _check_predictions_path(os.fspath(predictions))
+    best_dir = os.path.join(run_dir, _best_dir())
+    if step == "best" and not _checkpoint_steps_in(best_dir):
+        raise ConfigError(
+            f"--step best: {run_dir} has no best checkpoint ({best_dir} is empty or missing; "
+            f"it is kept by early_stopping with keep_best: true)"
+        )
     cfg = load_config([cfg_path], [*overrides, "resume=false"])
     data = build_data(cfg)
+    batches = data.eval_batches if split == "eval" else data.test_batches
+    if not batches:
+        raise ConfigError(
+            f"--split {split}: the run's data has no {split} split"
+            + (
+                " (set data.test, or data.split with an eval part that leaves a test part)"
+                if split == "test"
+                else ""
+            )
+        )
     model = build_model(cfg, data.tables, data.features)
     trainer = Trainer(model, dense_optimizer(cfg.optimizer))
-    example = data.eval_batches[0]
+    example = batches[0]
     template = trainer.init(jax.random.key(cfg.seed), example)
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), embedding_layouts(model, example))
+    where = best_dir if step == "best" else os.path.join(run_dir, "checkpoints")
+    ckpt = Checkpointer(where, embedding_layouts(model, example))
     try:
-        state, _ = ckpt.restore(template, step)
+        if step in (None, "last", "best"):
+            state, _, _ = ckpt.restore_readable(template, warn=lambda m: log(f"warning: {m}"))
+        else:
+            state, _ = ckpt.restore(template, int(step))
     finally:
         ckpt.close()
-    result = trainer.evaluate(trainer.put_state(state), data.eval_batches)
-    log(f"eval of {run_dir} @ step {int(state.step)}: {format_metrics(result)}")
-    return {"step": int(state.step), **plain(result)}
+    state = trainer.put_state(state)
+    result = trainer.evaluate(state, batches)
+    sets = (getattr(data, "ranking", None) or {}).get(split)
+    if sets is not None:  # candidate sets: HR@k, NDCG@k, MRR, GAUC
+        from ..train import evaluate_ranking
+
+        ranking = evaluate_ranking(trainer, state, sets, data.packer, ks=tuple(ks))
+        result = {**result, **{k: v for k, v in ranking.items() if k not in result}}
+    label = f"{split} of {run_dir} @ step {int(state.step)}" + (" (best)" if step == "best" else "")
+    log(f"{label}: {format_metrics(result)}")
+    out = {"step": int(state.step), "split": split, **plain(result)}
+    if predictions is not None:
+        rows = getattr(data, f"{split}_rows", None)
+        n = write_predictions(os.fspath(predictions), trainer, state, batches, rows=rows)
+        log(f"wrote {n:,} predictions to {predictions}")
+        out["predictions"] = os.path.abspath(predictions)
+    return out
+
+
+def _best_dir() -> str:
+    """Where `early_stopping.keep_best` keeps the best state (runner/_knobs.py)."""
+    try:
+        from ._knobs import BEST_DIR
+    except ImportError:
+        return "checkpoints_best"
+    return BEST_DIR
+
+
+def _checkpoint_steps_in(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(p) for p in os.listdir(directory) if p.isdigit())
+
+
+def _check_predictions_path(path: str) -> None:
+    """Before any work: a file name `sparsejax.train.write_predictions` can write."""
+    base = path.removesuffix(".gz")
+    if base.endswith(".parquet"):
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                f"--predictions {path}: writing Parquet needs pyarrow (pip install pyarrow);"
+                f" or give a .csv path"
+            ) from None
+    elif not base.endswith((".csv", ".tsv")):
+        raise ConfigError(f"--predictions {path}: expected a .parquet, .csv or .tsv file name")
+
+
+def predictions(trainer: Trainer, state: TrainState, batches, rows=None) -> dict[str, np.ndarray]:
+    """Per-example `row` (index in the split, or `rows[i]`), `label` and `score` (the
+    probability of a binary model; a retrieval model's score of the example's own item,
+    the diagonal of its in-batch scores) over `batches`, padded rows left out."""
+    labels, scores = [], []
+    for batch in batches:
+        out = np.asarray(trainer.eval_step(state, batch), np.float64)
+        mask = np.asarray(batch.mask) > 0
+        if trainer.task == "binary":
+            score = 1.0 / (1.0 + np.exp(-out.reshape(len(mask))))
+        else:
+            score = np.diagonal(out)
+        labels.append(np.asarray(batch.labels, np.float64).reshape(len(mask))[mask])
+        scores.append(score[mask])
+    label, score = np.concatenate(labels), np.concatenate(scores)
+    row = np.arange(len(label)) if rows is None else np.asarray(rows)[: len(label)]
+    return {"row": row.astype(np.int64), "label": label.astype(np.float32), "score": score}
+
+
+def write_predictions(path: str, trainer: Trainer, state: TrainState, batches, *, rows=None) -> int:
+    """Write `predictions(...)` with `sparsejax.train.write_predictions` (Parquet, CSV or
+    TSV by the file's extension); returns the number of rows."""
+    from ..train import write_predictions as write_columns
+
+    cols = predictions(trainer, state, batches, rows)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_columns(path, cols)
+    return len(cols["row"])
+
+
+def config_reference() -> str:
+    """The config schema reference (`sparsejax config --schema`, docs/config.md),
+    rendered from the dataclasses' field docs; the layering rules are `_config`'s
+    module docstring."""
+    from . import _config
+
+    layering = _config.__doc__.split("\n\n", 1)[1]  # all but the title line
+    intro = "\n\n".join(
+        [
+            "Generated from the field docs of `sparsejax.runner.RunConfig` by `sparsejax "
+            "config --schema`; regenerate with `sparsejax config --schema > docs/config.md` "
+            "(a test checks it is current). `sparsejax config CONFIG.yaml key=value` prints "
+            "a resolved config.",
+            _markdown(layering),
+            "A run directory belongs to one config: running another config under the same "
+            "`name` is refused, naming the keys that differ (use a new `name=`, or "
+            "`sparsejax train --restart`, which moves the old run to `RUN.replaced-<time>`). "
+            "These keys may change on resume without a restart (each change is recorded in "
+            "`run.json`): " + ", ".join(f"`{k}`" for k in RESUMABLE_KEYS) + ".",
+        ]
+    )
+    return schema_reference(RunConfig, intro=intro)
+
+
+def _markdown(doc: str) -> str:
+    """A docstring's paragraphs as markdown: wrapped lines joined, `- ` items kept."""
+    out = []
+    for para in doc.strip().split("\n\n"):
+        items: list[str] = []
+        for line in para.strip().splitlines():
+            line = line.strip()
+            if line.startswith("- ") or not items:
+                items.append(line)
+            else:
+                items[-1] += " " + line
+        out.append("\n".join(items))
+    return "\n\n".join(out)
