@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
-import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -33,11 +32,9 @@ import numpy as np
 from .. import data as sd
 from ..data import BatchPacker, Examples, Loader, SparseBatch
 from ..data import _transforms as tf
-
-try:
-    from ..data._labels import LabelRule
-except ImportError:  # pragma: no cover - until the readers' label rules land
-    LabelRule = None
+from ..data._files import delimited_header, open_file
+from ..data._labels import LabelRule
+from ..data._text import stable_hash_bytes
 from ..embedding import FeatureSpec, TableSpec
 from ..nn import MODELS
 from ._config import ConfigError, from_dict
@@ -457,8 +454,6 @@ def _label_rule(d: DataConfig):
     """`data.label` as the readers' `sparsejax.data.LabelRule` (None: labels as read)."""
     if d.label is None:
         return None
-    if LabelRule is None:
-        raise ConfigError("data.label needs sparsejax.data.LabelRule, not in this version")
     return LabelRule(
         column=d.label.column,
         map=dict(d.label.map) or None,
@@ -467,66 +462,15 @@ def _label_rule(d: DataConfig):
     )
 
 
-def _takes(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _first_line(path: str) -> str:
-    with sd._csv.open_text(path, "rt") as f:
-        return f.readline().rstrip("\r\n")
-
-
-def _read_delimited_files(files, schema, *, strict, label):
-    """Delimited files in order; with a header, later files may lack it (a CSV split into
-    a headed part and header-less continuations): a later file whose first line equals
-    the first file's header skips it, otherwise all its lines are data."""
-    kw = {"strict": strict}
-    if label is not None and _takes(sd.read_delimited, "label"):
-        kw["label"] = label
-    header = _first_line(files[0]) if schema.header else None
-    names = (
-        list(schema.columns)
-        if schema.columns is not None
-        else (header.split(schema.delimiter) if header is not None else None)
-    )
-    parts = []
-    for i, f in enumerate(files):
-        s = schema
-        if i and schema.header:
-            has_header = _first_line(f) == header
-            s = dataclasses.replace(schema, header=has_header, columns=tuple(names))
-        parts.append((f, *sd.read_delimited(f, s, **kw)))
-    return parts, "label" in kw
-
-
 def _read(kind: str, files: list[str], *, schema, label, strict: bool, key: str, field_map=None):
-    """Read `files` of one format into raw-id `Examples` and their `ParseReport`s, with
+    """Read `files` of one format into raw-id `Examples` and their `ParseReport`s with
     `sparsejax.data.FileSource` (lists of files, header on the first file only, label
-    rules naming file and line), or the per-file readers of versions without it."""
-    source_cls = getattr(sd, "FileSource", None)
-    if source_cls is not None:
-        kw = {"schema": schema, "label": label, "strict": strict, "key": key}
-        if field_map:
-            kw["field_map"] = dict(field_map)
-        ex, rep = source_cls(files, format=kind, **kw).read()
-        return ex, [rep]
-    if kind == "criteo":
-        parts = [(f, *sd.read_criteo(f, strict=strict)) for f in files]
-        label_done = False
-    elif kind == "delimited":
-        parts, label_done = _read_delimited_files(files, schema, strict=strict, label=label)
-    else:
-        raise ConfigError(f"data.kind={kind!r}: this sparsejax has no {kind} reader")
-    if label is not None and not label_done:  # a reader without label rules
-        parts = [
-            (f, dataclasses.replace(ex, labels=label.apply(ex.labels, path=f)), rep)
-            for f, ex, rep in parts
-        ]
-    exs = [ex for _, ex, _ in parts]
-    return (exs[0] if len(exs) == 1 else Examples.concat(exs)), [rep for _, _, rep in parts]
+    rules naming file and line)."""
+    kw = {"schema": schema, "label": label, "strict": strict, "key": key}
+    if field_map:
+        kw["field_map"] = dict(field_map)
+    ex, rep = sd.FileSource(files, format=kind, **kw).read()
+    return ex, [rep]
 
 
 def _read_split(d: DataConfig, files: list[str], schema, label, key: str):
@@ -692,37 +636,38 @@ def _read_side_tables(d: DataConfig, main_schema) -> tuple[list[tf.Join], list]:
 
 def _key_text(d: DataConfig, schema, key: str, raw: int) -> str:
     """Where the raw id `raw` of column `key` first occurs in the data files, as
-    "'value' (file:line)" (error messages only; hashed strings are found by hashing)."""
+    "'value' (file:line)" (for error messages; hashed strings are found by hashing)."""
     source = d.train if d.train is not None else d.path
-    specs = [source, d.eval, d.test]
-    files = [f for s in specs if s is not None for f in resolve_files(s, "data")]
-    header = None
-    for n, f in enumerate(files):
-        with sd._csv.open_text(f, "rt") as fh:
-            first = 1
-            if schema.header and (n == 0 or _first_line(f) == header):
-                header = fh.readline().rstrip("\r\n")
-                first = 2
-            names = (
-                list(schema.columns)
-                if schema.columns is not None
-                else header.split(schema.delimiter)
-            )
-            if key not in names:
-                return f"raw id {raw}"
-            col = names.index(key)
-            for line_no, line in enumerate(fh, first):
-                fields = line.rstrip("\r\n").split(schema.delimiter)
-                if col >= len(fields):
-                    continue
-                text = fields[col]
-                value = (
-                    int(text)
-                    if schema.int_ids and text.isdigit()
-                    else (-1 if text == "" else sd.stable_hash(text))
-                )
-                if value == raw:
-                    return f"{text!r} ({f}:{line_no})"
+    files = [f for s in (source, d.eval, d.test) if s is not None for f in resolve_files(s, "data")]
+    names, skips = delimited_header(files, delimiter=schema.delimiter, header=schema.header)
+    names = list(schema.columns) if schema.columns is not None else names
+    if key not in names:
+        return f"raw id {raw}"
+    col, delim = names.index(key), schema.delimiter.encode()
+    for f, skip in zip(files, skips, strict=True):
+        line_no = 2 if skip else 1
+        with open_file(f) as fh:
+            fh.skip_to(skip)
+            rest = b""
+            while True:
+                chunk = fh.read(1 << 20)
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop() if chunk else b""
+                for line in lines:
+                    cells = line.rstrip(b"\r").split(delim)
+                    if line and col < len(cells):
+                        text = cells[col]
+                        if text == b"":
+                            value = -1
+                        elif schema.int_ids:
+                            value = int(text) if text.isdigit() else None
+                        else:
+                            value = stable_hash_bytes(text)
+                        if value == raw:
+                            return f"{text.decode(errors='replace')!r} ({f}:{line_no})"
+                    line_no += 1
+                if not chunk:
+                    break
     return f"raw id {raw}"
 
 
