@@ -16,6 +16,9 @@ from ._device_store import apply_group_gradients as apply_group_gradients
 from ._device_store import check_mesh as check_mesh
 from ._spec import FeatureSpec as FeatureSpec
 from ._spec import TableSpec as TableSpec
+from ._spec import constant_init as constant_init
+from ._spec import normal_init as normal_init
+from ._spec import truncated_normal_init as truncated_normal_init
 from ._spec import uniform_init as uniform_init
 from ._stacking import MAX_STACK_ROWS as MAX_STACK_ROWS
 from ._stacking import Stack as Stack
@@ -36,10 +39,13 @@ __all__ = [
     "TableStore",
     "apply_group_gradients",
     "check_mesh",
+    "constant_init",
     "default_mesh",
     "make_store",
+    "normal_init",
     "plan_stacks",
     "stack_name",
+    "truncated_normal_init",
     "uniform_init",
 ]
 

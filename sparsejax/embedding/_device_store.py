@@ -445,6 +445,8 @@ class DeviceTableStore:
         *,
         step: jax.Array | int,
         learning_rate: jax.Array | float | None = None,
+        learning_rate_scale: jax.Array | float | None = None,
+        l2: float = 0.0,
         implementation: str | None = None,
     ) -> dict:
         """Sparse optimizer step on the touched rows; see `apply_group_gradients`.
@@ -455,8 +457,35 @@ class DeviceTableStore:
             grads,
             step=step,
             learning_rate=learning_rate,
+            learning_rate_scale=learning_rate_scale,
+            l2=l2,
             implementation=self.implementation if implementation is None else implementation,
         )
+
+
+def _touched_once(ids: jax.Array) -> jax.Array:
+    """i32[N]: every row id of `ids` once (sorted), -1 for repeats and padding."""
+    ids = jnp.sort(ids)
+    first = jnp.concatenate([jnp.ones((1,), jnp.bool_), ids[1:] != ids[:-1]])
+    return jnp.where(first & (ids >= 0), ids, -1)
+
+
+def _l2_lookups(
+    state: Mapping, lookups: Mapping[str, GroupLookups], order: Sequence[str], l2: float
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """The L2 term of each stack as extra lookups: `{group: (ids, grads)}` where `ids`
+    holds every row the stack's groups touched once (-1 elsewhere) and `grads` is
+    `l2 * row` (f32, from the weights before this step), attached to the stack's last
+    group in `order`. Costs a sort of the looked-up ids and a gather of that many rows."""
+    by_stack: dict[str, list[str]] = {}
+    for g in order:
+        by_stack.setdefault(lookups[g].stack, []).append(g)
+    out = {}
+    for stack, groups in by_stack.items():
+        ids = _touched_once(jnp.concatenate([lookups[g].ids for g in groups]))
+        rows = jnp.take(state[stack]["weights"], jnp.maximum(ids, 0), axis=0).astype(jnp.float32)
+        out[groups[-1]] = (ids, jnp.where((ids >= 0)[:, None], l2 * rows, 0.0))
+    return out
 
 
 def apply_group_gradients(
@@ -466,6 +495,8 @@ def apply_group_gradients(
     *,
     step: jax.Array | int,
     learning_rate: jax.Array | float | None = None,
+    learning_rate_scale: jax.Array | float | None = None,
+    l2: float = 0.0,
     implementation: str | None = None,
 ) -> dict:
     """Update the rows each group touched, given the gradient of its pooled output.
@@ -473,23 +504,52 @@ def apply_group_gradients(
     Donate `state` at the `jit` boundary and the update happens in place. A table read
     by a "sum"-kind and a "max" feature gets one optimizer step per kind; the "max" one
     goes first because it finds each bag's winning row in the table as the forward saw it.
+
+    Args:
+      learning_rate: replaces every table's `optimizer.learning_rate` (None: keep them).
+      learning_rate_scale: multiplies the learning rate of every table (e.g. a schedule's
+        value at this step; a traced scalar, so it changes without recompiling).
+      l2: L2 regularization of the touched rows (a static float): the gradient of
+        `0.5 * l2 * ||row||^2`, at the weights before this step, is added to every row
+        the batch looked up, once per row and step however many times it was looked up
+        (and once per table stack, even when sum- and max-pooled features both read
+        it), before the sparse optimizer. Rows the batch did not touch are not decayed;
+        the cost grows with the looked-up ids, never with the table size.
     """
     state = {k: dict(v) for k, v in state.items()}
     order = sorted(lookups, key=lambda g: lookups[g].combiner != "max")
+    extra = _l2_lookups(state, lookups, order, l2) if l2 else {}
     for gname in order:
         lk = lookups[gname]
         st = state[lk.stack]
+        ids, segments, coefficients, grad = lk.ids, lk.segments, lk.coefficients, grads[gname]
+        if gname in extra:  # the L2 term: one more bag per touched row, holding that row
+            l2_ids, l2_grads = extra[gname]
+            first = grad.shape[0]
+            ids = jnp.concatenate([ids, l2_ids])
+            segments = jnp.concatenate(
+                [segments, first + jnp.arange(l2_ids.shape[0], dtype=segments.dtype)]
+            )
+            if coefficients is not None:
+                coefficients = jnp.concatenate(
+                    [coefficients, jnp.ones(l2_ids.shape, coefficients.dtype)]
+                )
+            grad = jnp.concatenate([grad.astype(jnp.float32), l2_grads])
+        lr = learning_rate
+        if learning_rate_scale is not None:
+            base = lk.optimizer.learning_rate if learning_rate is None else learning_rate
+            lr = jnp.asarray(learning_rate_scale, jnp.float32) * base
         st["weights"], st["slots"] = ops.sparse_apply(
             st["weights"],
             st["slots"],
-            lk.ids,
-            lk.segments,
-            grads[gname],
+            ids,
+            segments,
+            grad,
             optimizer=lk.optimizer,
             step=step,
-            weights=lk.coefficients,
+            weights=coefficients,
             combiner=lk.combiner,
-            learning_rate=learning_rate,
+            learning_rate=lr,
             implementation=implementation,
             name=lk.stack,
         )

@@ -20,8 +20,18 @@ FILL_CHUNK_ELEMENTS = 1 << 18
 """Elements drawn at a time by `uniform_init.fill` (1 MiB of float32)."""
 
 
+class _HostInit:
+    """`host` from `fill`: an initializer that draws with numpy (see `uniform_init`)."""
+
+    def host(self, rng: np.random.Generator, shape, dtype) -> np.ndarray:
+        """The same distribution drawn by numpy into a new array (see `fill`)."""
+        out = np.empty(shape, dtype)
+        self.fill(rng, out)
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
-class uniform_init:  # noqa: N801 - used like a function: uniform_init(0.01)
+class uniform_init(_HostInit):  # noqa: N801 - used like a function: uniform_init(0.01)
     """U(-scale, scale); scale=None gives TorchRec's default sqrt(1 / vocab_size).
 
     A frozen dataclass rather than a closure, so equal specs compare (and hash) equal.
@@ -36,29 +46,105 @@ class uniform_init:  # noqa: N801 - used like a function: uniform_init(0.01)
         s = self._bound(shape)
         return jax.random.uniform(key, shape, jnp.float32, -s, s).astype(dtype)
 
-    def host(self, rng: np.random.Generator, shape, dtype) -> np.ndarray:
-        """The same distribution drawn by numpy into a new array (see `fill`)."""
-        out = np.empty(shape, dtype)
-        self.fill(rng, out)
-        return out
-
     def fill(self, rng: np.random.Generator, out: np.ndarray) -> None:
         """Draw the same distribution with numpy into `out` (`[V, D]`, the storage
         dtype), in place and in chunks: no XLA compile per table shape (~0.3 s each on
         CPU) and no float64 or full-size temporary, so a table's init peaks at its own
         size. The values depend on `rng`'s state only, not on the chunking."""
         s = np.float32(self._bound(out.shape))
-        rows = max(1, FILL_CHUNK_ELEMENTS // max(1, out.shape[1]))
-        direct = out.dtype == np.float32
-        tmp = None if direct else np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
-        for start in range(0, out.shape[0], rows):
-            chunk = out[start : start + rows]
-            buf = chunk if direct else tmp[: len(chunk)]
+
+        def draw(buf):
             rng.random(dtype=np.float32, out=buf)
             buf *= 2 * s
             buf -= s
-            if not direct:
-                chunk[...] = buf
+
+        _fill_chunks(out, draw)
+
+
+def _fill_chunks(out: np.ndarray, draw) -> None:
+    """Fill `out` (`[V, D]`, any float dtype) in row chunks of about
+    `FILL_CHUNK_ELEMENTS`: `draw(buf)` writes float32 values into `buf` in place."""
+    rows = max(1, FILL_CHUNK_ELEMENTS // max(1, out.shape[1]))
+    direct = out.dtype == np.float32
+    tmp = None if direct else np.empty((min(rows, out.shape[0]), out.shape[1]), np.float32)
+    for start in range(0, out.shape[0], rows):
+        chunk = out[start : start + rows]
+        buf = chunk if direct else tmp[: len(chunk)]
+        draw(buf)
+        if not direct:
+            chunk[...] = buf
+
+
+def _default_stddev(shape) -> float:
+    return 1.0 / math.sqrt(shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class normal_init(_HostInit):  # noqa: N801 - used like a function: normal_init(0.01)
+    """N(0, stddev^2); stddev=None gives 1/sqrt(dim) (TensorFlow's embedding default)."""
+
+    stddev: float | None = None
+
+    def _std(self, shape) -> float:
+        return _default_stddev(shape) if self.stddev is None else self.stddev
+
+    def __call__(self, key, shape, dtype):
+        return (self._std(shape) * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    def fill(self, rng: np.random.Generator, out: np.ndarray) -> None:
+        """Draw with numpy into `out`, in chunks (as `uniform_init.fill`)."""
+        s = np.float32(self._std(out.shape))
+
+        def draw(buf):
+            rng.standard_normal(dtype=np.float32, out=buf)
+            buf *= s
+
+        _fill_chunks(out, draw)
+
+
+@dataclasses.dataclass(frozen=True)
+class truncated_normal_init(_HostInit):  # noqa: N801
+    """N(0, stddev^2) truncated to +-2 stddev (redrawn beyond), as TensorFlow's
+    `truncated_normal` and `jax.random.truncated_normal(-2, 2) * stddev`; stddev=None gives
+    1/sqrt(dim) (TensorFlow's embedding_column default)."""
+
+    stddev: float | None = None
+
+    def _std(self, shape) -> float:
+        return _default_stddev(shape) if self.stddev is None else self.stddev
+
+    def __call__(self, key, shape, dtype):
+        x = jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
+        return (self._std(shape) * x).astype(dtype)
+
+    def fill(self, rng: np.random.Generator, out: np.ndarray) -> None:
+        """Draw with numpy into `out`, in chunks, redrawing values beyond 2 (standard)."""
+        s = np.float32(self._std(out.shape))
+
+        def draw(buf):
+            rng.standard_normal(dtype=np.float32, out=buf)
+            bad = np.abs(buf) > 2
+            while bad.any():
+                buf[bad] = rng.standard_normal(int(bad.sum()), dtype=np.float32)
+                bad = np.abs(buf) > 2
+            buf *= s
+
+        _fill_chunks(out, draw)
+
+
+@dataclasses.dataclass(frozen=True)
+class constant_init(_HostInit):  # noqa: N801 - used like a function: constant_init(0.0)
+    """Every weight `value` (zeros by default: e.g. first-order / linear tables)."""
+
+    value: float = 0.0
+
+    def __call__(self, key, shape, dtype):
+        del key
+        return jnp.full(shape, self.value, dtype)
+
+    def fill(self, rng: np.random.Generator, out: np.ndarray) -> None:
+        del rng
+        out[...] = self.value
 
 
 def _positive_int(owner: str, name: str, value) -> None:

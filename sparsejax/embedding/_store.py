@@ -58,7 +58,9 @@ class TableStore(Protocol):
     - `apply_gradients(state, residuals, grads, *, step, learning_rate=None)`: `grads`
       has the structure of `outputs`; updates only the rows the lookup touched, with
       each table's sparse optimizer, and returns the new state (in place under
-      donation). It never builds a dense table gradient.
+      donation). It never builds a dense table gradient. Optional keywords, passed
+      only when used: `learning_rate_scale` (a traced multiplier of every table's
+      learning rate) and `l2` (L2 on the touched rows; see `apply_group_gradients`).
     - `export_tables(state)` / `import_tables(tables)`: the state as
       `{table name: {"weights": [V, D], "slots": {slot: [V(, D)]}}}` and back (placed
       with `state_shardings()`), independent of the store's layout: a change of

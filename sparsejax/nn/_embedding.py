@@ -115,6 +115,8 @@ def apply_embedding_gradients(
     *,
     step: jax.Array | int,
     learning_rate: jax.Array | float | None = None,
+    learning_rate_scale: jax.Array | float | None = None,
+    l2: float = 0.0,
     implementation: str | None = None,
 ) -> dict:
     """Sparse update of every `EmbeddingBagCollection` in a model, each by its store.
@@ -123,7 +125,10 @@ def apply_embedding_gradients(
       tables: the model's `"embedding"` collection.
       lookups: the `"embedding_lookups"` collection returned by `apply(..., mutable=...)`.
       grads: gradient w.r.t. the `"embedding_grads"` collection.
-      step: 1-based optimizer step; learning_rate: optional override (a schedule).
+      step: 1-based optimizer step; learning_rate: optional override of every table's.
+      learning_rate_scale: optional multiplier of every table's learning rate (a
+        schedule's value; traced, so it changes without recompiling).
+      l2: L2 regularization of the touched rows (see `apply_group_gradients`).
       implementation: optional kernel override for the update (None: each layer's own).
 
     Returns:
@@ -137,6 +142,10 @@ def apply_embedding_gradients(
     for path, lk in flat_lookups.items():
         layer = path[:-1]  # path = (*layer_path, "lookups")
         kw = {} if implementation is None else {"implementation": implementation}
+        if learning_rate_scale is not None:
+            kw["learning_rate_scale"] = learning_rate_scale
+        if l2:
+            kw["l2"] = l2
         updated = lk.store.apply_gradients(
             _subtree(tables, layer),
             lk.residuals,

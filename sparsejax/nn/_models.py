@@ -44,6 +44,9 @@ class _CTRModel(nn.Module):
     dtype: jnp.dtype | None = None
     """Computation dtype of the dense layers (bfloat16 for mixed precision)."""
     implementation: str | None = None
+    dropout: float = 0.0
+    """Dropout rate after every hidden ReLU of the model's MLPs, in training only
+    (`train=True`; evaluation is deterministic)."""
 
     task: ClassVar[str] = "binary"
 
@@ -73,7 +76,7 @@ class _CTRModel(nn.Module):
 
     def deep_logit(self, hidden, vecs, batch, train) -> jax.Array:
         """[B] f32: the "deep" MLP (hidden widths, then 1) on `flat_with_dense`."""
-        out = MLP((*hidden, 1), dtype=self.dtype, name="deep")(
+        out = MLP((*hidden, 1), dropout=self.dropout, dtype=self.dtype, name="deep")(
             self.flat_with_dense(vecs, batch), train=train
         )
         return out[:, 0].astype(jnp.float32)
@@ -102,9 +105,13 @@ class DLRM(_CTRModel):
         vecs = self.pooled_stack(emb)
         parts = []
         if batch.dense.shape[1]:
-            x = MLP(self.bottom, final_activation=True, dtype=self.dtype, name="bottom")(
-                batch.dense.astype(self.dtype or jnp.float32)
-            )
+            x = MLP(
+                self.bottom,
+                final_activation=True,
+                dropout=self.dropout,
+                dtype=self.dtype,
+                name="bottom",
+            )(batch.dense.astype(self.dtype or jnp.float32), train=train)
             if x.shape[-1] != vecs.shape[-1]:
                 raise ValueError(
                     f"DLRM: the bottom MLP ends at width {x.shape[-1]}, the "
@@ -113,7 +120,7 @@ class DLRM(_CTRModel):
             vecs = jnp.concatenate([x[:, None, :], vecs], axis=1)
             parts.append(x)
         parts.append(DotInteraction()(vecs))
-        return MLP(self.top, dtype=self.dtype, name="top")(
+        return MLP(self.top, dropout=self.dropout, dtype=self.dtype, name="top")(
             jnp.concatenate(parts, axis=1), train=train
         )[:, 0].astype(jnp.float32)
 
@@ -167,7 +174,13 @@ class DCNv2(_CTRModel):
             )
         x0 = self.flat_with_dense(self.pooled_stack(self.embed(batch)), batch)
         cross = CrossNetwork(self.cross_layers, self.rank, dtype=self.dtype, name="cross")(x0)
-        mlp = MLP(self.hidden, final_activation=True, dtype=self.dtype, name="deep")
+        mlp = MLP(
+            self.hidden,
+            final_activation=True,
+            dropout=self.dropout,
+            dtype=self.dtype,
+            name="deep",
+        )
         h = (
             mlp(cross, train=train)
             if self.structure == "stacked"
@@ -207,9 +220,8 @@ class DIN(_CTRModel):
         x = jnp.concatenate(
             [attended, emb[self.target], *others, batch.dense.astype(attended.dtype)], axis=1
         )
-        return MLP((*self.hidden, 1), dtype=self.dtype, name="mlp")(x, train=train)[:, 0].astype(
-            jnp.float32
-        )
+        mlp = MLP((*self.hidden, 1), dropout=self.dropout, dtype=self.dtype, name="mlp")
+        return mlp(x, train=train)[:, 0].astype(jnp.float32)
 
 
 class TwoTower(nn.Module):
@@ -226,10 +238,12 @@ class TwoTower(nn.Module):
     temperature: float = 0.05
     dtype: jnp.dtype | None = None
     implementation: str | None = None
+    dropout: float = 0.0
+    """Dropout rate after every hidden ReLU of the towers, in training only."""
 
     task: ClassVar[str] = "retrieval"
 
-    def towers(self, batch) -> tuple[jax.Array, jax.Array]:
+    def towers(self, batch, *, train: bool = False) -> tuple[jax.Array, jax.Array]:
         emb = EmbeddingBagCollection(
             self.tables, self.features, self.implementation, name="embedding"
         )(batch.features, batch.batch_size)
@@ -250,13 +264,14 @@ class TwoTower(nn.Module):
         out = []
         for side, feats in (("user", self.user_features), ("item", self.item_features)):
             x = jnp.concatenate([emb[f].astype(self.dtype or jnp.float32) for f in feats], 1)
-            x = MLP(self.tower, dtype=self.dtype, name=f"{side}_tower")(x).astype(jnp.float32)
+            tower = MLP(self.tower, dropout=self.dropout, dtype=self.dtype, name=f"{side}_tower")
+            x = tower(x, train=train).astype(jnp.float32)
             out.append(x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6))
         return out[0], out[1]
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
-        user, item = self.towers(batch)
+        user, item = self.towers(batch, train=train)
         return user @ item.T / self.temperature
 
 

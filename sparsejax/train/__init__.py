@@ -6,6 +6,7 @@ from ..checkpoint import Checkpointer as Checkpointer
 from ..checkpoint import CheckpointError as CheckpointError
 from ..checkpoint import NonFiniteStateError as NonFiniteStateError
 from ..checkpoint import embedding_layouts as embedding_layouts
+from ._early_stopping import EarlyStopping as EarlyStopping
 from ._loop import FitResult as FitResult
 from ._loop import Hook as Hook
 from ._loop import NonFiniteLossError as NonFiniteLossError
@@ -26,6 +27,7 @@ from ._ranking import ranking_report as ranking_report
 from ._ranking import score_candidates as score_candidates
 from ._ranking import tower_embeddings as tower_embeddings
 from ._ranking import write_predictions as write_predictions
+from ._schedules import Schedule as Schedule
 from ._trainer import LOSSES as LOSSES
 from ._trainer import Trainer as Trainer
 from ._trainer import TrainState as TrainState

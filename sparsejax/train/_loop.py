@@ -25,8 +25,10 @@ class Hook:
     Methods are called in this order at each step: `before_step` (before the batch is
     fed), then, after the step, `after_step`, `on_log` (on logging steps) and `on_eval`
     (on eval steps, with the eval metrics); `on_end` once after the last step and its
-    final eval. A hook stops training by returning True from `after_step`: that step
-    becomes the last one (logged, evaluated and saved as the end of training).
+    final eval. A hook stops training by returning True from `after_step` (that step
+    becomes the last one: logged, evaluated and saved as the end of training) or from
+    `on_eval` (that eval's step becomes the last one: logged and saved, not evaluated
+    again; e.g. `EarlyStopping`).
     """
 
     def before_step(self, step: int, batch) -> None:
@@ -40,8 +42,9 @@ class Hook:
         """Every `log_every` steps and at the end: `{"step", "loss" (mean since the last
         record), "samples_per_s"}`; the loss is known finite."""
 
-    def on_eval(self, step: int, result: Mapping) -> None:
-        """Eval metrics of the state after `step` (see `Trainer.evaluate`)."""
+    def on_eval(self, step: int, result: Mapping) -> bool | None:
+        """Eval metrics of the state after `step` (see `Trainer.evaluate`). Return True
+        to stop training after this step (ignored at the final eval)."""
 
     def on_end(self, step: int, state: TrainState) -> None:
         """Training ended (last step reached or a hook stopped it) at `step`."""
@@ -114,11 +117,12 @@ def fit(
     def due(every, step):
         return every is not None and step % every == 0
 
-    def evaluate(step):
-        nonlocal eval_result
-        eval_result = trainer.evaluate(state, eval_batches)
-        for h in hooks:
-            h.on_eval(step, eval_result)
+    evaluated_at = None
+
+    def evaluate(step) -> bool:  # True: a hook stops training
+        nonlocal eval_result, evaluated_at
+        eval_result, evaluated_at = trainer.evaluate(state, eval_batches), step
+        return any([h.on_eval(step, eval_result) for h in hooks])  # every hook sees it
 
     def save():
         checkpointer.save(
@@ -170,10 +174,12 @@ def fit(
         if is_eval or is_ckpt:
             t = time.perf_counter()
             if is_eval:
-                evaluate(step)
-            if is_ckpt:
+                stop = evaluate(step)
+            if is_ckpt and not stop:  # a stop saves after the loop
                 save()
             paused += time.perf_counter() - t
+            if stop and log_every is not None and not is_log:
+                log(step)  # the stop makes this step the last: its partial window
         if stop:
             break
     if pending is not None:  # only when the data ran out
@@ -182,7 +188,7 @@ def fit(
             log(step)
     samples_per_s = rate() if timed else None
     trained = step > start
-    if eval_batches and (trained or not eval_result):
+    if eval_batches and (trained or not eval_result) and evaluated_at != step:
         evaluate(step)
     if checkpointer is not None and trained:
         save()

@@ -69,13 +69,32 @@ class Trainer:
         store cannot use is an error naming it). A batch is split along the mesh's
         "data" axis when it has one and the batch size divides by it (data parallel),
         and replicated otherwise.
+      sparse_schedule: multiplier of every table's learning rate as a function of the
+        updates already taken (`schedule(state.step)`, e.g. a `Schedule`); traced, so
+        the rate changes every step without recompiling. None: constant rates. For the
+        dense parameters, give `tx` the same schedule (`optax.adam(lambda t: lr *
+        schedule(t))`: optax's count equals `state.step`).
+      sparse_l2: L2 regularization of the touched embedding rows: the gradient of
+        `0.5 * sparse_l2 * ||row||^2` is added to each row a batch looked up, once per
+        row and step, before the sparse optimizer (untouched rows are not decayed; the
+        cost grows with the looked-up ids, never with the table size).
     """
 
     def __init__(
-        self, model: nn.Module, tx: optax.GradientTransformation, *, mesh: Mesh | None = None
+        self,
+        model: nn.Module,
+        tx: optax.GradientTransformation,
+        *,
+        mesh: Mesh | None = None,
+        sparse_schedule: Callable[[jax.Array], jax.Array] | None = None,
+        sparse_l2: float = 0.0,
     ):
         self.model = model
         self.tx = tx
+        self.sparse_schedule = sparse_schedule
+        if not sparse_l2 >= 0:
+            raise ValueError(f"Trainer: `sparse_l2` must be >= 0, got {sparse_l2!r}")
+        self.sparse_l2 = float(sparse_l2)
         self.mesh = default_mesh() if mesh is None else mesh
         self.task = getattr(model, "task", "binary")
         if self.task not in LOSSES:
@@ -230,7 +249,15 @@ class Trainer:
             loss_fn, argnums=(0, 1), has_aux=True
         )(state.params, self._zeros_probe(batch))
         step = state.step + 1
-        tables = apply_embedding_gradients(state.tables, lookups, g_rows, step=step)
+        scale = None if self.sparse_schedule is None else self.sparse_schedule(state.step)
+        tables = apply_embedding_gradients(
+            state.tables,
+            lookups,
+            g_rows,
+            step=step,
+            learning_rate_scale=scale,
+            l2=self.sparse_l2,
+        )
         with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int counts and floats
             updates, opt_state = self.tx.update(g_params, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
