@@ -29,8 +29,9 @@ import yaml
 from ..checkpoint import Checkpointer, embedding_layouts
 from ..data import Loader
 from ..train import Trainer, TrainState, fit
-from ._build import DataBundle, absolute_data_paths, build_data, build_model, first_train_batch
+from ._build import DataBundle, absolute_data_paths, build_data, first_train_batch
 from ._config import ConfigError, schema_reference, to_dict
+from ._knobs import build_trainer, run_knobs
 from ._lock import LOCK_NAME, RunLock
 from ._report import (
     Console,
@@ -40,7 +41,7 @@ from ._report import (
     plot_curves,
     write_summary,
 )
-from ._schema import RunConfig, config_from_dict, dense_optimizer, load_config
+from ._schema import RunConfig, config_from_dict, load_config
 
 RESUMABLE_KEYS = (
     "steps",
@@ -265,8 +266,7 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
             "the eval split is empty: every run evaluates (during training and at the end);"
             " give data.eval files or a split with eval rows"
         )
-    model = build_model(cfg, data.tables, data.features)
-    trainer = Trainer(model, dense_optimizer(cfg.optimizer))
+    model, trainer = build_trainer(cfg, data)  # training knobs: runner/_knobs.py
     first = first_train_batch(data)
     ckpt = Checkpointer(
         os.path.join(cfg.run_dir, "checkpoints"),
@@ -332,6 +332,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         f"{run.data.packer.batch_size}, {len(run.data.features)} sparse features, "
         f"{sum(t.vocab_size for t in run.data.tables):,} table rows, run dir {cfg.run_dir}"
     )
+    knobs = run_knobs(run, log)  # training knobs (runner/_knobs.py): eval_every, early stop
     epochs = (
         None
         if run.data.steps_per_epoch is None
@@ -355,17 +356,18 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             loader,
             steps=total,
             eval_batches=run.data.eval_batches,
-            eval_every=cfg.eval_every,
+            eval_every=knobs.eval_every,
             checkpointer=run.checkpointer,
             checkpoint_every=cfg.checkpoint_every,
             data_position=lambda: loader.position.to_dict(),
             checkpoint_extra={"config": to_dict(cfg), "config_sha256": config_hash(cfg)},
             log_every=cfg.log_every,
-            hooks=[MetricsLog(metrics_path, start), console],
+            hooks=[MetricsLog(metrics_path, start), console, knobs],
         )
     finally:
         loader.close()
         console.close()
+        knobs.close()
     run.state = result.state
     summary = {
         "step": int(result.state.step),
@@ -373,6 +375,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         "train_samples_per_s": result.samples_per_s,
         "run_dir": os.path.abspath(cfg.run_dir),
     }
+    summary |= knobs.summary(summary)  # training knobs: best and last
     write_summary(os.path.join(cfg.run_dir, "summary.json"), summary)
     plot_curves(metrics_path, os.path.join(cfg.run_dir, "curves.png"))
     log(
@@ -436,8 +439,7 @@ def evaluate_run(
                 else ""
             )
         )
-    model = build_model(cfg, data.tables, data.features)
-    trainer = Trainer(model, dense_optimizer(cfg.optimizer))
+    model, trainer = build_trainer(cfg, data)  # training knobs: runner/_knobs.py
     example = batches[0]
     template = trainer.init(jax.random.key(cfg.seed), example)
     where = best_dir if step == "best" else os.path.join(run_dir, "checkpoints")

@@ -17,11 +17,15 @@ import os
 from collections.abc import Sequence
 from typing import Literal
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from ..data import SequenceConfig
+from ..embedding import constant_init, normal_init, truncated_normal_init, uniform_init
 from ..nn import MODELS
 from ..ops import optimizers as sparse_optimizers
+from ..train._schedules import Schedule
 from ._config import from_dict, layered, unknown_key_error
 
 DATA_DIR_ENV = "SPARSEJAX_DATA_DIR"
@@ -196,6 +200,42 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingInitConfig:
+    """How the embedding tables start (`model.embedding_init`); every table of the model,
+    the first-order (linear) tables of DeepFM and Wide & Deep included."""
+
+    kind: Literal["uniform", "normal", "truncated_normal", "zeros"] = "uniform"
+    """uniform: U(-scale, scale); normal: N(0, stddev^2); truncated_normal: N(0,
+    stddev^2) redrawn beyond 2 stddev (TensorFlow's truncated_normal); zeros."""
+    scale: float | None = None
+    """uniform: the bound; null: sqrt(1 / vocab_size) per table (TorchRec's default)."""
+    stddev: float | None = None
+    """normal, truncated_normal: the standard deviation; null: 1 / sqrt(dim) (TensorFlow's
+    embedding_column default)."""
+
+    def __post_init__(self):
+        if self.scale is not None and (self.kind != "uniform" or not self.scale > 0):
+            raise ValueError(f"`scale` must be > 0 and needs kind uniform, got {self.scale!r}")
+        if self.stddev is not None and (
+            self.kind not in ("normal", "truncated_normal") or not self.stddev > 0
+        ):
+            raise ValueError(
+                f"`stddev` must be > 0 and needs kind normal or truncated_normal, "
+                f"got {self.stddev!r}"
+            )
+
+    def initializer(self):
+        """The `TableSpec.initializer` this config describes."""
+        if self.kind == "uniform":
+            return uniform_init(self.scale)
+        if self.kind == "normal":
+            return normal_init(self.stddev)
+        if self.kind == "truncated_normal":
+            return truncated_normal_init(self.stddev)
+        return constant_init(0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: Literal["dlrm", "deepfm", "wide_deep", "dcnv2", "din", "two_tower"] = "dlrm"
     embedding_dim: int = 16
@@ -207,6 +247,15 @@ class ModelConfig:
     """Storage dtype of the embedding tables."""
     implementation: Literal["xla", "cpu_ffi", "pallas"] | None = None
     """Sparse kernel choice; None picks the platform's best."""
+    embedding_init: EmbeddingInitConfig = dataclasses.field(default_factory=EmbeddingInitConfig)
+    """Initializer of the embedding tables (default: TorchRec's U(+-sqrt(1/vocab_size)))."""
+    dropout: float = 0.0
+    """Dropout rate after every hidden ReLU of the model's MLPs (two-tower: the towers),
+    in training only; evaluation is deterministic."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,6 +269,57 @@ class OptimizerConfig:
     """Other fields of the sparse optimizer (e.g. eps, initial_accumulator_value)."""
     dense: Literal["adam", "adagrad", "sgd", "adamw"] = "adam"
     dense_learning_rate: float = 1e-3
+    sparse_l2: float = 0.0
+    """L2 regularization of the embedding rows a batch touches: the gradient of
+    `0.5 * sparse_l2 * ||row||^2` is added once per touched row and step (however often
+    the batch looks the row up), before the sparse optimizer. Rows the batch does not
+    touch are not decayed; the cost grows with the batch's ids, never the table size."""
+    dense_weight_decay: float | None = None
+    """Weight decay of the dense weight matrices (parameters of 2+ dims; biases and other
+    vectors/scalars are not decayed). adamw: decoupled (AdamW: `lr * wd * w` per step,
+    the scheduled lr); adam, adagrad, sgd: `wd * w` added to the gradient (PyTorch's
+    `weight_decay`). null: none, except adamw's own default (optax: 1e-4, biases too)."""
+    schedule: Schedule = dataclasses.field(default_factory=Schedule)
+    """Learning-rate schedule (warmup, then decay), a multiplier of `dense_learning_rate`
+    and of `sparse_learning_rate` per step, e.g. `{warmup_steps: 500, decay: cosine,
+    final_lr_ratio: 0.1}` (see `sparsejax.train.Schedule`; default: constant)."""
+    schedule_on: Literal["both", "dense", "sparse"] = "both"
+    """Which optimizers follow `schedule`; the other keeps its constant rate."""
+
+    def __post_init__(self):
+        for f in ("sparse_l2", "dense_weight_decay"):
+            v = getattr(self, f)
+            if v is not None and not v >= 0:
+                raise ValueError(f"`{f}` must be >= 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EarlyStoppingConfig:
+    """Model selection on an eval metric (`early_stopping`): the best eval is tracked,
+    its state kept in RUN/checkpoints_best, and training stops after `patience` evals
+    without improvement. summary.json reports `best` and `last` (step and metrics).
+    Evals come every `eval_every` steps (or epoch) and at the end."""
+
+    metric: str = "auc"
+    """The eval metric watched: a key of the eval results (auc, logloss, loss,
+    recall@10, ...)."""
+    mode: Literal["max", "min"] | None = None
+    """max: higher is better; min: lower is better; null: min for metrics whose name
+    ends in "loss", max otherwise."""
+    patience: int | None = 5
+    """Evals without improvement after which training stops (the last of them ends the
+    run: logged, saved); null: never stop early, only track (and keep) the best."""
+    min_delta: float = 0.0
+    """An eval improves on the best only when better by more than this."""
+    keep_best: bool = True
+    """Save the best eval's state in RUN/checkpoints_best (one checkpoint, apart from the
+    rotating checkpoints/; `sparsejax.train.Checkpointer` restores it)."""
+
+    def __post_init__(self):
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"`patience` must be >= 1 or null, got {self.patience!r}")
+        if not self.min_delta >= 0:
+            raise ValueError(f"`min_delta` must be >= 0, got {self.min_delta!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -238,8 +338,8 @@ class RunConfig:
     """Passes over the training data (file data); set steps to null."""
     log_every: int = 20
     """Steps between train records (loss, samples/s) in metrics.jsonl and the console."""
-    eval_every: int | None = 100
-    """Steps between evals (null: only at the end)."""
+    eval_every: int | Literal["epoch"] | None = 100
+    """Steps between evals, or "epoch" (every epoch of file data); null: only at the end."""
     checkpoint_every: int | None = None
     """Steps between checkpoints (default: only at the end)."""
     keep_checkpoints: int = 3
@@ -254,6 +354,9 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    early_stopping: EarlyStoppingConfig | None = None
+    """Early stopping and keep-best on an eval metric (null: off), e.g.
+    `{metric: auc, patience: 3}`."""
 
     def __post_init__(self):
         if self.steps is not None and self.epochs is not None:
@@ -272,7 +375,7 @@ class RunConfig:
         fields = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every")
         for f in (*fields, "keep_checkpoints"):
             v = getattr(self, f)
-            if v is not None and v < 1:
+            if isinstance(v, int) and v < 1:  # eval_every may be "epoch"
                 raise ValueError(f"`{f}` must be >= 1, got {v}")
 
     @property
@@ -304,6 +407,7 @@ def _check_model_options(m: ModelConfig) -> None:
         "implementation",
         "parent",
         "name",
+        "dropout",  # model.dropout
     }
     for k in m.options:
         if k not in settable:
@@ -331,6 +435,20 @@ def sparse_optimizer(cfg: OptimizerConfig) -> sparse_optimizers.SparseOptimizer:
     return cls(learning_rate=cfg.sparse_learning_rate, **cfg.sparse_options)
 
 
-def dense_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """The dense parameters' optax optimizer of `optimizer.dense*`."""
-    return _DENSE[cfg.dense](cfg.dense_learning_rate)
+def dense_optimizer(
+    cfg: OptimizerConfig, total_steps: int | None = None
+) -> optax.GradientTransformation:
+    """The dense parameters' optax optimizer of `optimizer.dense*`, with the learning-rate
+    `schedule` (unless `schedule_on: sparse`) and `dense_weight_decay`; `total_steps`
+    resolves a schedule whose `decay_steps` is null (the rest of the run)."""
+    lr = cfg.dense_learning_rate
+    if cfg.schedule_on != "sparse" and not cfg.schedule.is_constant:
+        sched, base = cfg.schedule.resolve(total_steps), cfg.dense_learning_rate
+        lr = lambda count: base * sched(count)  # noqa: E731 - optax's count == state.step
+    if cfg.dense_weight_decay is None:
+        return _DENSE[cfg.dense](lr)
+    wd = cfg.dense_weight_decay
+    matrices = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)  # noqa: E731
+    if cfg.dense == "adamw":
+        return optax.adamw(lr, weight_decay=wd, mask=matrices)
+    return optax.chain(optax.add_decayed_weights(wd, matrices), _DENSE[cfg.dense](lr))

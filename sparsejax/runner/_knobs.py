@@ -1,0 +1,179 @@
+"""The training knobs of a run's config, turned into what `sparsejax.train` takes: the
+model's dropout and embedding initializer (`model.dropout`, `model.embedding_init`), the
+dense optax transformation and the trainer's sparse schedule and L2 (`optimizer.*`), and
+the hooks of the training loop (`early_stopping`, `eval_every: epoch`).
+
+`build_trainer` serves every job that builds a trainer (train and eval: the optimizer
+state of a checkpoint must have the structure the config gives); `run_knobs` is a
+`sparsejax.train.Hook` that `train_run` adds to `fit`, and reports `best` and `last` for
+summary.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..checkpoint import Checkpointer
+from ..train import EarlyStopping, Hook, Trainer
+from ._build import DataBundle, build_model
+from ._config import ConfigError
+from ._schema import RunConfig, dense_optimizer
+
+BEST_DIR = "checkpoints_best"
+"""Where a run keeps its best state (`early_stopping.keep_best`), next to checkpoints/."""
+
+
+def total_steps(cfg: RunConfig, data: DataBundle) -> int | None:
+    """The run's training steps (`steps`, or `epochs` of file data); None if unknown."""
+    if cfg.steps is not None:
+        return cfg.steps
+    per_epoch = data.steps_per_epoch
+    return None if per_epoch is None else cfg.epochs * per_epoch
+
+
+def configure_model(cfg: RunConfig, model):
+    """`model` with the configured dropout and every table's initializer."""
+    init = cfg.model.embedding_init.initializer()
+    tables = tuple(dataclasses.replace(t, initializer=init) for t in model.tables)
+    return model.clone(tables=tables, dropout=cfg.model.dropout)
+
+
+def _schedule(cfg: RunConfig, total: int | None):
+    opt = cfg.optimizer
+    try:
+        return opt.schedule.resolve(total)
+    except ValueError as e:
+        raise ConfigError(
+            f"optimizer.schedule: decay {opt.schedule.decay!r} with decay_steps=null decays "
+            f"over the whole run, but the run's length is unknown (epochs of generated "
+            f"data); set optimizer.schedule.decay_steps"
+        ) from e
+
+
+def build_trainer(cfg: RunConfig, data: DataBundle, **trainer_kw) -> tuple[Any, Trainer]:
+    """The configured model over `data`'s specs and its `Trainer`: dense optimizer with
+    the schedule and weight decay, tables' learning rates following the schedule, L2 on
+    touched rows (`trainer_kw`, e.g. `mesh`, go to the trainer)."""
+    model = configure_model(cfg, build_model(cfg, data.tables, data.features))
+    opt, total = cfg.optimizer, total_steps(cfg, data)
+    sched = None if opt.schedule.is_constant else _schedule(cfg, total)
+    trainer = Trainer(
+        model,
+        dense_optimizer(dataclasses.replace(opt, schedule=sched) if sched else opt, total),
+        sparse_schedule=sched if sched is not None and opt.schedule_on != "dense" else None,
+        sparse_l2=opt.sparse_l2,
+        **trainer_kw,
+    )
+    return model, trainer
+
+
+def eval_every(cfg: RunConfig, data: DataBundle) -> int | None:
+    """`eval_every` in steps: "epoch" is the file data's steps per epoch."""
+    if cfg.eval_every != "epoch":
+        return cfg.eval_every
+    if data.steps_per_epoch is None:
+        raise ConfigError(
+            "eval_every=epoch needs file data (generated data has no epochs); give a "
+            "number of steps"
+        )
+    return data.steps_per_epoch
+
+
+def _past_evals(metrics_path: str, upto: int) -> list[tuple[int, dict]]:
+    """The eval records of `metrics.jsonl` up to step `upto` (what a resumed run saw)."""
+    if upto <= 0 or not os.path.exists(metrics_path):
+        return []
+    out = []
+    with open(metrics_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") == "eval" and r.get("step", 0) <= upto:
+                out.append((r["step"], {k: v for k, v in r.items() if k not in ("kind", "step")}))
+    return out
+
+
+class RunKnobs(Hook):
+    """The hooks a run's knobs add to `fit` (early stopping and keep-best), the resolved
+    `eval_every`, and the `best` / `last` entries of summary.json."""
+
+    def __init__(self, eval_every: int | None, early: EarlyStopping | None, log: Callable):
+        self.eval_every = eval_every
+        self.early = early
+        self.log = log
+
+    def after_step(self, step, state, metrics) -> None:
+        if self.early is not None:
+            self.early.after_step(step, state, metrics)
+
+    def on_eval(self, step, result) -> bool:
+        return bool(self.early is not None and self.early.on_eval(step, result))
+
+    def on_end(self, step, state) -> None:
+        if self.early is None:
+            return
+        self.early.on_end(step, state)
+        e = self.early
+        if e.stopped_at is not None:
+            self.log(
+                f"early stopping at step {e.stopped_at}: no {e.metric} improvement in "
+                f"{e.patience} evals"
+            )
+        if e.best_step is not None:
+            where = f" (saved in {e.best_checkpoint})" if e.best_checkpoint else ""
+            self.log(f"best {e.metric} {e.best_value:.4f} at step {e.best_step}{where}")
+        self.close()
+
+    def close(self) -> None:
+        if self.early is not None and self.early.checkpointer is not None:
+            self.early.checkpointer.close()
+            self.early.checkpointer = None
+
+    def summary(self, summary: Mapping) -> dict:
+        """summary.json's additions: `last` (step, eval), and with early stopping `best`
+        (step, metric, value, eval, checkpoint) and `stopped_at`."""
+        out: dict = {"last": {"step": summary["step"], "eval": summary["eval"]}}
+        if self.early is not None:
+            out |= self.early.summary()
+        return out
+
+
+def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
+    """The knobs of a built `Run` (`sparsejax.runner.build_run`) for its `fit`: resolves
+    `eval_every`, and with `early_stopping` builds the `EarlyStopping` hook (its best
+    state in RUN/checkpoints_best when `keep_best`), resumed from the evals the run
+    directory's metrics.jsonl records up to the state's step."""
+    cfg = run.cfg
+    every = eval_every(cfg, run.data)
+    es = cfg.early_stopping
+    early = None
+    if es is not None:
+        if not run.data.eval_batches:
+            raise ConfigError("early_stopping needs eval data (data.eval_batches > 0)")
+        ckpt = None
+        if es.keep_best:
+            ckpt = Checkpointer(
+                os.path.join(cfg.run_dir, BEST_DIR), run.checkpointer.layouts, max_to_keep=1
+            )
+        early = EarlyStopping(
+            es.metric,
+            mode=es.mode,
+            patience=es.patience,
+            min_delta=es.min_delta,
+            checkpointer=ckpt,
+        )
+        # the metric's name is checked now (one eval batch), not after the first eval
+        names = run.trainer.evaluate(run.state, run.data.eval_batches[:1])
+        if es.metric not in names:
+            if ckpt is not None:
+                ckpt.close()
+            raise ConfigError(
+                f"early_stopping.metric={es.metric!r} is not an eval metric of "
+                f"{cfg.model.name} (they are {sorted(k for k in names if k != 'examples')})"
+            )
+        start = int(run.state.step)
+        early.replay(_past_evals(os.path.join(cfg.run_dir, "metrics.jsonl"), start))
+    return RunKnobs(every, early, log)
