@@ -252,12 +252,12 @@ def test_read_csv_log_with_ratings_and_a_headerless_continuation(tmp_path):
     tail = tmp_path / "events-1.csv.gz"
     with gzip.open(tail, "wt") as f:
         f.write(
-            "u2,plum,4,2024-01-06\nu2,fig,5,2024-01-07\nu1,fig,5,bad-date\nu1,kiwi,4,2024-01-04\n"
+            "u2,plum,4,2024-01-06\nu2,fig,5,2024-01-07\nu1,fig,5,bad-date\nu1,kiwi,4,2024-01-04\nu2,,4,2024-01-08\n"
         )
     cfg = SequenceConfig(rating="rating", min_rating=4, eval_negatives=1)
     log, report = sd.read_events([head, tail], cfg)
-    assert len(log) == 7 and report.lines_read == 9 and report.lines_kept == 7
-    assert report.errors == {"field_count": 1, "bad_time": 1}
+    assert len(log) == 7 and report.lines_read == 10 and report.lines_kept == 7
+    assert report.errors == {"field_count": 1, "bad_time": 1, "empty_item": 1}
     assert log.time[0] == np.datetime64("2024-01-01", "s").astype(np.int64)
     data, _ = sd.load_sequences([head, tail], cfg)
     assert data.report.rating_filtered == 1  # u1's pear
@@ -269,8 +269,11 @@ def test_read_csv_log_with_ratings_and_a_headerless_continuation(tmp_path):
     with pytest.raises(EventLogError, match=r"events-0.csv:7: 5 fields, expected 4"):
         sd.read_events([head, tail], cfg, strict=True)
     headless = SequenceConfig(header=False, columns=("user", "item", "rating", "time"))
-    with pytest.raises(EventLogError, match=r"events-1.csv.gz:3: column 'time'.*'bad-date'"):
+    with pytest.raises(EventLogError, match=r"events-1.csv.gz:5: empty 'item'"):
         sd.read_events(tail, headless, strict=True)
+    (tmp_path / "dates.csv").write_text("u1,fig,5,2024-01-01\nu1,fig,5,bad-date\n")
+    with pytest.raises(EventLogError, match=r"dates.csv:2: column 'time'.*'bad-date'"):
+        sd.read_events(tmp_path / "dates.csv", headless, strict=True)
 
 
 def test_missing_column_names_the_file_and_the_column(tmp_path):

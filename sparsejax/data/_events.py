@@ -274,8 +274,10 @@ def read_events(
 
     A column the config names but the file lacks is an `EventLogError` naming the file and
     the column. Malformed lines (wrong field count, empty id, a time or rating that does
-    not parse) are skipped and counted in the `ParseReport` (`strict=True`: the first one
-    raises, naming file:line, column and value). Blank lines are ignored.
+    not parse) are skipped and counted in the `ParseReport` (`strict=True`: one raises,
+    naming file:line, column and value; field counts and empty ids are checked file by
+    file before times and ratings). Blank lines are ignored. A file whose lines are all
+    well-formed is split in one pass over its text (about 1 s per million lines).
     """
     cfg = _as_config(config)
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
@@ -286,7 +288,12 @@ def read_events(
         cols, rep, header = _read_file(str(path), index, cfg, strict, header)
         parts.append(cols)
         report = rep if report is None else report.merge(rep)
-    cat = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    cat = {
+        k: np.concatenate([p[k] for p in parts])
+        if isinstance(parts[0][k], np.ndarray)
+        else [x for p in parts for x in p[k]]
+        for k in parts[0]
+    }
 
     def where(k: int) -> str:
         return f"{files[cat['file'][k]]}:{cat['line'][k]}"
@@ -317,8 +324,8 @@ def read_events(
         first_errors=tuple(first),
     )
     log = EventLog(
-        user=_ids(cat["user"][ok]),
-        item=_ids(cat["item"][ok]),
+        user=_ids(cat["user"])[ok],
+        item=_ids(cat["item"])[ok],
         time=times[ok],
         rating=None if rating is None else rating[ok],
     )
@@ -339,17 +346,20 @@ def _read_file(path: str, file_index: int, cfg: SequenceConfig, strict: bool, fi
             text = f.read()
     except FileNotFoundError:
         raise EventLogError(f"{path}: no such event log file") from None
-    lines = text.splitlines()
-    start = 0
+    if "\r" in text:
+        text = text.replace("\r\n", "\n")
+    end = text.find("\n")
+    line1 = text if end < 0 else text[:end]
+    body, start = text, 0
     header = first_header
     if cfg.header:
         if first_header is None:
-            if not lines:
+            if not text:
                 raise EventLogError(f"{path}: empty file, expected a header line")
-            header = lines[0].split(cfg.delimiter)
-            start = 1
-        elif lines and lines[0].split(cfg.delimiter) == first_header:
-            start = 1
+            header = line1.split(cfg.delimiter)
+            body, start = ("" if end < 0 else text[end + 1 :]), 1
+        elif text and line1.split(cfg.delimiter) == first_header:
+            body, start = ("" if end < 0 else text[end + 1 :]), 1
     names = list(cfg.columns) if cfg.columns is not None else header
     for field in ("user", "item", "time", "rating"):
         col = getattr(cfg, field)
@@ -361,54 +371,62 @@ def _read_file(path: str, file_index: int, cfg: SequenceConfig, strict: bool, fi
                 f"its columns are {names}{hint}"
             )
     n_fields = len(names)
-    rows = [line.split(cfg.delimiter) for line in lines[start:]]
-    line_no = np.arange(start + 1, start + 1 + len(rows))
-    nonblank = np.fromiter((bool(r[0]) or len(r) > 1 for r in rows), bool, len(rows))
-    counts = np.fromiter(map(len, rows), np.int64, len(rows))
-    good = nonblank & (counts == n_fields)
-    errors, first = {}, []
-    bad = np.flatnonzero(nonblank & ~good)
-    if bad.size:
-        k = bad[0]
-        if strict:
-            raise EventLogError(
-                f"{path}:{line_no[k]}: {counts[k]} fields, expected {n_fields} ({names})"
-            )
-        errors["field_count"] = int(bad.size)
-        first = [
-            (int(line_no[k]), "field_count", "(line)", f"{counts[k]} fields")
-            for k in bad[: ParseReport.MAX_FIRST_ERRORS]
-        ]
-    keep = np.flatnonzero(good)
     pos = {c: i for i, c in enumerate(names)}
-    cols = {}
-    for field in ("user", "item", "time", "rating"):
-        col = getattr(cfg, field)
-        if col is None:
-            continue
-        j = pos[col]
-        cols[field] = np.array([rows[k][j] for k in keep], dtype=str)
+    fields = [f for f in ("user", "item", "time", "rating") if getattr(cfg, f) is not None]
+    wanted = [pos[getattr(cfg, f)] for f in fields]
+    errors, first = {}, []
+    fast = _split_columns(body, cfg.delimiter, n_fields, wanted)
+    if fast is not None:  # every line well-formed: one split of the whole text
+        n_lines = len(fast[0])
+        line_no = np.arange(start + 1, start + 1 + n_lines)
+        n_read = n_lines
+        keep = np.arange(n_lines)
+        cols = dict(zip(fields, fast, strict=True))
+    else:
+        rows = [line.split(cfg.delimiter) for line in body.splitlines()]
+        line_no = np.arange(start + 1, start + 1 + len(rows))
+        nonblank = np.fromiter((bool(r[0]) or len(r) > 1 for r in rows), bool, len(rows))
+        counts = np.fromiter(map(len, rows), np.int64, len(rows))
+        good = nonblank & (counts == n_fields)
+        n_read = int(nonblank.sum())
+        bad = np.flatnonzero(nonblank & ~good)
+        if bad.size:
+            k = bad[0]
+            if strict:
+                raise EventLogError(
+                    f"{path}:{line_no[k]}: {counts[k]} fields, expected {n_fields} ({names})"
+                )
+            errors["field_count"] = int(bad.size)
+            first = [
+                (int(line_no[k]), "field_count", "(line)", f"{counts[k]} fields")
+                for k in bad[: ParseReport.MAX_FIRST_ERRORS]
+            ]
+        keep = np.flatnonzero(good)
+        cols = {f: [rows[k][j] for k in keep] for f, j in zip(fields, wanted, strict=True)}
     # an empty id is malformed
     empty = np.zeros(keep.size, bool)
     for field in ("user", "item"):
-        e = cols[field] == ""
-        if e.any():
-            k = int(np.flatnonzero(e)[0])
-            if strict:
-                raise EventLogError(f"{path}:{line_no[keep[k]]}: empty {getattr(cfg, field)!r}")
-            errors[f"empty_{field}"] = int(e.sum())
-            room = ParseReport.MAX_FIRST_ERRORS - len(first)
-            first += [
-                (int(line_no[keep[k]]), f"empty_{field}", getattr(cfg, field), "")
-                for k in np.flatnonzero(e)[: max(room, 0)]
-            ]
+        if "" not in cols[field]:
+            continue
+        e = np.fromiter((x == "" for x in cols[field]), bool, keep.size)
+        k = int(np.flatnonzero(e)[0])
+        if strict:
+            raise EventLogError(f"{path}:{line_no[keep[k]]}: empty {getattr(cfg, field)!r}")
+        errors[f"empty_{field}"] = int(e.sum())
+        room = ParseReport.MAX_FIRST_ERRORS - len(first)
+        first += [
+            (int(line_no[keep[k]]), f"empty_{field}", getattr(cfg, field), "")
+            for k in np.flatnonzero(e)[: max(room, 0)]
+        ]
         empty |= e
-    keep, cols = keep[~empty], {k: v[~empty] for k, v in cols.items()}
+    if empty.any():
+        good = np.flatnonzero(~empty)
+        keep, cols = keep[good], {f: [c[k] for k in good] for f, c in cols.items()}
     cols["line"] = line_no[keep]
     cols["file"] = np.full(keep.size, file_index, np.int32)
     report = ParseReport(
         path=path,
-        lines_read=int(nonblank.sum()),
+        lines_read=n_read,
         lines_kept=int(keep.size),
         errors=errors,
         first_errors=tuple(first),
@@ -416,12 +434,33 @@ def _read_file(path: str, file_index: int, cfg: SequenceConfig, strict: bool, fi
     return cols, report, header
 
 
-def _ids(raw: np.ndarray) -> np.ndarray:
+def _split_columns(body: str, delimiter: str, n_fields: int, wanted: list[int]):
+    """The `wanted` columns of `body` (lists of strings) with one `str.split` of the whole
+    text when every line has exactly `n_fields` fields (checked with numpy over the
+    bytes); None when some line does not (or the delimiter is not ASCII), for the
+    line-by-line path that reports each bad line."""
+    if not body:
+        return [[] for _ in wanted]
+    if not delimiter.isascii():
+        return None
+    if not body.endswith("\n"):
+        body += "\n"
+    raw = np.frombuffer(body.encode(), np.uint8)
+    newlines = np.flatnonzero(raw == 10)
+    delims = np.flatnonzero(raw == ord(delimiter))
+    per_line = np.diff(np.searchsorted(delims, newlines), prepend=0)
+    if (per_line != n_fields - 1).any():
+        return None
+    flat = body[:-1].replace("\n", delimiter).split(delimiter)
+    return [flat[j::n_fields] for j in wanted]
+
+
+def _ids(raw: list[str]) -> np.ndarray:
     """Integer ids as int64 when every value is a decimal integer, else the strings."""
     try:
-        return raw.astype(np.int64)
+        return np.fromiter(map(int, raw), np.int64, len(raw))
     except ValueError:
-        return raw
+        return np.array(raw, dtype=str)
 
 
 def _first_unparsable(raw: np.ndarray, parse) -> np.ndarray:
@@ -436,13 +475,14 @@ def _first_unparsable(raw: np.ndarray, parse) -> np.ndarray:
     return bad[inv]
 
 
-def _parse_floats(raw: np.ndarray, where, col: str, strict: bool) -> np.ndarray:
+def _parse_floats(raw: list[str], where, col: str, strict: bool) -> np.ndarray:
     try:
-        out = raw.astype(np.float64)
+        out = np.fromiter(map(float, raw), np.float64, len(raw))
     except ValueError:
-        bad = _first_unparsable(raw, float)
-        out = np.full(raw.shape, np.nan)
-        out[~bad] = raw[~bad].astype(np.float64)
+        arr = np.array(raw, dtype=str)
+        bad = _first_unparsable(arr, float)
+        out = np.full(arr.shape, np.nan)
+        out[~bad] = arr[~bad].astype(np.float64)
     bad = ~np.isfinite(out)
     if bad.any() and strict:
         k = int(np.flatnonzero(bad)[0])
@@ -451,10 +491,10 @@ def _parse_floats(raw: np.ndarray, where, col: str, strict: bool) -> np.ndarray:
     return out
 
 
-def _parse_times(raw: np.ndarray, where, col: str, strict: bool) -> np.ndarray:
+def _parse_times(raw: list[str], where, col: str, strict: bool) -> np.ndarray:
     """Numbers as they are, or (when the first value is not a number) ISO dates/times as
     Unix seconds; values that do not parse are NaN (counted by the caller)."""
-    if raw.size == 0:
+    if not raw:
         return np.zeros(0)
     try:
         float(raw[0])
@@ -467,19 +507,20 @@ def _parse_times(raw: np.ndarray, where, col: str, strict: bool) -> np.ndarray:
     def as_date(a):
         return np.asarray(a).astype("datetime64[s]").astype(np.int64).astype(np.float64)
 
+    arr = np.array(raw, dtype=str)
     try:
-        return as_date(raw)
+        return as_date(arr)
     except ValueError:
         pass
-    bad = _first_unparsable(raw, as_date)
+    bad = _first_unparsable(arr, as_date)
     if strict:
         k = int(np.flatnonzero(bad)[0])
         raise EventLogError(
             f"{where(k)}: column {col!r}: value {raw[k]!r} is not an ISO date/time like the "
             f"column's first value {raw[0]!r}"
         )
-    out = np.full(raw.shape, np.nan)
-    out[~bad] = as_date(raw[~bad])
+    out = np.full(arr.shape, np.nan)
+    out[~bad] = as_date(arr[~bad])
     return out
 
 
