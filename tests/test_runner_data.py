@@ -306,7 +306,7 @@ def test_movielens_ratings_with_side_tables_and_a_threshold_label(tmp_path, monk
     assert data.train_source.num_dense == 1
     age = 20 + ml["user"][train_rows] % 40
     known = ml["user"][train_rows] != 7
-    np.testing.assert_allclose(data.train_source.dense[:, 0], np.where(known, age, 0))
+    np.testing.assert_allclose(data.train_source.dense[:, 0], np.log1p(np.where(known, age, 0)))
     # the genres bag: the item's genre columns that are 1, one id each
     np.testing.assert_array_equal(
         data.train_source.sparse["genres"].lengths, ml["genres"][ml["item"][train_rows]].sum(1)
