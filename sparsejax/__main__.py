@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from .runner import ConfigError
 
-        kind = "config error" if isinstance(e, ConfigError) else "error"
+        kind = "config error" if type(e) is ConfigError else "error"
         where = _log_traceback(e, getattr(args, "run_dir", None))
         detail = f" (traceback in {where})" if where else ""
         print(f"sparsejax: {kind}: {' '.join(str(e).split())}{detail}", file=sys.stderr)

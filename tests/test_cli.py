@@ -89,3 +89,11 @@ def test_readme_first_code_snippet_runs_as_written():
     scope: dict = {}
     exec(compile(snippet, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
     assert int(scope["state"].step) == 1 and float(scope["metrics"]["loss"]) > 0
+
+
+def test_schema_errors_come_before_any_data_is_read(tmp_path, capsys):
+    argv = ["train", f"out_dir={tmp_path}", "data.kind=criteo", "data.path=nope.tsv"]
+    assert main([*argv, "model.name=dlrn"]) == 2
+    err = capsys.readouterr().err
+    assert "'model.name': 'dlrn' is not one of" in err and "nope.tsv" not in err
+    assert not (tmp_path / "default").exists()  # no run directory either

@@ -283,7 +283,8 @@ def from_dict(cls, data: Mapping, *, prefix: str = ""):
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'}: {e}") from None
+        where = f"config section {prefix.rstrip('.')}: " if prefix else ""
+        raise ConfigError(f"{where}{e}") from None
 
 
 def to_dict(obj) -> Any:
