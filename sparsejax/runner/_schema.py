@@ -363,7 +363,7 @@ class RunConfig:
             raise ValueError(
                 f"set exactly one of `steps` and `epochs` (got steps={self.steps} and "
                 f"epochs={self.epochs}): add epochs=null to train {self.steps} steps, or "
-                f"steps=null for {self.epochs} epochs"
+                f"steps=null for {self.epochs} epoch{'s' * (self.epochs != 1)}"
             )
         if self.steps is None and self.epochs is None:
             raise ValueError("set exactly one of `steps` and `epochs` (both are null)")
