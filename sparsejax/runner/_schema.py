@@ -107,7 +107,7 @@ class JoinConfig:
     `int_ids` defaults to the data's."""
     columns: tuple[str, ...] | None = None
     """Attach only these columns (default: every column the schema reads but the key)."""
-    indicator_bags: dict = dataclasses.field(default_factory=dict)
+    indicator_bags: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """Like `data.indicator_bags`, over the side table's columns."""
     on_missing: Literal["default", "error"] = "default"
     """A key the side table lacks: "default" attaches the missing-id row (counted in the
@@ -149,12 +149,12 @@ class DataConfig:
     """Old form of `split: {by: rows, train: N}`: the first `train_rows` rows train."""
     label: LabelConfig | None = None
     """Label column, value map, threshold and check (default: 0/1 labels as read)."""
-    features: dict = dataclasses.field(default_factory=dict)
+    features: dict[str, FeatureConfig] = dataclasses.field(default_factory=dict)
     """Per sparse column options: `{column: {dim, max_ids, min_count, hash_buckets,
     table, combiner}}` (see `FeatureConfig`)."""
     joins: tuple[JoinConfig, ...] = ()
     """Side tables joined by a key column (see `JoinConfig`)."""
-    indicator_bags: dict = dataclasses.field(default_factory=dict)
+    indicator_bags: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """One multi-hot bag from 0/1 columns: `{bag: [column, ...]}`, e.g. MovieLens's
     genre columns -> `genres`; the bag holds the index of each nonzero column."""
     id_mapping: Literal["vocab", "hash"] = "vocab"
