@@ -271,9 +271,11 @@ def test_read_csv_log_with_ratings_and_a_headerless_continuation(tmp_path):
     headless = SequenceConfig(header=False, columns=("user", "item", "rating", "time"))
     with pytest.raises(EventLogError, match=r"events-1.csv.gz:5: empty 'item'"):
         sd.read_events(tail, headless, strict=True)
-    (tmp_path / "dates.csv").write_text("u1,fig,5,2024-01-01\nu1,fig,5,bad-date\n")
+    (tmp_path / "dates.csv").write_text("u1,fig,5,2024-01-01T00:00:00Z\nu1,fig,5,bad-date\n")
     with pytest.raises(EventLogError, match=r"dates.csv:2: column 'time'.*'bad-date'"):
         sd.read_events(tmp_path / "dates.csv", headless, strict=True)
+    utc, _ = sd.read_events(tmp_path / "dates.csv", headless)  # "Z": UTC, no warning
+    assert list(utc.time) == [np.datetime64("2024-01-01", "s").astype(np.int64)]
 
 
 def test_missing_column_names_the_file_and_the_column(tmp_path):

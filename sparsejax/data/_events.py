@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -206,7 +207,9 @@ def _time_value(name: str, value) -> float | None:
     except (TypeError, ValueError):
         pass
     try:
-        return float(np.datetime64(str(value), "s").astype(np.int64))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return float(np.datetime64(str(value), "s").astype(np.int64))
     except ValueError:
         raise EventLogError(
             f"SequenceConfig.{name}: {value!r} is neither a number nor an ISO date/time"
@@ -505,7 +508,9 @@ def _parse_times(raw: list[str], where, col: str, strict: bool) -> np.ndarray:
         return _parse_floats(raw, where, col, strict)
 
     def as_date(a):
-        return np.asarray(a).astype("datetime64[s]").astype(np.int64).astype(np.float64)
+        with warnings.catch_warnings():  # "...Z" (UTC) warns that numpy has no time zones
+            warnings.simplefilter("ignore", UserWarning)
+            return np.asarray(a).astype("datetime64[s]").astype(np.int64).astype(np.float64)
 
     arr = np.array(raw, dtype=str)
     try:
