@@ -3,6 +3,7 @@
 a table sharded across devices is refused, not silently gathered. Also: importing
 `sparsejax.ops` pulls in no Flax, Orbax or matplotlib."""
 
+import functools
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsejax import ops
+from sparsejax.ops import _cpu_ffi
 
 DEVICES, V, D, S, N = 4, 30, 8, 3, 12
 
@@ -50,7 +52,26 @@ def _per_device(mesh, f, table, *sharded):
     )(table, *sharded)
 
 
-@pytest.mark.parametrize("combiner", ops.COMBINERS)
+needs_cpu_ffi = pytest.mark.skipif(not ops.cpu_ffi_available(), reason="C++ extension not built")
+
+
+def _cases(values, pallas_values):
+    """(implementation, value) over every CPU implementation; Pallas (interpret mode,
+    seconds to compile per kernel) only on `pallas_values`: shard_map does not change
+    a kernel, only how the op is lowered around it, which one case per kernel shows."""
+    impls = ["xla", pytest.param("cpu_ffi", marks=needs_cpu_ffi), "pallas", None]
+    cases = []
+    for impl in impls:
+        name = impl.values[0] if hasattr(impl, "values") else impl
+        marks = impl.marks if hasattr(impl, "marks") else ()
+        for v in pallas_values if name == "pallas" else values:
+            cases.append(pytest.param(name, v, id=f"{name}-{v}", marks=marks))
+    return cases
+
+
+# sum and max: the segment-sum and segment-max kernels (mean and sqrtn are sum's kernel
+# with other coefficients).
+@pytest.mark.parametrize("implementation,combiner", _cases(ops.COMBINERS, ["sum", "max"]))
 def test_embedding_bag_under_shard_map(mesh, implementation, combiner):
     table, ids, seg, w, _ = _shards(0)
 
@@ -82,11 +103,10 @@ def test_lookup_spmm_and_dots_under_shard_map(mesh, implementation):
 
 
 @pytest.mark.parametrize(
-    "opt",
-    [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
-    ids=["RowWiseAdagrad", "LazyAdam"],
+    "implementation,opt_name", _cases(["RowWiseAdagrad", "LazyAdam"], ["RowWiseAdagrad"])
 )
-def test_sparse_apply_under_shard_map(mesh, implementation, opt):
+def test_sparse_apply_under_shard_map(mesh, implementation, opt_name):
+    opt = ref.optimizer(opt_name)
     table, ids, seg, w, grad = _shards(3)
     slots = opt.init_slots(V, D)
 
@@ -103,17 +123,16 @@ def test_sparse_apply_under_shard_map(mesh, implementation, opt):
             np.testing.assert_allclose(got_s[k][b], want_s[k], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("call", ["embedding_bag", "embedding_lookup", "sparse_apply"])
-def test_a_row_sharded_table_is_refused(call):
-    """Eagerly, and under plain `jit` on an Explicit mesh (`jax.make_mesh`'s default):
-    a one-line error pointing to the sharded store, never a silent all-gather."""
-    mesh = jax.make_mesh((DEVICES,), ("model",), axis_types=(AxisType.Explicit,))
-    table = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, P("model", None)))
+def _table_ops():
+    """Each op that takes a table, as a function of the table alone."""
     ids, seg = jnp.array([1, 5], jnp.int32), jnp.array([0, 0], jnp.int32)
-    f = {
-        "embedding_bag": lambda t: ops.embedding_bag(t, ids, seg, 1, name="user"),
-        "embedding_lookup": lambda t: ops.embedding_lookup(t, ids, name="user"),
-        "sparse_apply": lambda t: ops.sparse_apply(
+    return {
+        "embedding_bag": lambda t, **kw: ops.embedding_bag(t, ids, seg, 1, name="user", **kw),
+        "embedding_bag_max": lambda t, **kw: ops.embedding_bag(
+            t, ids, seg, 1, combiner="max", name="user", **kw
+        ),
+        "embedding_lookup": lambda t, **kw: ops.embedding_lookup(t, ids, name="user", **kw),
+        "sparse_apply": lambda t, **kw: ops.sparse_apply(
             t,
             {},
             ids,
@@ -122,15 +141,104 @@ def test_a_row_sharded_table_is_refused(call):
             optimizer=ops.SGD(learning_rate=1.0),
             step=1,
             name="user",
+            **kw,
         )[0],
-    }[call]
-    message = r"table 'user' is sharded across devices.*use a sharded table store / shard_map"
-    with pytest.raises(ValueError, match=message):
+    }
+
+
+REFUSAL = r"table 'user' is sharded across devices.*use a sharded table store / shard_map"
+
+
+@pytest.mark.parametrize("call", ["embedding_bag", "embedding_lookup", "sparse_apply"])
+def test_a_row_sharded_table_is_refused(call):
+    """Eagerly, and under plain `jit` on an Explicit mesh (`jax.make_mesh`'s default):
+    a one-line error pointing to the sharded store, never a silent all-gather."""
+    mesh = jax.make_mesh((DEVICES,), ("model",), axis_types=(AxisType.Explicit,))
+    table = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, P("model", None)))
+    f = _table_ops()[call]
+    with pytest.raises(ValueError, match=REFUSAL):
         f(table)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=REFUSAL):
         jax.jit(f)(table)
     replicated = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, P()))
     assert f(replicated).shape[-1] == D
+
+
+@pytest.mark.parametrize("axes", ["auto", "plain_mesh"])
+def test_jit_on_auto_axes_refuses_a_sharded_table(axes):
+    """Auto mesh axes: the sharding is not in the traced type, so the refusal comes when
+    the multi-device `jit` is compiled (a `JaxRuntimeError` carrying the same message),
+    for rows or columns sharded; a replicated table compiles to the unchecked program."""
+    devices = jax.devices()[:DEVICES]
+    if axes == "auto":
+        mesh = jax.make_mesh((DEVICES,), ("model",), axis_types=(AxisType.Auto,))
+    else:
+        mesh = jax.sharding.Mesh(np.array(devices), ("model",))
+    want = {name: f(jnp.ones((8, D))) for name, f in _table_ops().items()}
+    for name, f in _table_ops().items():
+        for spec in (P("model", None), P(None, "model")):
+            table = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, spec))
+            with pytest.raises(jax.errors.JaxRuntimeError, match=REFUSAL):
+                jax.jit(f)(table)
+        replicated = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, P()))
+        compiled = jax.jit(f).lower(replicated).compile()
+        np.testing.assert_array_equal(compiled(replicated), want[name])
+        text = compiled.as_text()
+        assert "CustomSPMDPartitioning" not in text and "all-gather" not in text, name
+
+
+def test_jit_on_auto_axes_data_parallel_with_a_replicated_table(mesh):
+    """The trainer's layout (ids split over "data", table replicated) compiles and runs,
+    forward and gradient (the check is on the table's value only, not its cotangent)."""
+    table, ids, seg, w, _ = _shards(4)
+    seg = seg + jnp.arange(DEVICES, dtype=jnp.int32)[:, None] * S  # global bag ids
+    flat = [x.reshape(-1) for x in (ids, seg, w)]
+
+    def loss(t, i, s, w):
+        return jnp.sum(ops.embedding_bag(t, i, s, DEVICES * S, weights=w) ** 2)
+
+    f = jax.jit(jax.value_and_grad(loss))
+    want = f(table, *flat)
+    data = NamedSharding(mesh, P("data"))
+    got = f(
+        jax.device_put(table, NamedSharding(mesh, P())), *(jax.device_put(x, data) for x in flat)
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cpu_ffi"])
+def test_export_of_each_op(mesh, impl):
+    """`jax.export` is untouched by the check: no custom partitioning in the module, for
+    one device (where the exported call gives the op's answer) and for a replicated
+    table on the 4-device mesh. (The C++ kernels' custom calls carry no compatibility
+    guarantee, so exporting them needs `disabled_checks`, as any FFI call does.) Pallas
+    in interpret mode is slow to compile: one op on one device stands for it."""
+    if impl == "cpu_ffi" and not ops.cpu_ffi_available():
+        pytest.skip("C++ extension not built")
+    targets = [v for k, v in vars(_cpu_ffi).items() if k.endswith("_TARGET")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+    spec = jax.ShapeDtypeStruct((8, D), jnp.float32)
+    table = jnp.asarray(np.random.default_rng(5).normal(size=(8, D)), jnp.float32)
+    seg = jnp.array([0, 0, 1], jnp.int32)
+    every_op = dict(
+        _table_ops(),
+        segment_spmm=lambda t, **kw: ops.segment_spmm(jnp.ones(3), seg, seg, t, 2, **kw),
+        pairwise_dots=lambda t, **kw: ops.pairwise_dots(t.reshape(2, 4, D), **kw),
+    )
+    if impl == "pallas":
+        every_op = {"embedding_bag": every_op["embedding_bag"]}
+    for name, f in every_op.items():
+        g = functools.partial(f, implementation=impl)
+        # on the mesh: one op stands for all (the check is the same for every op)
+        on_mesh = name == "embedding_bag" and impl != "pallas"
+        for shardings in (None, NamedSharding(mesh, P())) if on_mesh else (None,):
+            exported = jax.export.export(
+                jax.jit(g, in_shardings=shardings),
+                disabled_checks=checks if impl == "cpu_ffi" else (),
+            )(spec)
+            assert "CustomSPMDPartitioning" not in exported.mlir_module(), name
+            if shardings is None:
+                np.testing.assert_array_equal(exported.call(table), g(table), err_msg=name)
 
 
 def test_unsharded_path_is_unchanged_hlo():
@@ -141,6 +249,7 @@ def test_unsharded_path_is_unchanged_hlo():
     text = jax.jit(lambda t, i: ops.embedding_bag(t, i, seg, S)).lower(table, ids).as_text()
     for collective in ("all-gather", "all_gather", "all-reduce", "all_reduce", "@Sharding"):
         assert collective not in text
+    assert "CustomSPMDPartitioning" not in text
 
 
 def test_import_pulls_in_no_flax_orbax_or_matplotlib():

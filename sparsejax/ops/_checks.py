@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _sharding
+
 _CHECKS = os.environ.get("SPARSEJAX_CHECKS", "0") not in ("", "0", "false", "False")
 
 
@@ -121,30 +123,28 @@ def check_lookups(op, table_name, vocab, num_segments, ids, segment_ids=None, we
         )
 
 
-def check_unsharded(op: str, name: str, table) -> None:
-    """Refuse a table sharded across devices (trace time, nothing at run time).
+def check_unsharded(op: str, name: str, table):
+    """Refuse a table sharded across devices; returns the table to use.
 
     The kernels need every row of the table on the device that runs them: handed a
-    row-sharded table, `jit` would all-gather the whole table onto every device. What
-    is seen here: a concrete array's sharding (eager calls) and the sharding in a traced
-    array's type (`jax.sharding.AxisType.Explicit` mesh axes, the default of
-    `jax.make_mesh`). Inside `jax.shard_map` the table is the local block: allowed.
+    row-sharded table, `jit` would all-gather the whole table onto every device. Seen
+    at trace time: a concrete array's sharding (eager calls) and the sharding in a
+    traced array's type (`jax.sharding.AxisType.Explicit` mesh axes, the default of
+    `jax.make_mesh`). Under Auto axes the sharding is known only to XLA's partitioner:
+    the returned table carries a check that refuses it when a multi-device `jit` is
+    compiled (`_sharding.py`), and is nothing otherwise. Inside `jax.shard_map` the
+    table is the local block: allowed.
     """
     if isinstance(table, jax.core.Tracer):
         sharding = jax.typeof(table).sharding
         mesh = sharding.mesh
-        if mesh.empty or mesh.are_all_axes_manual:
-            return
+        if not mesh.empty and mesh.are_all_axes_manual:
+            return table
         spec = [p for p in sharding.spec if p is not None]
-        sharded = bool(spec)
-    else:
-        sharding = getattr(table, "sharding", None)
-        sharded = sharding is not None and not sharding.is_fully_replicated
-    if sharded:
-        spec = getattr(sharding, "spec", sharding)
-        raise ValueError(
-            f"sparsejax.ops.{op}: table {name!r} is sharded across devices ({spec}); the "
-            "kernels need the whole table on each device: use a sharded table store / "
-            "shard_map (ids split over devices, table replicated) instead of jit on a "
-            "sharded table"
-        )
+        if spec:
+            raise ValueError(_sharding.refusal_message(op, name, sharding.spec))
+        return _sharding.checked_table(op, name, table)
+    sharding = getattr(table, "sharding", None)
+    if sharding is not None and not sharding.is_fully_replicated:
+        raise ValueError(_sharding.refusal_message(op, name, getattr(sharding, "spec", sharding)))
+    return table

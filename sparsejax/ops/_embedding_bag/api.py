@@ -86,7 +86,7 @@ def embedding_bag(
     num_segments = validate_bag(
         op, table, ids, segment_ids, num_segments, weights, combiner, implementation
     )
-    _checks.check_unsharded(op, name, table)
+    table = _checks.check_unsharded(op, name, table)
     _checks.check_lookups(op, name, table.shape[0], num_segments, ids, segment_ids, weights)
     ids = jnp.asarray(ids, jnp.int32)
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
@@ -114,7 +114,7 @@ def embedding_lookup(
     _dispatch.check_implementation(implementation)
     _checks.check_array(op, "table", table, ndim=2, kind="float")
     _checks.check_array(op, "ids", ids, kind="int")
-    _checks.check_unsharded(op, name, table)
+    table = _checks.check_unsharded(op, name, table)
     _checks.check_lookups(op, name, table.shape[0], ids.size, ids)
     flat = jnp.asarray(ids, jnp.int32).reshape(-1)
     n = flat.shape[0]

@@ -67,7 +67,7 @@ def segment_spmm(
     _checks.check_array(op, "dense", dense, ndim=2, kind="float")
     _checks.check_same_length(op, values=values, col_ids=col_ids, segment_ids=segment_ids)
     num_segments = static_count(op, "num_segments", num_segments)
-    _checks.check_unsharded(op, "dense", dense)
+    dense = _checks.check_unsharded(op, "dense", dense)
     _checks.check_lookups(op, "dense", dense.shape[0], num_segments, col_ids, segment_ids, values)
     return segment_spmm_p.bind(
         jnp.asarray(values, jnp.float32),

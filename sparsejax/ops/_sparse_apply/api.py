@@ -75,7 +75,7 @@ def sparse_apply(
             f"has dim {table.shape[1]}"
         )
     slots = _check_slots(op, optimizer, slots, table.shape)
-    _checks.check_unsharded(op, name, table)
+    table = _checks.check_unsharded(op, name, table)
     _checks.check_lookups(op, name, table.shape[0], num_segments, ids, segment_ids, weights)
     if num_segments == 0 or ids.shape[0] == 0:
         return table, slots  # nothing was looked up
