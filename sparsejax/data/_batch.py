@@ -184,6 +184,20 @@ class BatchPacker:
                 f"but FeatureSpec.weighted={spec.weighted}"
             )
         vocab = self.vocab[spec.table]
+        if (
+            not spec.is_sequence
+            and values.shape[0] == n
+            and col.weights is None
+            and (n == 0 or (lengths.min() == 1 and lengths.max() == 1))
+            and (n == 0 or (values.min() >= 0 and values.max() < vocab))
+        ):  # one id per example (most features): no segment arithmetic
+            cap = spec.capacity_for(self.batch_size)
+            if n <= cap:
+                ids_out = np.full(cap, -1, np.int32)
+                ids_out[:n] = values
+                seg_out = np.full(cap, self.batch_size - 1, np.int32)
+                seg_out[:n] = np.arange(n, dtype=np.int32)
+                return PaddedIds(ids=ids_out, segments=seg_out)
         bad = np.flatnonzero((values < 0) | (values >= vocab))
         if bad.size:
             k = bad[0]

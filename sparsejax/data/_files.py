@@ -144,9 +144,12 @@ class _Stream:
         )
 
     def read(self, n: int) -> bytes:
-        data = self.raw.read(n) if self.kind is None else self._read_compressed(n)
+        if self.kind is None:
+            data = self.raw.read(n)
+        else:
+            data = self._read_compressed(n)
+            self.lines += data.count(b"\n")  # only compressed streams report lines
         self.pos += len(data)
-        self.lines += data.count(b"\n")
         return data
 
     def _read_compressed(self, n: int) -> bytes:
