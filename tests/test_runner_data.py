@@ -686,3 +686,34 @@ def test_streamed_train_files_give_the_batches_of_the_in_memory_read(tmp_path):
     ):
         with pytest.raises(ConfigError, match=msg):
             _load(None, tmp_path, *common, "data.stream=true", bad)
+
+
+def test_parquet_split_by_time(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    n = 120
+    pq.write_table(
+        pa.table(
+            {
+                "y": (np.arange(n) % 3 == 0).astype(np.int64),
+                "user": [f"u{i % 7}" for i in range(n)],
+                "ts": 1_600_000_000 + 3600 * np.arange(n),
+            }
+        ),
+        tmp_path / "log.parquet",
+    )
+    cfg = _load(
+        None,
+        tmp_path,
+        "data.kind=parquet",
+        f"data.train={tmp_path}/log.parquet",
+        "data.schema={label: y, categorical: [user]}",
+        "data.split={by: time, column: ts, train: 1600288000, eval: 1600360000}",
+    )
+    data = runner.build_data(cfg)
+    assert (len(data.train_source), len(data.eval_examples), len(data.test_examples)) == (
+        80,
+        20,
+        20,
+    )
+    assert data.train_source.num_dense == 0  # ts was read only to split

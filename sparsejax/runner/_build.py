@@ -192,8 +192,8 @@ def check_data_config(d: DataConfig) -> None:
 
     schema = None
     if d.kind in _SCHEMA_KINDS:
-        if d.schema is None and d.kind == "delimited":
-            raise ConfigError("data.kind='delimited' needs data.schema (its columns)")
+        if d.schema is None:
+            raise ConfigError(f"data.kind={d.kind!r} needs data.schema (its columns)")
         schema = _schema_or_error(d.schema, "data.schema")
     elif d.schema is not None:
         raise ConfigError(f"data.schema is for kinds {list(_SCHEMA_KINDS)}, not {d.kind!r}")
@@ -517,12 +517,16 @@ def _split(ex: Examples, s: SplitConfig, times: np.ndarray | None, seed: int):
     """(train, eval, test or None) of one source by the rule `s`."""
     n = len(ex)
     if s.by == "time":
-        t = times.astype(np.float64)
-        parts = [t < s.train]
+        # the column was read as float32: compare with the thresholds rounded alike, so
+        # a time equal to a threshold falls after it
+        t = np.asarray(times, np.float32)
+        a = np.float32(s.train)
+        parts = [t < a]
         if s.eval is None:
-            parts.append(t >= s.train)
+            parts.append(t >= a)
         else:
-            parts += [(t >= s.train) & (t < s.eval), t >= s.eval]
+            b = np.float32(s.eval)
+            parts += [(t >= a) & (t < b), t >= b]
         return [*(_take(ex, np.flatnonzero(m)) for m in parts), None][:3]
     if s.by == "rows":
         a = s.train

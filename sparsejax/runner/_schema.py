@@ -50,8 +50,9 @@ class SplitConfig:
     (fraction, random), or the rows with `train` <= `column` < `eval` (time). The rest
     is the test split. None: all the rest evaluates and there is no test split."""
     column: str | None = None
-    """time: the time column (delimited/parquet; read as a float32 number, so epoch
-    seconds compare to within about a minute of the threshold)."""
+    """time: the time column (delimited/parquet), a number read as float32: a time
+    within one float32 step of a threshold (128 s for epoch seconds) counts as equal to
+    it, and falls after it."""
     seed: int | None = None
     """random: the shuffle's seed (default: the run's `seed`)."""
 
