@@ -21,7 +21,7 @@ from ..checkpoint import Checkpointer
 from ..train import EarlyStopping, Hook, Trainer
 from ._build import DataBundle, build_model
 from ._config import ConfigError
-from ._schema import RunConfig, dense_optimizer
+from ._schema import EmbeddingInitConfig, RunConfig, dense_optimizer
 
 BEST_DIR = "checkpoints_best"
 """Where a run keeps its best state (`early_stopping.keep_best`), next to checkpoints/."""
@@ -36,10 +36,13 @@ def total_steps(cfg: RunConfig, data: DataBundle) -> int | None:
 
 
 def configure_model(cfg: RunConfig, model):
-    """`model` with the configured dropout and every table's initializer."""
-    init = cfg.model.embedding_init.initializer()
-    tables = tuple(dataclasses.replace(t, initializer=init) for t in model.tables)
-    return model.clone(tables=tables, dropout=cfg.model.dropout)
+    """`model` with the configured dropout and, when `model.embedding_init` is set, that
+    initializer on every table (unset: the tables keep the ones they were built with)."""
+    if cfg.model.embedding_init != EmbeddingInitConfig():
+        init = cfg.model.embedding_init.initializer()
+        tables = tuple(dataclasses.replace(t, initializer=init) for t in model.tables)
+        model = model.clone(tables=tables)
+    return model.clone(dropout=cfg.model.dropout)
 
 
 def _schedule(cfg: RunConfig, total: int | None):
