@@ -221,3 +221,13 @@ def test_in_memory_examples_still_shuffle_globally(tmp_path):
     rows = np.concatenate([_rows_of(b) for b in batches])
     assert np.array_equal(np.sort(rows), np.arange(N))
     assert np.abs(rows - np.arange(N)).max() > 300  # a global permutation moves rows far
+
+
+def test_stream_with_no_usable_rows_says_why(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("y,u,i\n1,a,x\n0,b,y\n")
+    src = data.FileSource(path, format="delimited", schema=SCHEMA)
+    with pytest.raises(ValueError) as e:
+        _batches(src, _packer(), epochs=None)
+    msg = str(e.value)
+    assert "has no usable rows" in msg and "kept 0 of 2 lines" in msg and "bad_dense 2" in msg

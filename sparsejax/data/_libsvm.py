@@ -224,14 +224,22 @@ class LibsvmParser:
         keep = ~bad
         kept = np.flatnonzero(keep)
         labels = self.rule.apply(raw_labels[kept], path=path, lines=first_line + kept)
-        tk = keep[f_line]
-        sparse = {}
-        for j, name in enumerate(self.names):
-            m = tk & (feat == j)
-            lengths = np.bincount(f_line[m], minlength=n)[kept].astype(np.int32)
-            sparse[name] = JaggedIds(
-                lengths=lengths, values=idx[m], weights=val[m].astype(np.float32)
+        tk = np.flatnonzero(keep[f_line])
+        rows, fk = f_line[tk], feat[tk]
+        nf = len(self.names)
+        # Group the kept tokens by feature in one stable sort (rows stay in order).
+        order = np.argsort(fk, kind="stable")
+        bounds = np.searchsorted(fk[order], np.arange(nf + 1))
+        counts = np.bincount(fk * n + rows, minlength=nf * n).reshape(nf, n)[:, kept]
+        ids, ws = idx[tk][order], val[tk][order].astype(np.float32)
+        sparse = {
+            name: JaggedIds(
+                lengths=counts[j].astype(np.int32),
+                values=ids[bounds[j] : bounds[j + 1]],
+                weights=ws[bounds[j] : bounds[j + 1]],
             )
+            for j, name in enumerate(self.names)
+        }
         ex = Examples(labels=labels, dense=np.zeros((kept.shape[0], 0), np.float32), sparse=sparse)
         return ex, n
 

@@ -601,12 +601,13 @@ def _stream_batches(
         st = st or {"window": None, "index": 0, "skip": 0}
         w0, skip = int(st["index"]), int(st["skip"])
         pending: list[HostBatch] = []
-        pending_n = 0
+        pending_n = seen = 0
         for k, (w_start, w_end, ex) in enumerate(
             _windows(source.chunks(st["window"]), st["window"], buffer_rows)
         ):
             w = w0 + k
             n = len(ex)
+            seen += n
             order = (
                 np.random.default_rng([seed, epoch, w]).permutation(n) if shuffle else np.arange(n)
             )
@@ -632,6 +633,12 @@ def _stream_batches(
                 yield after, _pack(packer, pending, batch_i * bs, target)
                 batch_i += 1
                 pending, pending_n = [], 0
+        if seen == 0 and st["window"] is None:
+            report = getattr(source, "report", None)
+            raise ValueError(
+                f"{source!r} has no usable rows"
+                + (f" in this process's share: {report}" if report is not None else "")
+            )
         if pending_n and not drop_remainder:
             yield (
                 LoaderPosition(epoch=epoch + 1, batch=0),
