@@ -567,6 +567,37 @@ def _concat_host(parts: list[HostBatch]) -> HostBatch:
     )
 
 
+class _Ahead:
+    """Iterates `items` in a thread of its own, up to `depth` items ahead (a stream's
+    chunks are parsed while the loader's thread packs the previous ones). Exceptions
+    reach the consumer; `close()` stops the thread."""
+
+    def __init__(self, items: Iterator, depth: int = 2):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(((None, item) for item in items), self._q, self._stop),
+            name="sparsejax-reader",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._q.get()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, _Failure):
+            raise item.exc
+        return item[1]
+
+    def close(self) -> None:
+        _shutdown(self._stop, self._q, self._thread)
+
+
 def _windows(chunks, start: Mapping | None, rows: int):
     """(start position, end position, Examples) of consecutive windows of whole chunks
     holding at least `rows` rows each (the last may hold fewer)."""
@@ -594,7 +625,8 @@ def _stream_batches(
     drop_remainder: bool,
     target,
 ) -> Iterator[tuple[LoaderPosition, Any]]:
-    """The batches of a streaming source from `start`, with the position after each."""
+    """The batches of a streaming source from `start`, with the position after each.
+    Chunks are parsed in a reader thread of their own, a couple of chunks ahead."""
     bs = packer.batch_size
     epoch, st, batch_i = start.epoch, start.stream, start.batch
     while epochs is None or epoch < epochs:
@@ -602,37 +634,41 @@ def _stream_batches(
         w0, skip = int(st["index"]), int(st["skip"])
         pending: list[HostBatch] = []
         pending_n = seen = 0
-        for k, (w_start, w_end, ex) in enumerate(
-            _windows(source.chunks(st["window"]), st["window"], buffer_rows)
-        ):
-            w = w0 + k
-            n = len(ex)
-            seen += n
-            order = (
-                np.random.default_rng([seed, epoch, w]).permutation(n) if shuffle else np.arange(n)
-            )
-            off = skip if k == 0 else 0
-            while off < n:
-                take = min(bs - pending_n, n - off)
-                pending.append(ex.take(order[off : off + take]))
-                pending_n += take
-                off += take
-                if pending_n < bs:
-                    continue
-                if off < n:
-                    nxt = {"window": w_start, "index": w, "skip": off}
-                elif w_end is not None:
-                    nxt = {"window": w_end, "index": w + 1, "skip": 0}
-                else:  # the epoch's last example: the next batch starts the next epoch
-                    nxt = None
-                after = (
-                    LoaderPosition(epoch=epoch + 1, batch=0)
-                    if nxt is None
-                    else LoaderPosition(epoch=epoch, batch=batch_i + 1, stream=nxt)
+        chunks = _Ahead(source.chunks(st["window"]))
+        try:
+            for k, (w_start, w_end, ex) in enumerate(_windows(chunks, st["window"], buffer_rows)):
+                w = w0 + k
+                n = len(ex)
+                seen += n
+                order = (
+                    np.random.default_rng([seed, epoch, w]).permutation(n)
+                    if shuffle
+                    else np.arange(n)
                 )
-                yield after, _pack(packer, pending, batch_i * bs, target)
-                batch_i += 1
-                pending, pending_n = [], 0
+                off = skip if k == 0 else 0
+                while off < n:
+                    take = min(bs - pending_n, n - off)
+                    pending.append(ex.take(order[off : off + take]))
+                    pending_n += take
+                    off += take
+                    if pending_n < bs:
+                        continue
+                    if off < n:
+                        nxt = {"window": w_start, "index": w, "skip": off}
+                    elif w_end is not None:
+                        nxt = {"window": w_end, "index": w + 1, "skip": 0}
+                    else:  # the epoch's last example: the next batch starts the next epoch
+                        nxt = None
+                    after = (
+                        LoaderPosition(epoch=epoch + 1, batch=0)
+                        if nxt is None
+                        else LoaderPosition(epoch=epoch, batch=batch_i + 1, stream=nxt)
+                    )
+                    yield after, _pack(packer, pending, batch_i * bs, target)
+                    batch_i += 1
+                    pending, pending_n = [], 0
+        finally:
+            chunks.close()
         if seen == 0 and st["window"] is None:
             report = getattr(source, "report", None)
             raise ValueError(
