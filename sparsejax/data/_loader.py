@@ -324,9 +324,9 @@ class Loader:
         memory. Rows are shuffled within consecutive windows of about `shuffle_buffer`
         rows (whole chunks; a window's order is a permutation seeded by `(seed, epoch,
         window number)`), so memory stays bounded by the window, a few chunks and the
-        `prefetch` batches. Each chunk is parsed (and the source's `transform` applied)
-        in the background thread. Batches do not span epochs; the last one is padded or
-        dropped as for `Examples`.
+        `prefetch` batches. Chunks are parsed (and the source's `transform` applied) in
+        a reader thread, two chunks ahead of the thread that shuffles and packs. Batches
+        do not span epochs; the last one is padded or dropped as for `Examples`.
 
     Resuming: `position` is the next batch to be yielded (`LoaderPosition`); a loader
     constructed with that position yields bit-identical batches to the ones the

@@ -17,8 +17,8 @@ files when there are at least as many files as processes, else byte ranges of pl
 text files and interleaved blocks (compressed text) or record batches (Parquet). The
 shares of all ranks are disjoint and cover every row.
 
-`transform(Examples) -> Examples` runs on every chunk as it is parsed (so in the loader's
-background thread), e.g. an id mapping or a join. For resuming to be exact it must be
+`transform(Examples) -> Examples` runs on every chunk as it is parsed (under a `Loader`,
+in its background reader thread, off the training loop), e.g. an id mapping or a join. For resuming to be exact it must be
 deterministic (the same chunk in, the same rows out).
 
 Example::
