@@ -177,7 +177,7 @@ def test_stream_loader_epochs_shuffle_and_transform_thread(tmp_path):
     assert np.abs(first - np.arange(N)).max() < 300
     assert float(np.asarray(batches[per_epoch - 1].mask).sum()) == N % 64  # padded last batch
     assert positions[per_epoch - 1] == data.LoaderPosition(epoch=1, batch=0)
-    assert set(threads) == {"sparsejax-reader"}  # parsed in the loader's reader thread
+    assert set(threads) == {"sparsejax-loader"}  # parsed in the loader's thread
     again, _ = _batches(src, packer, **kw)
     for a, b in zip(batches, again, strict=True):
         np.testing.assert_array_equal(a.dense, b.dense)

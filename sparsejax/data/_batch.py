@@ -137,13 +137,16 @@ class BatchPacker:
                 f"unknown sparse features {sorted(unknown)}; the specs declare "
                 f"{[f.name for f in self.features]}"
             )
-        out = {}
+        out = self._pack_one_id(sparse, n)
         for spec in self.features:
+            if spec.name in out:
+                continue
             if spec.name not in sparse:
                 raise ValueError(f"feature {spec.name!r} is missing from the batch")
             col = sparse[spec.name]
             col = col if isinstance(col, JaggedIds) else JaggedIds.from_dense(col)
             out[spec.name] = self._pack_feature(spec, col, n, first_example)
+        out = {spec.name: out[spec.name] for spec in self.features}
         dense_out = np.zeros((b, self.num_dense), np.float32)
         if not self.num_dense and dense is not None and np.size(dense):
             raise ValueError(
@@ -162,6 +165,46 @@ class BatchPacker:
         mask_out = np.zeros(b, np.float32)
         mask_out[:n] = 1.0 if mask is None else mask
         return SparseBatch(features=out, dense=dense_out, labels=labels_out, mask=mask_out)
+
+    def _pack_one_id(self, sparse: Mapping, n: int) -> dict[str, PaddedIds]:
+        """The features with exactly one in-range id per example and no weights (most
+        features of CTR data), packed together: one range check and one copy for all
+        of them instead of a dozen small operations each. Others are left out (the
+        per-feature path packs them, and names any error)."""
+        groups: dict[int, list] = {}
+        for spec in self.features:
+            col = sparse.get(spec.name)
+            if (
+                spec.is_sequence
+                or spec.weighted
+                or not isinstance(col, JaggedIds)
+                or col.weights is not None
+                or np.shape(col.values) != (n,)
+                or np.shape(col.lengths) != (n,)
+            ):
+                continue
+            groups.setdefault(spec.capacity_for(self.batch_size), []).append(spec)
+        out: dict[str, PaddedIds] = {}
+        if n == 0:
+            return out
+        for cap, specs in groups.items():
+            if cap < n:
+                continue
+            lengths = np.stack([sparse[s.name].lengths for s in specs])
+            values = np.stack([sparse[s.name].values for s in specs])
+            vocab = np.array([self.vocab[s.table] for s in specs])
+            ok = (lengths.max(1) <= 1) & (lengths.sum(1) == n)  # so every length is 1
+            ok &= (values.min(1) >= 0) & (values.max(1) < vocab)
+            if not ok.any():
+                continue
+            ids = np.full((len(specs), cap), -1, np.int32)
+            ids[:, :n] = values
+            seg = np.full((len(specs), cap), self.batch_size - 1, np.int32)
+            seg[:, :n] = np.arange(n, dtype=np.int32)
+            for j, spec in enumerate(specs):
+                if ok[j]:
+                    out[spec.name] = PaddedIds(ids=ids[j], segments=seg[j])
+        return out
 
     def _pack_feature(self, spec: FeatureSpec, col: JaggedIds, n: int, first: int) -> PaddedIds:
         lengths = np.asarray(col.lengths, np.int64)
@@ -184,20 +227,6 @@ class BatchPacker:
                 f"but FeatureSpec.weighted={spec.weighted}"
             )
         vocab = self.vocab[spec.table]
-        if (
-            not spec.is_sequence
-            and values.shape[0] == n
-            and col.weights is None
-            and (n == 0 or (lengths.min() == 1 and lengths.max() == 1))
-            and (n == 0 or (values.min() >= 0 and values.max() < vocab))
-        ):  # one id per example (most features): no segment arithmetic
-            cap = spec.capacity_for(self.batch_size)
-            if n <= cap:
-                ids_out = np.full(cap, -1, np.int32)
-                ids_out[:n] = values
-                seg_out = np.full(cap, self.batch_size - 1, np.int32)
-                seg_out[:n] = np.arange(n, dtype=np.int32)
-                return PaddedIds(ids=ids_out, segments=seg_out)
         bad = np.flatnonzero((values < 0) | (values >= vocab))
         if bad.size:
             k = bad[0]

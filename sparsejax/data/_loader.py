@@ -325,8 +325,8 @@ class Loader:
         rows (whole chunks; a window's order is a permutation seeded by `(seed, epoch,
         window number)`), so memory stays bounded by the window, a few chunks and the
         `prefetch` batches. Chunks are parsed (and the source's `transform` applied) in
-        a reader thread, two chunks ahead of the thread that shuffles and packs. Batches
-        do not span epochs; the last one is padded or dropped as for `Examples`.
+        the background thread. Batches do not span epochs; the last one is padded or
+        dropped as for `Examples`.
 
     Resuming: `position` is the next batch to be yielded (`LoaderPosition`); a loader
     constructed with that position yields bit-identical batches to the ones the
@@ -521,10 +521,11 @@ def _put_default(batch):
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     if len(leaves) < 8 or not all(isinstance(x, np.ndarray) for x in leaves):
         return jax.device_put(batch)
+    dtypes = [x.dtype for x in leaves]
+    sig = (treedef, tuple(x.shape for x in leaves), tuple(dtypes))
     groups: dict = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(x.dtype.str, []).append(i)
-    sig = (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
+    for i, dt in enumerate(dtypes):
+        groups.setdefault(dt, []).append(i)
     fn = _UNFLATTEN.get(sig)
     if fn is None:
         layout = [
@@ -567,37 +568,6 @@ def _concat_host(parts: list[HostBatch]) -> HostBatch:
     )
 
 
-class _Ahead:
-    """Iterates `items` in a thread of its own, up to `depth` items ahead (a stream's
-    chunks are parsed while the loader's thread packs the previous ones). Exceptions
-    reach the consumer; `close()` stops the thread."""
-
-    def __init__(self, items: Iterator, depth: int = 2):
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(((None, item) for item in items), self._q, self._stop),
-            name="sparsejax-reader",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item = self._q.get()
-        if item is _END:
-            raise StopIteration
-        if isinstance(item, _Failure):
-            raise item.exc
-        return item[1]
-
-    def close(self) -> None:
-        _shutdown(self._stop, self._q, self._thread)
-
-
 def _windows(chunks, start: Mapping | None, rows: int):
     """(start position, end position, Examples) of consecutive windows of whole chunks
     holding at least `rows` rows each (the last may hold fewer)."""
@@ -626,7 +596,8 @@ def _stream_batches(
     target,
 ) -> Iterator[tuple[LoaderPosition, Any]]:
     """The batches of a streaming source from `start`, with the position after each.
-    Chunks are parsed in a reader thread of their own, a couple of chunks ahead."""
+    Chunks are parsed in the same thread (a reader thread of their own ran slower: the
+    two threads took turns holding the GIL and the loader still used one core)."""
     bs = packer.batch_size
     epoch, st, batch_i = start.epoch, start.stream, start.batch
     while epochs is None or epoch < epochs:
@@ -634,7 +605,7 @@ def _stream_batches(
         w0, skip = int(st["index"]), int(st["skip"])
         pending: list[HostBatch] = []
         pending_n = seen = 0
-        chunks = _Ahead(source.chunks(st["window"]))
+        chunks = source.chunks(st["window"])
         try:
             for k, (w_start, w_end, ex) in enumerate(_windows(chunks, st["window"], buffer_rows)):
                 w = w0 + k

@@ -18,8 +18,8 @@ text files and interleaved blocks (compressed text) or record batches (Parquet).
 shares of all ranks are disjoint and cover every row.
 
 `transform(Examples) -> Examples` runs on every chunk as it is parsed (under a `Loader`,
-in its background reader thread, off the training loop), e.g. an id mapping or a join. For resuming to be exact it must be
-deterministic (the same chunk in, the same rows out).
+in its background thread, off the training loop), e.g. an id mapping or a join. For
+resuming to be exact it must be deterministic (the same chunk in, the same rows out).
 
 Example::
 
