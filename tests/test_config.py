@@ -55,6 +55,10 @@ def test_layering_and_overrides(tmp_path):
         ("steps=0", "`steps` must be >= 1"),
         ("epochs=2", "set exactly one of `steps` and `epochs`"),
         ("data", "must look like key.sub=value"),
+        (
+            "data.synthetic_options={num_dens: 3}",
+            "'data.synthetic_options.num_dens'; did you mean 'num_dense'",
+        ),
     ],
 )
 def test_errors_name_the_key(override, message):

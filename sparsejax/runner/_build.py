@@ -37,7 +37,7 @@ from ..data._labels import LabelRule
 from ..data._text import stable_hash_bytes
 from ..embedding import FeatureSpec, TableSpec
 from ..nn import MODELS
-from ._config import ConfigError, from_dict
+from ._config import ConfigError, from_dict, unknown_key_error
 from ._schema import (
     DATA_DIR_ENV,
     DataConfig,
@@ -105,6 +105,16 @@ def _side_schema_dict(join, main_schema, key: str) -> dict:
     return s
 
 
+def _check_generator_options(d: DataConfig) -> None:
+    """`data.synthetic_options` must be fields of the generator `data.kind` names."""
+    cls = sd.SyntheticCriteo if d.kind == "synthetic" else sd.SyntheticBehavior
+    fixed = {"seed"} | ({"max_vocab", "zipf_exponent"} if d.kind == "synthetic" else set())
+    valid = {f.name for f in dataclasses.fields(cls) if f.init} - fixed
+    for k in d.synthetic_options:
+        if k not in valid:
+            raise unknown_key_error("data.synthetic_options.", str(k), valid)
+
+
 def check_data_config(d: DataConfig) -> None:
     """Validate (and normalize in place) a `DataConfig`: each problem is a `ConfigError`
     naming the key. Runs when the config is built, before any data is read."""
@@ -151,6 +161,7 @@ def check_data_config(d: DataConfig) -> None:
     file_opts = [k for k in ("split", "train_rows", "label") if getattr(d, k) is not None]
     file_opts += [k for k in ("features", "joins", "indicator_bags", "field_map") if getattr(d, k)]
     if d.kind not in FILE_KINDS:
+        _check_generator_options(d)
         if file_keys or file_opts:
             raise ConfigError(
                 f"data.{(file_keys + file_opts)[0]} is for file data (data.kind one of "

@@ -345,6 +345,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         seed=cfg.seed,
         epochs=epochs,
         prefetch=cfg.data.prefetch,
+        shuffle_buffer=cfg.data.shuffle_buffer,
         device_put=True,
         position=run.position,
     )
