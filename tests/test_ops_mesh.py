@@ -176,10 +176,11 @@ def test_jit_on_auto_axes_refuses_a_sharded_table(axes):
         mesh = jax.sharding.Mesh(np.array(devices), ("model",))
     want = {name: f(jnp.ones((8, D))) for name, f in _table_ops().items()}
     for name, f in _table_ops().items():
-        for spec in (P("model", None), P(None, "model")):
+        for spec, split in ((P("model", None), "rows"), (P(None, "model"), "columns")):
             table = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, spec))
-            with pytest.raises(jax.errors.JaxRuntimeError, match=REFUSAL):
+            with pytest.raises(jax.errors.JaxRuntimeError, match=REFUSAL) as e:
                 jax.jit(f)(table)
+            assert f"({split} split {DEVICES} ways)" in str(e.value), name
         replicated = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, P()))
         compiled = jax.jit(f).lower(replicated).compile()
         np.testing.assert_array_equal(compiled(replicated), want[name])
@@ -212,7 +213,7 @@ def test_export_of_each_op(mesh, impl):
     one device (where the exported call gives the op's answer) and for a replicated
     table on the 4-device mesh. (The C++ kernels' custom calls carry no compatibility
     guarantee, so exporting them needs `disabled_checks`, as any FFI call does.) Pallas
-    in interpret mode is slow to compile: one op on one device stands for it."""
+    in interpret mode is slow to compile: one op, exported for one device, stands for it."""
     if impl == "cpu_ffi" and not ops.cpu_ffi_available():
         pytest.skip("C++ extension not built")
     targets = [v for k, v in vars(_cpu_ffi).items() if k.endswith("_TARGET")]
@@ -237,13 +238,31 @@ def test_export_of_each_op(mesh, impl):
                 disabled_checks=checks if impl == "cpu_ffi" else (),
             )(spec)
             assert "CustomSPMDPartitioning" not in exported.mlir_module(), name
-            if shardings is None:
+            if shardings is None and impl != "pallas":  # (its interpreter: seconds to compile)
                 np.testing.assert_array_equal(exported.call(table), g(table), err_msg=name)
 
 
+def test_lowering_without_devices_is_untouched():
+    """Lowering on an AbstractMesh (export for devices this process lacks, or for CUDA on
+    a CPU-only machine) never needs the devices: the check is left out there."""
+    f = _table_ops()["embedding_bag"]
+    spec = jax.ShapeDtypeStruct((8, D), jnp.float32)
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        abstract = jax.sharding.AbstractMesh((DEVICES,), ("model",), (axis_type,))
+        exported = jax.export.export(
+            jax.jit(
+                functools.partial(f, implementation="xla"),
+                in_shardings=NamedSharding(abstract, P()),
+            )
+        )(spec)
+        assert exported.nr_devices == DEVICES
+    cuda = ref.lower_for_cuda(functools.partial(f, implementation="pallas"), spec)
+    assert "__gpu$xla.gpu.triton" in cuda
+
+
 def test_unsharded_path_is_unchanged_hlo():
-    """The check is trace-time only: the compiled forward has no collective and no extra
-    op over the primitive's own lowering."""
+    """On one device the check is nothing: the lowered forward has no collective and no
+    extra op over the primitive's own lowering."""
     table, ids = jnp.ones((V, D)), jnp.zeros(N, jnp.int32)
     seg = jnp.zeros(N, jnp.int32)
     text = jax.jit(lambda t, i: ops.embedding_bag(t, i, seg, S)).lower(table, ids).as_text()

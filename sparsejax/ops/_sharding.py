@@ -6,13 +6,14 @@ With `jax.sharding.AxisType.Explicit` axes a traced table's sharding is in its t
 is only known once XLA's partitioner has propagated the input shardings, after
 tracing. So the ops pass a traced table through `table_check_p`, an identity:
 
-- lowered for one device, for `jax.export`, inside `jax.shard_map`, or without a
-  mesh in the lowering context, it is nothing at all (the operand itself);
-- lowered for a multi-device mesh, it is a `custom_partitioning` identity whose
-  partition callback sees the table's propagated sharding: sharded along a dimension
-  the op reads, it raises (compilation fails with the same message as the eager check,
-  as a `jax.errors.JaxRuntimeError`); replicated, it partitions to nothing, so the
-  compiled program is the one without the check.
+- lowered for one device, for `jax.export`, inside `jax.shard_map`, or for a platform
+  this process has too few devices of (lowering on an `AbstractMesh`, e.g. for CUDA on
+  a CPU-only machine), it is nothing at all (the operand itself);
+- lowered for several devices, it is a `custom_partitioning` identity whose partition
+  callback sees the table's propagated sharding: split along a dimension the op reads,
+  it raises (compilation fails with the eager check's message, as a
+  `jax.errors.JaxRuntimeError`); replicated, it partitions to nothing, so the compiled
+  program is the one without the check.
 
 Only the table's value passes through the check: its tangent and cotangent do not
 (they may be sharded as the partitioner likes).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import functools
 
-from jax._src import dispatch as _dispatch
+import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -60,23 +61,39 @@ batching.primitive_batchers[table_check_p] = _batch
 def _lowering(ctx, table, *, op, name, leading):
     from jax._src.sharding_impls import ShardingContext
 
-    axis = ctx.module_context.axis_context
+    module = ctx.module_context
+    axis = module.axis_context
     if (
         not isinstance(axis, ShardingContext)  # shard_map: the table is the local block
         or axis.num_devices <= 1
-        or axis.device_assignment is None
-        or axis.abstract_mesh is None
-        or axis.abstract_mesh.empty
-        or ctx.module_context.lowering_parameters.for_export
+        or module.lowering_parameters.for_export
     ):
         return [table]
+    if axis.device_assignment is None:
+        # JAX lowers without devices unless a primitive asks for them (and asking would
+        # break lowering on an AbstractMesh). The partitioner only reports shardings as
+        # tilings of the operand, so stand-in devices of the platform serve; lowering
+        # for a platform this process has not enough devices of does without the check.
+        devices = _stand_in_devices(module.platforms, axis.num_devices)
+        if devices is None:
+            return [table]
+        axis = ShardingContext(axis.num_devices, devices, axis.abstract_mesh)
+        ctx = ctx.replace(module_context=module.replace(axis_context=axis))
     check = _refusing_identity(op, name, leading, ctx.avals_in[0].ndim)
     return mlir.lower_fun(check, multiple_results=False)(ctx, table)
 
 
+def _stand_in_devices(platforms, n):
+    if len(platforms) != 1:
+        return None
+    try:
+        devices = jax.devices(platforms[0])
+    except RuntimeError:
+        return None
+    return tuple(devices[:n]) if len(devices) >= n else None
+
+
 mlir.register_lowering(table_check_p, _lowering)
-# The lowering needs the devices (custom_partitioning's does).
-_dispatch.prim_requires_devices_during_lowering.add(table_check_p)
 
 
 @functools.cache
@@ -95,7 +112,7 @@ def _refusing_identity(op: str, name: str, leading: int, ndim: int):
         shape, sharding = arg_shapes[0].shape, arg_shapes[0].sharding
         local = sharding.shard_shape(shape)
         if tuple(local[leading:]) != tuple(shape[leading:]):
-            raise ValueError(refusal_message(op, name, getattr(sharding, "spec", sharding)))
+            raise ValueError(refusal_message(op, name, _describe(sharding, shape, leading)))
         return mesh, lambda t: t, sharding, (sharding,)
 
     factors = " ".join(f"d{i}" for i in range(ndim))
@@ -105,6 +122,21 @@ def _refusing_identity(op: str, name: str, leading: int, ndim: int):
         sharding_rule=f"{factors} -> {factors}",
     )
     return identity
+
+
+def _describe(sharding, shape, leading):
+    """The spec when the partitioner's sharding has one, else which dimensions split."""
+    spec = getattr(sharding, "spec", None)
+    if spec is not None:
+        return spec
+    local = sharding.shard_shape(shape)
+    names = ["rows", "columns"] if len(shape) - leading == 2 else []
+    split = [
+        f"{names[i - leading] if names else f'dimension {i}'} split {shape[i] // local[i]} ways"
+        for i in range(leading, len(shape))
+        if local[i] != shape[i]
+    ]
+    return ", ".join(split)
 
 
 def checked_table(op: str, name: str, table):
