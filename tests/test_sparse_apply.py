@@ -21,6 +21,63 @@ STEP = 7  # with AdagradDecay's period of 3 steps: period 2, stored powers 0..2 
 SDS = jax.ShapeDtypeStruct
 needs_cpu_ffi = pytest.mark.skipif(not ops.cpu_ffi_available(), reason="C++ extension not built")
 
+# The grids below run in full on "xla" and "cpu_ffi". "pallas" (interpret mode here: each
+# optimizer's kernel costs seconds to compile) and None (the platform's default, which
+# is one of those two on a CPU) run a diagonal that meets every optimizer and every
+# combiner: the combiner only shapes the coefficients computed before the update kernel
+# (max adds the segment-max kernel, which test_embedding_bag checks per implementation),
+# and each optimizer's Pallas update is also checked on its own by test_pallas_apply_rows
+# and test_pallas_hot_id_over_many_chunks.
+FULL = ["xla", pytest.param("cpu_ffi", marks=needs_cpu_ffi)]
+DIAGONAL = {
+    "SGD": "sqrtn",
+    "Adagrad": "mean",
+    "RowWiseAdagrad": "max",
+    "LazyAdam": "sum",
+    "FTRL": "max",
+    "AdagradDecay": "mean",
+}
+
+
+def _impl_value(impl):
+    return impl.values[0] if hasattr(impl, "values") else impl
+
+
+def _impl_marks(impl):
+    return impl.marks if hasattr(impl, "marks") else ()
+
+
+def _grid(combiners=ops.COMBINERS):
+    """(implementation, optimizer, combiner): full on FULL, the diagonal on the others."""
+    cases = []
+    for impl in [*FULL, "pallas", None]:
+        value = _impl_value(impl)
+        for opt in OPTIMIZERS:
+            name = type(opt).__name__
+            for combiner in combiners:
+                if value in ("pallas", None) and combiner != DIAGONAL[name]:
+                    continue
+                cases.append(
+                    pytest.param(
+                        value,
+                        opt,
+                        combiner,
+                        id=f"{value}-{combiner}-{name}",
+                        marks=_impl_marks(impl),
+                    )
+                )
+    return cases
+
+
+def _by_impl(values, reduced, ids):
+    """(implementation, value): every value on FULL, only `reduced` on the others."""
+    return [
+        pytest.param(_impl_value(impl), v, id=f"{_impl_value(impl)}-{i}", marks=_impl_marks(impl))
+        for impl in [*FULL, "pallas", None]
+        for v, i in zip(values, ids, strict=True)
+        if _impl_value(impl) not in ("pallas", None) or i in reduced
+    ]
+
 
 def _batch(rng, *, cover_all=False, nnz=N):
     ids, seg = ref.random_bags(rng, vocab=V, num_segments=S, nnz=nnz)
@@ -111,8 +168,7 @@ def _effective_slots(opt, slots, step):
     return slots
 
 
-@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: type(o).__name__)
-@pytest.mark.parametrize("combiner", ops.COMBINERS)
+@pytest.mark.parametrize("implementation,opt,combiner", _grid())
 def test_matches_float64_reference_over_steps(implementation, opt, combiner):
     rng = np.random.default_rng(11)
     table = rng.normal(size=(V, D)).astype(np.float32)
@@ -145,18 +201,22 @@ def test_matches_float64_reference_over_steps(implementation, opt, combiner):
 
 
 @pytest.mark.parametrize(
-    "make_opt,tx",
-    [
-        (lambda: ops.SGD(learning_rate=0.3), optax.sgd(0.3)),
-        (
-            lambda: ops.Adagrad(learning_rate=0.3, initial_accumulator_value=0.1, eps=1e-7),
-            optax.adagrad(0.3, initial_accumulator_value=0.1, eps=1e-7),
-        ),
-        (lambda: ops.LazyAdam(learning_rate=0.01), optax.adam(0.01)),
-    ],
-    ids=["sgd", "adagrad", "adam"],
+    "implementation,pair",
+    _by_impl(
+        [
+            (lambda: ops.SGD(learning_rate=0.3), optax.sgd(0.3)),
+            (
+                lambda: ops.Adagrad(learning_rate=0.3, initial_accumulator_value=0.1, eps=1e-7),
+                optax.adagrad(0.3, initial_accumulator_value=0.1, eps=1e-7),
+            ),
+            (lambda: ops.LazyAdam(learning_rate=0.01), optax.adam(0.01)),
+        ],
+        reduced={"adam"},
+        ids=["sgd", "adagrad", "adam"],
+    ),
 )
-def test_matches_optax_when_every_row_is_touched(implementation, make_opt, tx):
+def test_matches_optax_when_every_row_is_touched(implementation, pair):
+    make_opt, tx = pair
     opt = make_opt()
     rng = np.random.default_rng(4)
     table = jnp.asarray(rng.normal(size=(V, D)), jnp.float32)
@@ -187,7 +247,10 @@ def test_matches_optax_when_every_row_is_touched(implementation, make_opt, tx):
         np.testing.assert_allclose(table, dense, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "implementation,opt",
+    _by_impl(OPTIMIZERS, reduced={"RowWiseAdagrad", "LazyAdam"}, ids=ref.OPT_IDS),
+)
 def test_untouched_rows_bit_identical_even_with_nan_grads(implementation, opt):
     rng = np.random.default_rng(7)
     table = jnp.asarray(rng.normal(size=(V, D)), jnp.bfloat16)
@@ -251,9 +314,12 @@ def test_bad_slots_and_shapes_are_named():
 
 
 @pytest.mark.parametrize(
-    "opt",
-    [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
-    ids=["RowWiseAdagrad", "LazyAdam"],
+    "implementation,opt",
+    _by_impl(
+        [ref.optimizer("RowWiseAdagrad"), ref.optimizer("LazyAdam")],
+        reduced={"RowWiseAdagrad"},  # the batching rule does not depend on the backend
+        ids=["RowWiseAdagrad", "LazyAdam"],
+    ),
 )
 def test_vmap_equals_a_loop_of_single_calls(implementation, opt):
     rng = np.random.default_rng(13)
@@ -271,17 +337,18 @@ def test_vmap_equals_a_loop_of_single_calls(implementation, opt):
     got_t, got_s = jax.jit(jax.vmap(apply, in_axes=(None, None, 0, 0, 0, 0)))(
         table, slots, ids, seg, grad, weights
     )
-    # ... and over stacked tables too
+    # ... and over stacked tables too (eagerly: the batching rule outside jit)
     tables = jnp.stack([table, 2 * table, -table])
     got_t2, _ = jax.vmap(apply, in_axes=(0, None, 0, 0, 0, 0))(
         tables, slots, ids, seg, grad, weights
     )
+    single = jax.jit(apply)  # the loop of single calls: one compilation for all six
     for b in range(3):
-        want_t, want_s = apply(table, slots, ids[b], seg[b], grad[b], weights[b])
+        want_t, want_s = single(table, slots, ids[b], seg[b], grad[b], weights[b])
         np.testing.assert_allclose(got_t[b], want_t, rtol=1e-6, atol=1e-6)
         for k in slots:
             np.testing.assert_allclose(got_s[k][b], want_s[k], rtol=1e-6, atol=1e-6)
-        want_t2, _ = apply(tables[b], slots, ids[b], seg[b], grad[b], weights[b])
+        want_t2, _ = single(tables[b], slots, ids[b], seg[b], grad[b], weights[b])
         np.testing.assert_allclose(got_t2[b], want_t2, rtol=1e-6, atol=1e-6)
 
 

@@ -28,6 +28,31 @@ TINY = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """The tests here build the same tiny model again and again (a new trainer each time,
+    in this process or in a new one): a persistent compilation cache for this module,
+    shared with its subprocesses, compiles each program once. (The suite does not use
+    one elsewhere: there programs rarely repeat, and writing every entry costs time.)"""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    options = {
+        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    saved = {k: getattr(jax.config, k) for k in options}
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in options.items():
+            jax.config.update(k, v)
+            env.setenv(k.upper(), str(v))
+        compilation_cache.reset_cache()
+        yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
 def _cfg(tmp_path, *overrides):
     return runner.load_config([], [*TINY, f"out_dir={tmp_path}", *overrides])
 
@@ -60,14 +85,16 @@ def test_metrics_against_brute_force():
 
 
 def test_resume_after_process_restart_is_bit_identical(tmp_path):
+    """The first half and the uninterrupted run train here; the resume is a new process
+    (the command line), so only one interpreter starts."""
+    runner.train(_cfg(tmp_path, "name=split", "steps=12"), log=lambda *_: None)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "-m", "sparsejax", "train", *TINY, f"out_dir={tmp_path}"]
-    subprocess.run([*cmd, "name=split", "steps=12"], check=True, env=env, capture_output=True)
     out = subprocess.run(
         [*cmd, "name=split", "steps=24"], check=True, env=env, capture_output=True, text=True
     )
     assert "resumed from" in out.stdout
-    subprocess.run([*cmd, "name=whole", "steps=24"], check=True, env=env, capture_output=True)
+    runner.train(_cfg(tmp_path, "name=whole", "steps=24"), log=lambda *_: None)
     step_a, a = _state_arrays(_cfg(tmp_path, "name=split", "steps=24"))
     step_b, b = _state_arrays(_cfg(tmp_path, "name=whole", "steps=24"))
     assert step_a == step_b == 24
