@@ -42,11 +42,15 @@ bool SpinUntil(Pred pred, std::chrono::microseconds limit) {
 }
 
 // How long an idle worker spins for the next job before it sleeps on a futex
-// ($SPARSEJAX_CPU_SPIN_US, default 100 us): back-to-back kernel calls (several per
+// ($SPARSEJAX_CPU_SPIN_US, default 400 us): back-to-back kernel calls (several per
 // training step) then skip a futex wake-up (tens to hundreds of microseconds on a VM),
-// while a worker between calls holds a core at most that long.
+// while a worker between calls holds a core at most that long. 400 rather than 100:
+// on the 2-CPU VM, a forward in one process with PyTorch's EmbeddingBag went from
+// 0.92-0.95x torch (alternating) and 0.86-0.93x (beside a busy numpy thread) to
+// 1.02-1.03x and 1.04-1.15x, and the end-to-end DLRM step did not slow
+// (experiments/RESULTS.md).
 std::chrono::microseconds IdleSpin() {
-  static const int64_t us = std::max<int64_t>(0, EnvInt("SPARSEJAX_CPU_SPIN_US", 100));
+  static const int64_t us = std::max<int64_t>(0, EnvInt("SPARSEJAX_CPU_SPIN_US", 400));
   return std::chrono::microseconds(us);
 }
 

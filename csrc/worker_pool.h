@@ -7,7 +7,7 @@
 // out disjoint chunks, and each chunk is computed the same way on whichever thread.
 //
 // The pool shares the machine with other thread pools (PyTorch's OpenMP team, XLA's,
-// data loaders): idle workers spin briefly ($SPARSEJAX_CPU_SPIN_US, default 100) and
+// data loaders): idle workers spin briefly ($SPARSEJAX_CPU_SPIN_US, default 400) and
 // then sleep, a late worker's share is run by the caller, workers keep off the
 // caller's CPU ($SPARSEJAX_CPU_AVOID_CALLER=0 turns that off) and ask for a short
 // scheduler slice ($SPARSEJAX_CPU_WORKER_SLICE_US, default 100; 0 = the kernel default)
