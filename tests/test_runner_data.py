@@ -420,6 +420,20 @@ def test_unmapped_minus_one_labels_stop_the_read(tmp_path):
     np.testing.assert_array_equal(data.train_source.labels, [1, 0])
 
 
+def test_criteo_minus_one_labels_stop_the_read_without_a_label_rule(tmp_path):
+    # without data.label a Criteo line labelled -1 must not be dropped as malformed
+    # (that trains on the positives alone): the read stops naming file, line and value
+    _criteo(tmp_path / "c.tsv", n=20)
+    lines = (tmp_path / "c.tsv").read_text().splitlines()
+    lines[4] = "-1" + lines[4][1:]
+    (tmp_path / "c.tsv").write_text("\n".join(lines) + "\n")
+    base = ["data.kind=criteo", f"data.train={tmp_path}/c.tsv", "data.train_rows=10"]
+    with pytest.raises(ValueError, match=r"c.tsv: line 5: label -1 is not in \{0, 1\}"):
+        runner.build_data(_load(None, tmp_path, *base))
+    data = runner.build_data(_load(None, tmp_path, *base, "data.label={map: {-1: 0}}"))
+    assert len(data.train_source) == 10 and data.train_source.labels[4] == 0
+
+
 @pytest.mark.parametrize(
     "override,message",
     [

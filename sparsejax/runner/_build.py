@@ -462,9 +462,11 @@ def absolute_data_paths(d: DataConfig) -> DataConfig:
 
 
 def _label_rule(d: DataConfig):
-    """`data.label` as the readers' `sparsejax.data.LabelRule` (None: labels as read)."""
+    """`data.label` as the readers' `sparsejax.data.LabelRule`. Unset, labels must be 0 or
+    1 in every format: a Criteo file with -1/1 labels stops naming file:line:value instead
+    of dropping its -1 lines as malformed and training on the positives."""
     if d.label is None:
-        return None
+        return LabelRule()
     return LabelRule(
         column=d.label.column,
         map=dict(d.label.map) or None,
