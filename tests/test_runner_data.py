@@ -2,8 +2,10 @@
 bags, per-column options and shared tables, and the shipped example configs, each trained
 end to end on a small generated file of the real dataset's shape (no downloads)."""
 
+import dataclasses
 import math
 import pathlib
+import types
 
 import jax
 import numpy as np
@@ -613,6 +615,15 @@ def test_event_log_as_a_sequence_model(tmp_path, monkeypatch):
     # the paper's protocol: the held-out item ranked among its 100 sampled negatives
     m = evaluate_ranking(trainer, state, sets, data.packer, ks=(10,))
     assert 0 <= m["hr@10"] <= 1 and 0 <= m["ndcg@10"] <= m["hr@10"] and m["candidates"] == 101
+    # the evals during training add the eval split's ranking metrics (early stopping on them)
+    run = types.SimpleNamespace(
+        cfg=dataclasses.replace(cfg, eval_ks=(5, 10)), data=data, trainer=trainer
+    )
+    during = runner._run.run_evaluator(run)(state)
+    ranked = evaluate_ranking(trainer, state, data.ranking["eval"], data.packer, ks=(5, 10))
+    assert during["auc"] == trainer.evaluate(state, data.eval_batches)["auc"]  # binary kept
+    for k in ("hr@5", "hr@10", "ndcg@5", "ndcg@10", "mrr", "gauc"):
+        assert during[k] == ranked[k]
 
 
 def _frappe(root: pathlib.Path, sizes=(240, 60, 60)):

@@ -169,7 +169,10 @@ def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
             checkpointer=ckpt,
         )
         # the metric's name is checked now (one eval batch), not after the first eval
-        names = run.trainer.evaluate(run.state, run.data.eval_batches[:1])
+        names = set(run.trainer.evaluate(run.state, run.data.eval_batches[:1]))
+        if (getattr(run.data, "ranking", None) or {}).get("eval") is not None:
+            names |= {f"{m}@{k}" for m in ("hr", "ndcg") for k in cfg.eval_ks}
+            names |= {"mrr", "gauc"}
         if es.metric not in names:
             if ckpt is not None:
                 ckpt.close()

@@ -321,6 +321,26 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
             raise
 
 
+def run_evaluator(run: Run) -> Callable[[TrainState], dict]:
+    """What the evals during training compute: the trainer's metrics on the eval batches,
+    plus hr@k/ndcg@k/mrr/gauc of the eval split's candidate sets when the data has them
+    (k from `eval_ks`), so early stopping can watch a ranking metric."""
+    sets = (getattr(run.data, "ranking", None) or {}).get("eval")
+
+    def evaluate(state: TrainState) -> dict:
+        result = run.trainer.evaluate(state, run.data.eval_batches)
+        if sets is not None:
+            from ..train import evaluate_ranking
+
+            ranking = evaluate_ranking(
+                run.trainer, state, sets, run.data.packer, ks=tuple(run.cfg.eval_ks)
+            )
+            result |= {k: v for k, v in ranking.items() if k not in result}
+        return result
+
+    return evaluate
+
+
 def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     """Train a built `Run` to its total steps with `sparsejax.train.fit`, writing the run
     directory's metrics, curves and summary (see `train`); returns the summary."""
@@ -364,6 +384,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             checkpoint_extra={"config": to_dict(cfg), "config_sha256": config_hash(cfg)},
             log_every=cfg.log_every,
             hooks=[MetricsLog(metrics_path, start), console, knobs],
+            evaluate=run_evaluator(run),
         )
     finally:
         loader.close()

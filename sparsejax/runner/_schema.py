@@ -341,6 +341,10 @@ class RunConfig:
     """Steps between train records (loss, samples/s) in metrics.jsonl and the console."""
     eval_every: int | Literal["epoch"] | None = 100
     """Steps between evals, or "epoch" (every epoch of file data); null: only at the end."""
+    eval_ks: tuple[int, ...] = (10,)
+    """Cut-offs k of the ranking metrics (hr@k, ndcg@k) the evals during training report
+    when the data has candidate sets (data.kind: events); early_stopping.metric may name
+    them, e.g. ndcg@10."""
     checkpoint_every: int | None = None
     """Steps between checkpoints (default: only at the end)."""
     keep_checkpoints: int = 3
@@ -378,6 +382,8 @@ class RunConfig:
             v = getattr(self, f)
             if isinstance(v, int) and v < 1:  # eval_every may be "epoch"
                 raise ValueError(f"`{f}` must be >= 1, got {v}")
+        if not self.eval_ks or min(self.eval_ks) < 1:
+            raise ValueError(f"`eval_ks` must be cut-offs >= 1, got {list(self.eval_ks)}")
 
     @property
     def run_dir(self) -> str:

@@ -92,6 +92,7 @@ def fit(
     checkpoint_extra: Mapping | None = None,
     log_every: int | None = None,
     hooks: Sequence[Hook] = (),
+    evaluate: Callable[[TrainState], Mapping] | None = None,
 ) -> FitResult:
     """Train `state` from its step to `steps`, on `batches` (an iterable of batches from
     the data position matching the state's step; training ends early if it runs out).
@@ -101,7 +102,9 @@ def fit(
     `checkpointer` (and at the end, if it trained), with `data_position()` and
     `checkpoint_extra` in the checkpoint's record. Each step's loss is checked while the
     next step runs, and before every log, eval and checkpoint: a NaN/inf loss raises
-    `NonFiniteLossError` naming the step and the last good checkpoint.
+    `NonFiniteLossError` naming the step and the last good checkpoint. `evaluate(state)`
+    replaces what an eval computes (default `trainer.evaluate(state, eval_batches)`),
+    e.g. to add ranking metrics of candidate sets for early stopping.
 
     Example:
       >>> result = fit(trainer, state, loader, steps=1000, eval_batches=held_out,
@@ -119,9 +122,13 @@ def fit(
 
     evaluated_at = None
 
-    def evaluate(step) -> bool:  # True: a hook stops training
+    def run_eval(step) -> bool:  # True: a hook stops training
         nonlocal eval_result, evaluated_at
-        eval_result, evaluated_at = trainer.evaluate(state, eval_batches), step
+        if evaluate is None:
+            eval_result = trainer.evaluate(state, eval_batches)
+        else:
+            eval_result = dict(evaluate(state))
+        evaluated_at = step
         return any([h.on_eval(step, eval_result) for h in hooks])  # every hook sees it
 
     def save():
@@ -174,7 +181,7 @@ def fit(
         if is_eval or is_ckpt:
             t = time.perf_counter()
             if is_eval:
-                stop = evaluate(step)
+                stop = run_eval(step)
             if is_ckpt and not stop:  # a stop saves after the loop
                 save()
             paused += time.perf_counter() - t
@@ -189,7 +196,7 @@ def fit(
     samples_per_s = rate() if timed else None
     trained = step > start
     if eval_batches and (trained or not eval_result) and evaluated_at != step:
-        evaluate(step)
+        run_eval(step)
     if checkpointer is not None and trained:
         save()
     for h in hooks:
