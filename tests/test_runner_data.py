@@ -624,6 +624,16 @@ def test_event_log_as_a_sequence_model(tmp_path, monkeypatch):
     assert during["auc"] == trainer.evaluate(state, data.eval_batches)["auc"]  # binary kept
     for k in ("hr@5", "hr@10", "ndcg@5", "ndcg@10", "mrr", "gauc"):
         assert during[k] == ranked[k]
+    # early stopping may watch them; a cut-off not in eval_ks is refused with the fix
+    run.state = state
+    run.cfg = dataclasses.replace(
+        run.cfg,
+        early_stopping=runner._schema.EarlyStoppingConfig(metric="ndcg@20", keep_best=False),
+    )
+    with pytest.raises(
+        ConfigError, match=r"'ndcg@20' .*add 20 to eval_ks \(eval_ks=\[5, 10, 20\]\)"
+    ):
+        runner._knobs.run_knobs(run, log=lambda m: None)
 
 
 def _frappe(root: pathlib.Path, sizes=(240, 60, 60)):

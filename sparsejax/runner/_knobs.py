@@ -170,15 +170,22 @@ def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
         )
         # the metric's name is checked now (one eval batch), not after the first eval
         names = set(run.trainer.evaluate(run.state, run.data.eval_batches[:1]))
-        if (getattr(run.data, "ranking", None) or {}).get("eval") is not None:
+        ranked = (getattr(run.data, "ranking", None) or {}).get("eval") is not None
+        if ranked:
             names |= {f"{m}@{k}" for m in ("hr", "ndcg") for k in cfg.eval_ks}
             names |= {"mrr", "gauc"}
         if es.metric not in names:
             if ckpt is not None:
                 ckpt.close()
+            name, at, k = es.metric.partition("@")
+            hint = (
+                f"; add {k} to eval_ks (eval_ks=[{', '.join(map(str, (*cfg.eval_ks, k)))}])"
+                if ranked and at and name in ("hr", "ndcg") and k.isdigit()
+                else ""
+            )
             raise ConfigError(
                 f"early_stopping.metric={es.metric!r} is not an eval metric of "
-                f"{cfg.model.name} (they are {sorted(k for k in names if k != 'examples')})"
+                f"{cfg.model.name} (they are {sorted(k for k in names if k != 'examples')})" + hint
             )
         start = int(run.state.step)
         early.replay(_past_evals(os.path.join(cfg.run_dir, "metrics.jsonl"), start))
