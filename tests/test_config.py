@@ -55,6 +55,7 @@ def test_layering_and_overrides(tmp_path):
         ("steps=0", "`steps` must be >= 1"),
         ("epochs=2", "set exactly one of `steps` and `epochs`"),
         ("data", "must look like key.sub=value"),
+        ("data.stream=true", "data.stream is for file data"),
         (
             "data.synthetic_options={num_dens: 3}",
             "'data.synthetic_options.num_dens'; did you mean 'num_dense'",
@@ -64,6 +65,27 @@ def test_layering_and_overrides(tmp_path):
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=__import__("re").escape(message)):
         runner.load_config([], [override])
+
+
+STREAM = [
+    "data.kind=criteo",
+    "data.train=a.tsv",
+    "data.eval=b.tsv",
+    "data.stream=true",
+    "data.id_mapping=hash",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["steps=null", "epochs=2"], "`epochs` with data.stream: a stream's length is not known"),
+        (["eval_every=epoch"], "eval_every=epoch with data.stream: a stream has no known"),
+    ],
+)
+def test_a_stream_is_refused_what_needs_its_length_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=__import__("re").escape(message)):
+        runner.load_config([], [*STREAM, *overrides])
 
 
 def test_base_cycles_and_bad_files(tmp_path):

@@ -159,7 +159,9 @@ def check_data_config(d: DataConfig) -> None:
 
     file_keys = [k for k in ("path", "train", "eval", "test") if getattr(d, k) is not None]
     file_opts = [k for k in ("split", "train_rows", "label") if getattr(d, k) is not None]
-    file_opts += [k for k in ("features", "joins", "indicator_bags", "field_map") if getattr(d, k)]
+    file_opts += [
+        k for k in ("features", "joins", "indicator_bags", "field_map", "stream") if getattr(d, k)
+    ]
     if d.kind not in FILE_KINDS:
         _check_generator_options(d)
         if file_keys or file_opts:

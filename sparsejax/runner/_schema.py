@@ -377,6 +377,17 @@ class RunConfig:
                 f"`epochs` needs file data (data.kind={self.data.kind!r} has no end); "
                 f"set steps=N and epochs=null"
             )
+        if self.epochs is not None and self.data.stream:
+            raise ValueError(
+                "`epochs` with data.stream: a stream's length is not known before it is "
+                "read; set steps=N and epochs=null (or data.stream=false to read the files "
+                "into memory)"
+            )
+        if self.eval_every == "epoch" and self.data.stream:
+            raise ValueError(
+                "eval_every=epoch with data.stream: a stream has no known epoch length; "
+                "set eval_every=N steps"
+            )
         fields = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every")
         for f in (*fields, "keep_checkpoints"):
             v = getattr(self, f)
