@@ -23,6 +23,7 @@ import numpy as np
 from ._batch import JaggedIds
 from ._labels import LabelRule
 from ._loader import Examples
+from ._options import options_from_dict
 from ._text import (
     Hasher,
     items_of,
@@ -218,13 +219,7 @@ class TableSchema:
     def from_dict(cls, d: Mapping) -> TableSchema:
         """From a plain dict (e.g. a YAML config section); an unknown key is an error that
         names it and the closest valid key."""
-        valid = [f.name for f in dataclasses.fields(cls)]
-        for key in d:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"TableSchema: unknown key {key!r}{hint} (valid keys: {valid})")
-        return cls(**d)
+        return options_from_dict(cls, d, where="TableSchema")
 
     @property
     def sparse_columns(self) -> tuple[str, ...]:

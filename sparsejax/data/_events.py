@@ -40,6 +40,7 @@ from ..embedding._spec import FeatureSpec, TableSpec
 from ._batch import JaggedIds
 from ._csv import ParseReport, open_text
 from ._loader import Examples, HostBatch
+from ._options import options_from_dict
 
 USER, ITEM, HISTORY = "user", "item", "history"
 """Feature names of the examples (DIN's defaults: `target="item"`, `history="history"`)."""
@@ -177,16 +178,7 @@ class SequenceConfig:
     def from_dict(cls, d: Mapping[str, Any] | None) -> SequenceConfig:
         """From a plain dict (a YAML `data.events` section); an unknown key is an error
         naming it and the closest valid key."""
-        d = dict(d or {})
-        valid = [f.name for f in dataclasses.fields(cls)]
-        for key in d:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise EventLogError(
-                    f"data.events: unknown key {key!r}{hint} (valid keys: {', '.join(valid)})"
-                )
-        return cls(**d)
+        return options_from_dict(cls, d or {}, where="data.events", error=EventLogError)
 
     @property
     def used_columns(self) -> tuple[str, ...]:

@@ -18,11 +18,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
+
+from ._options import options_from_dict
 
 CHECKS = ("binary", "unit", "none")
 
@@ -73,13 +74,7 @@ class LabelRule:
             return cls()
         if isinstance(d, LabelRule):
             return d
-        valid = [f.name for f in dataclasses.fields(cls)]
-        for key in d:
-            if key not in valid:
-                close = difflib.get_close_matches(str(key), valid, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"label: unknown key {key!r}{hint} (valid keys: {valid})")
-        return cls(**d)
+        return options_from_dict(cls, d, where="label")
 
     def apply(
         self, raw: np.ndarray, *, path: str, lines: np.ndarray | None = None, unit: str = "line"
