@@ -167,20 +167,9 @@ def iter_criteo_chunks(
     memory); yields `(Examples of raw ids, ParseReport of that chunk)`; `ParseReport.merge`
     joins the reports. See `read_criteo` for the format and preprocessing, and
     `FileSource` for resumable streaming."""
-    from ._stream import FileSource
-
     if chunk_lines < 1:
         raise ValueError(f"chunk_lines must be >= 1, got {chunk_lines}")
-    src = FileSource(
-        path,
-        format="criteo",
-        labeled=labeled,
-        label=label,
-        strict=strict,
-        max_lines=max_lines,
-        block_lines=chunk_lines,
-        key="path",
-    )
+    src = _criteo_source(path, labeled, strict, max_lines, chunk_lines, label)
     for chunk in src.chunks():
         yield chunk.examples, chunk.report
 
@@ -219,6 +208,11 @@ def read_criteo(
         vocab = fit_vocab(train, min_count=2)
         train, valid = train.map_ids(vocab), valid.map_ids(vocab)
     """
+    return _criteo_source(path, labeled, strict, max_lines, chunk_lines, label).read()
+
+
+def _criteo_source(path, labeled, strict, max_lines, block_lines, label):
+    """The `FileSource` behind `read_criteo` and `iter_criteo_chunks`."""
     from ._stream import FileSource
 
     return FileSource(
@@ -228,9 +222,9 @@ def read_criteo(
         label=label,
         strict=strict,
         max_lines=max_lines,
-        block_lines=chunk_lines,
+        block_lines=block_lines,
         key="path",
-    ).read()
+    )
 
 
 def empty_criteo() -> Examples:
