@@ -14,7 +14,13 @@ from ._device_store import DeviceTableStore as DeviceTableStore
 from ._device_store import GroupLookups as GroupLookups
 from ._device_store import apply_group_gradients as apply_group_gradients
 from ._device_store import check_mesh as check_mesh
+from ._spec import MISSING_KEY as MISSING_KEY
+from ._spec import BloomAdmission as BloomAdmission
+from ._spec import CountAdmission as CountAdmission
+from ._spec import DynamicVocab as DynamicVocab
+from ._spec import Eviction as Eviction
 from ._spec import FeatureSpec as FeatureSpec
+from ._spec import HostCache as HostCache
 from ._spec import TableSpec as TableSpec
 from ._spec import constant_init as constant_init
 from ._spec import normal_init as normal_init
@@ -31,8 +37,14 @@ from ._store import make_store as make_store
 __all__ = [
     "MAX_STACK_ROWS",
     "MESH_AXES",
+    "MISSING_KEY",
+    "BloomAdmission",
+    "CountAdmission",
     "DeviceTableStore",
+    "DynamicVocab",
+    "Eviction",
     "FeatureSpec",
+    "HostCache",
     "GroupLookups",
     "Stack",
     "TableSpec",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -152,14 +153,132 @@ def _positive_int(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
 
 
+MISSING_KEY = (1 << 63) - 1
+"""The raw key of a missing value (an empty field) in a dynamic table: a key of its own,
+so "missing" gets one row like any other value."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CountAdmission:
+    """A new ID gets a trainable row once seen `min_count` times (exact counts of the IDs
+    not yet admitted, kept on the host); until then it reads the default row and
+    receives no update. `min_count=1` admits every ID at first sight."""
+
+    min_count: int = 1
+
+    def __post_init__(self):
+        _positive_int("CountAdmission", "min_count", self.min_count)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BloomAdmission:
+    """A new ID gets a row once a counting Bloom filter has seen it `min_count` times:
+    memory bounded by `counters` (one byte each) whatever the ID space. A false
+    positive admits an ID early (at most as often as `hashes` colliding counters
+    allow), never late."""
+
+    min_count: int = 2
+    counters: int = 1 << 24
+    """Counters of the filter (bytes of memory); ~10x the distinct IDs seen keeps false
+    positives rare."""
+    hashes: int = 3
+
+    def __post_init__(self):
+        for name in ("min_count", "counters", "hashes"):
+            _positive_int("BloomAdmission", name, getattr(self, name))
+        if self.min_count > 255:
+            raise ValueError(f"BloomAdmission: `min_count` must be <= 255, got {self.min_count}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eviction:
+    """Which IDs lose their rows (and optimizer slots, reused by new IDs). Runs every
+    `every_steps` steps and before every checkpoint."""
+
+    ttl_steps: int | None = None
+    """Evict IDs not seen for this many steps (None: never by age)."""
+    min_norm: float | None = None
+    """Evict IDs whose row's L2 norm is below this (None: never by norm)."""
+    every_steps: int = 1000
+    """Steps between runs of the policy."""
+
+    def __post_init__(self):
+        if self.ttl_steps is not None:
+            _positive_int("Eviction", "ttl_steps", self.ttl_steps)
+        _positive_int("Eviction", "every_steps", self.every_steps)
+        if self.min_norm is not None and not self.min_norm >= 0:
+            raise ValueError(f"Eviction: `min_norm` must be >= 0, got {self.min_norm!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamicVocab:
+    """A table keyed by raw int64/uint64 IDs: rows are created while training runs
+    (admission), and reused after eviction; no vocabulary size, no hash collisions."""
+
+    max_rows: int | None = None
+    """Rows at most (None: unbounded, limited by host memory and disk)."""
+    admission: CountAdmission | BloomAdmission = dataclasses.field(default_factory=CountAdmission)
+    eviction: Eviction | None = None
+    default_row: Literal["zeros", "trainable"] = "zeros"
+    """What IDs without a row read: zeros (never updated), or one shared trainable row."""
+    when_full: Literal["error", "evict", "default_row"] = "error"
+    """A new ID at `max_rows`: "error" (naming the table), "evict" the least frequently
+    seen IDs not in the batch (ties: least recently seen), or read the default row."""
+
+    def __post_init__(self):
+        if self.max_rows is not None:
+            _positive_int("DynamicVocab", "max_rows", self.max_rows)
+        if not isinstance(self.admission, (CountAdmission, BloomAdmission)):
+            raise TypeError(
+                "DynamicVocab: `admission` must be a CountAdmission or BloomAdmission, "
+                f"got {type(self.admission).__name__}"
+            )
+        if self.default_row not in ("zeros", "trainable"):
+            raise ValueError(
+                "DynamicVocab: `default_row` must be 'zeros' or 'trainable', "
+                f"got {self.default_row!r}"
+            )
+        if self.when_full not in ("error", "evict", "default_row"):
+            raise ValueError(
+                "DynamicVocab: `when_full` must be 'error', 'evict' or 'default_row', "
+                f"got {self.when_full!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostCache:
+    """Tiered storage: every row and optimizer slot in a host store (RAM, then a
+    memory-mapped file once `ram_bytes` is used), the hot rows in a device cache of
+    `rows` rows, exchanged between steps, overlapped with the device step."""
+
+    rows: int
+    """Rows of the device cache (the device memory the table takes, whatever its size)."""
+    policy: Literal["lru", "lfu"] = "lru"
+    """Which cached rows make room for a batch's misses (never a row the batch uses)."""
+    ram_bytes: int | None = None
+    """Host RAM for the table's rows and slots (None: unbounded); beyond it rows go to
+    `disk_dir`."""
+    disk_dir: str | None = None
+    """Directory of the disk tier (needed when `ram_bytes` is set)."""
+
+    def __post_init__(self):
+        _positive_int("HostCache", "rows", self.rows)
+        if self.policy not in ("lru", "lfu"):
+            raise ValueError(f"HostCache: `policy` must be 'lru' or 'lfu', got {self.policy!r}")
+        if self.ram_bytes is not None:
+            _positive_int("HostCache", "ram_bytes", self.ram_bytes)
+            if self.disk_dir is None:
+                raise ValueError("HostCache: `ram_bytes` needs a `disk_dir` for the rows beyond it")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableSpec:
     """One embedding table. Several features may share it (`FeatureSpec.table`)."""
 
     name: str
     """Unique name; checkpoints store the table under it."""
-    vocab_size: int
-    """Rows. Ids of its features must lie in `[0, vocab_size)`."""
+    vocab_size: int | None = None
+    """Rows. Ids of its features must lie in `[0, vocab_size)`. None for a dynamic table."""
     dim: int
     """Row width."""
     dtype: str = "float32"
@@ -171,18 +290,34 @@ class TableSpec:
     )
     """Sparse optimizer for this table's touched rows."""
     placement: str = "device"
-    """Where the table lives; "device" for now (sharded and host-offloaded come later)."""
+    """Where the table lives; "device" for now (sharded comes later)."""
+    dynamic: DynamicVocab | None = None
+    """Keyed by raw 64-bit IDs, rows created while training (None: ids in [0, vocab_size))."""
+    cache: HostCache | None = None
+    """Rows in a host store with a device cache (None: the whole table on the device;
+    a dynamic table without a cache keeps `dynamic.max_rows` rows on the device)."""
 
     def __post_init__(self):
         owner = f"TableSpec {self.name!r}"
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"TableSpec: `name` must be a non-empty str, got {self.name!r}")
-        _positive_int(owner, "vocab_size", self.vocab_size)
-        _positive_int(owner, "dim", self.dim)
-        if self.vocab_size >= 2**31:
+        if self.dynamic is None:
+            _positive_int(owner, "vocab_size", self.vocab_size)
+        elif self.vocab_size is not None:
             raise ValueError(
-                f"{owner}: vocab_size {self.vocab_size} exceeds the int32 row "
-                f"ids of the kernels (< 2**31); shard the table"
+                f"{owner}: a dynamic table has no `vocab_size` (got {self.vocab_size}); "
+                f"bound it with dynamic.max_rows"
+            )
+        elif self.cache is None and self.dynamic.max_rows is None:
+            raise ValueError(
+                f"{owner}: a dynamic table needs a device size: set cache=HostCache(rows=...) "
+                f"or dynamic.max_rows"
+            )
+        _positive_int(owner, "dim", self.dim)
+        if self.device_rows >= 2**31 - 1:
+            raise ValueError(
+                f"{owner}: {self.device_rows} device rows exceed the int32 row "
+                f"ids of the kernels (< 2**31 - 1); use a host cache or shard the table"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"{owner}: `dtype` must be one of {DTYPES}, got {self.dtype!r}")
@@ -195,6 +330,40 @@ class TableSpec:
             raise ValueError(
                 f"{owner}: `placement` must be one of {PLACEMENTS}, got {self.placement!r}"
             )
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicVocab):
+            raise TypeError(f"{owner}: `dynamic` must be a DynamicVocab or None")
+        if self.cache is not None and not isinstance(self.cache, HostCache):
+            raise TypeError(f"{owner}: `cache` must be a HostCache or None")
+
+    @property
+    def is_tiered(self) -> bool:
+        """Whether a host side manages the table (dynamic keys or a device cache)."""
+        return self.dynamic is not None or self.cache is not None
+
+    @property
+    def device_rows(self) -> int:
+        """Rows the device holds: the cache, else `dynamic.max_rows`, else the vocabulary."""
+        if self.cache is not None:
+            return self.cache.rows
+        if self.dynamic is not None:
+            return self.dynamic.max_rows
+        return self.vocab_size
+
+    def device_view(self) -> TableSpec:
+        """The table the device store holds for a tiered table: `device_rows` slots plus
+        one last row, the default row (zeros; or the shared trainable row), all filled by
+        the host side. A plain table is its own view."""
+        if not self.is_tiered:
+            return self
+        return TableSpec(
+            name=self.name,
+            vocab_size=self.device_rows + 1,
+            dim=self.dim,
+            dtype=self.dtype,
+            initializer=constant_init(0.0),
+            optimizer=self.optimizer,
+            placement=self.placement,
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
