@@ -314,10 +314,11 @@ class TableSpec:
                 f"or dynamic.max_rows"
             )
         _positive_int(owner, "dim", self.dim)
-        if self.device_rows >= 2**31 - 1:
+        limit = 2**31 - 1 if self.is_tiered else 2**31  # a tiered table adds its default row
+        if self.device_rows >= limit:
             raise ValueError(
                 f"{owner}: {self.device_rows} device rows exceed the int32 row "
-                f"ids of the kernels (< 2**31 - 1); use a host cache or shard the table"
+                f"ids of the kernels (< {limit}); use a host cache or shard the table"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"{owner}: `dtype` must be one of {DTYPES}, got {self.dtype!r}")
