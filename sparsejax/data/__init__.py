@@ -19,6 +19,7 @@ from ._behavior import SyntheticBehavior as SyntheticBehavior
 from ._criteo import CATEGORICAL_NAMES as CATEGORICAL_NAMES
 from ._criteo import DENSE_NAMES as DENSE_NAMES
 from ._criteo import HashMapping as HashMapping
+from ._criteo import RawIdMapping as RawIdMapping
 from ._criteo import VocabMapping as VocabMapping
 from ._criteo import fit_vocab as fit_vocab
 from ._criteo import iter_criteo_chunks as iter_criteo_chunks

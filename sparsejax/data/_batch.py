@@ -25,7 +25,7 @@ class PaddedIds:
     TorchRec's `JaggedTensor` (lengths + values), which is `JaggedIds` here.
     """
 
-    ids: jax.Array | np.ndarray  # i32[capacity], -1 = padding
+    ids: jax.Array | np.ndarray  # i32[capacity] (i64: a dynamic table's raw keys), -1 = padding
     segments: jax.Array | np.ndarray  # i32[capacity], bag of each id
     weights: jax.Array | np.ndarray | None = None  # f32[capacity] or None
 
@@ -94,6 +94,10 @@ class BatchPacker:
     longer than `max_ids`, more ids than the feature's capacity, a weight missing or
     unexpected. Sequences longer than `max_ids` keep their last `max_ids` ids (the
     sliding window of a behavior sequence); that is the one documented truncation.
+
+    Features of a dynamic table (`TableSpec.dynamic`) keep their raw keys: `PaddedIds.ids`
+    is int64 (-1 pads), and their ids must be int64 (>= 0) or uint64 (the key is the bit
+    pattern; all ones is the padding and is refused); other features get int32 rows.
     """
 
     def __init__(
@@ -109,6 +113,8 @@ class BatchPacker:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.features = tuple(features)
         self.vocab = {t.name: t.vocab_size for t in tables}
+        self.dynamic = {t.name for t in tables if t.dynamic is not None}
+        """Tables keyed by raw int64 ids (their features' ids stay int64)."""
         self.batch_size = batch_size
         self.num_dense = num_dense
 
@@ -183,21 +189,25 @@ class BatchPacker:
                 or np.shape(col.lengths) != (n,)
             ):
                 continue
-            groups.setdefault(spec.capacity_for(self.batch_size), []).append(spec)
+            dynamic = spec.table in self.dynamic
+            if dynamic and getattr(col.values, "dtype", None) != np.int64:
+                continue  # uint64 and wrong dtypes: the per-feature path
+            groups.setdefault((spec.capacity_for(self.batch_size), dynamic), []).append(spec)
         out: dict[str, PaddedIds] = {}
         if n == 0:
             return out
-        for cap, specs in groups.items():
+        for (cap, dynamic), specs in groups.items():
             if cap < n:
                 continue
             lengths = np.stack([sparse[s.name].lengths for s in specs])
             values = np.stack([sparse[s.name].values for s in specs])
-            vocab = np.array([self.vocab[s.table] for s in specs])
             ok = (lengths.max(1) <= 1) & (lengths.sum(1) == n)  # so every length is 1
-            ok &= (values.min(1) >= 0) & (values.max(1) < vocab)
+            ok &= values.min(1) >= 0
+            if not dynamic:
+                ok &= values.max(1) < np.array([self.vocab[s.table] for s in specs])
             if not ok.any():
                 continue
-            ids = np.full((len(specs), cap), -1, np.int32)
+            ids = np.full((len(specs), cap), -1, np.int64 if dynamic else np.int32)
             ids[:, :n] = values
             seg = np.full((len(specs), cap), self.batch_size - 1, np.int32)
             seg[:, :n] = np.arange(n, dtype=np.int32)
@@ -226,15 +236,19 @@ class BatchPacker:
                 f"{name}: weights {'missing' if spec.weighted else 'given'}, "
                 f"but FeatureSpec.weighted={spec.weighted}"
             )
-        vocab = self.vocab[spec.table]
-        bad = np.flatnonzero((values < 0) | (values >= vocab))
-        if bad.size:
-            k = bad[0]
-            example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
-            raise ValueError(
-                f"{name}: id {int(values[k])} of example {first + example} is "
-                f"outside table {spec.table!r} of {vocab} rows"
-            )
+        dynamic = spec.table in self.dynamic
+        if dynamic:
+            values = self._keys(spec, values, lengths, first)
+        else:
+            vocab = self.vocab[spec.table]
+            bad = np.flatnonzero((values < 0) | (values >= vocab))
+            if bad.size:
+                k = bad[0]
+                example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+                raise ValueError(
+                    f"{name}: id {int(values[k])} of example {first + example} is "
+                    f"outside table {spec.table!r} of {vocab} rows"
+                )
         example = np.repeat(np.arange(n), lengths)
         starts = np.cumsum(lengths) - lengths
         pos = np.arange(values.shape[0]) - starts[example]
@@ -262,7 +276,7 @@ class BatchPacker:
                 f"{name}: the batch holds {values.shape[0]} ids but the "
                 f"capacity is {cap}; set FeatureSpec(capacity>={values.shape[0]})"
             )
-        ids_out = np.full(cap, -1, np.int32)
+        ids_out = np.full(cap, -1, np.int64 if dynamic else np.int32)
         seg_out = np.full(cap, num_bags - 1, np.int32)
         ids_out[: values.shape[0]] = values
         seg_out[: values.shape[0]] = segments
@@ -271,3 +285,31 @@ class BatchPacker:
             w_out = np.zeros(cap, np.float32)
             w_out[: values.shape[0]] = weights
         return PaddedIds(ids=ids_out, segments=seg_out, weights=w_out)
+
+    @staticmethod
+    def _keys(spec: FeatureSpec, values: np.ndarray, lengths: np.ndarray, first: int):
+        """The raw ids of a dynamic table's feature as int64 keys; a dtype other than
+        int64/uint64, a negative int64 id or the all-ones uint64 (the padding key) is an
+        error naming the feature (and the example)."""
+        name = f"feature {spec.name!r}"
+        if values.dtype == np.uint64:
+            values = values.view(np.int64)
+            bad = np.flatnonzero(values == -1)
+            what = "is 2**64 - 1, the padding key"
+        elif values.dtype == np.int64:
+            bad = np.flatnonzero(values < 0)
+            what = "is negative"
+        else:
+            raise ValueError(
+                f"{name}: ids of dtype {values.dtype}, but table {spec.table!r} is dynamic "
+                f"(raw 64-bit keys): give int64 or uint64 ids"
+            )
+        if bad.size:
+            k = bad[0]
+            example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+            raise ValueError(
+                f"{name}: id {int(values[k])} of example {first + example} {what}; the "
+                f"raw keys of dynamic table {spec.table!r} are >= 0 (missing values: "
+                f"MISSING_KEY, as RawIdMapping gives)"
+            )
+        return values

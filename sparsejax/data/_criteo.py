@@ -6,7 +6,9 @@ Preprocessing (shared with an independent PyTorch reference, so it is exact):
 * categorical C1..C26, one id each: raw = int(hex, 16) as int64, empty -> -1 (missing);
 * ids: a separate per-feature step shared by train and eval, `HashMapping(buckets)`
   (0 if missing else 1 + raw % (buckets - 1)) or `VocabMapping.fit(train, min_count)`
-  (values seen >= min_count times in train -> 1..n by increasing raw value, else 0).
+  (values seen >= min_count times in train -> 1..n by increasing raw value, else 0), or
+  for a dynamic table `RawIdMapping()` (raw kept as the int64 key, missing ->
+  `MISSING_KEY`).
 
 Parsing is vectorized over a chunk of lines: the chunk's bytes are split at tabs and
 newlines with numpy, every column is converted by digit arithmetic on the byte array, and
@@ -23,7 +25,7 @@ from os import PathLike
 
 import numpy as np
 
-from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding._spec import MISSING_KEY, FeatureSpec, TableSpec
 from ._batch import JaggedIds
 from ._csv import MISSING, ParseReport, _Errors
 from ._labels import LabelRule
@@ -260,6 +262,27 @@ class HashMapping:
         return np.where(raw < 0, 0, 1 + raw % (self.buckets - 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class RawIdMapping:
+    """Raw ids as the keys of a dynamic table (`TableSpec(dynamic=...)`): an id >= 0 is
+    kept as it is (int64, no modulo, no collisions); a missing id (< 0, the readers' -1)
+    becomes `MISSING_KEY`, a key of its own. The Criteo and delimited readers give 63-bit
+    raw ids (hex values, `stable_hash` of strings, or integers with `int_ids`), so every
+    distinct value keeps its own key."""
+
+    @property
+    def vocab_size(self) -> None:
+        """None: a dynamic table has no vocabulary."""
+        return None
+
+    def __call__(self, raw: np.ndarray) -> np.ndarray:
+        raw = np.asarray(raw)
+        if raw.dtype == np.uint64:  # 64-bit ids: the key is their bit pattern
+            return raw.view(np.int64)
+        raw = raw.astype(np.int64, copy=False)
+        return np.where(raw < 0, np.int64(MISSING_KEY), raw)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class VocabMapping:
     """Raw ids -> rows by a vocabulary fitted on the train split (`fit`): the kept values
@@ -297,8 +320,11 @@ def fit_vocab(
     return {name: VocabMapping.fit(train.sparse[name].values, min_count) for name in names}
 
 
-def vocab_sizes(mappings: Mapping[str, HashMapping | VocabMapping]) -> dict[str, int]:
-    """Rows each feature's table needs after its mapping, for building `TableSpec`s."""
+def vocab_sizes(
+    mappings: Mapping[str, HashMapping | VocabMapping | RawIdMapping],
+) -> dict[str, int | None]:
+    """Rows each feature's table needs after its mapping, for building `TableSpec`s
+    (None for a dynamic table's raw keys)."""
     return {name: m.vocab_size for name, m in mappings.items()}
 
 

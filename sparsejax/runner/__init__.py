@@ -49,6 +49,7 @@ from ._schema import ModelConfig as ModelConfig
 from ._schema import OptimizerConfig as OptimizerConfig
 from ._schema import RunConfig as RunConfig
 from ._schema import SplitConfig as SplitConfig
+from ._schema import TableConfig as TableConfig
 from ._schema import config_from_dict as config_from_dict
 from ._schema import dense_optimizer as dense_optimizer
 from ._schema import load_config as load_config

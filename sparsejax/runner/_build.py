@@ -10,8 +10,11 @@ File data goes through these steps (each configured in `data`, see `DataConfig`)
 3. split one source into train / eval / test (`data.split`, or the old `train_rows`);
 4. column transforms on raw ids (`sparsejax.data.ColumnTransform`): indicator bags,
    side-table joins, `max_ids` caps;
-5. id mappings fitted on train, one per table (columns sharing a table share it);
-6. one `TableSpec` per table and one `FeatureSpec` per sparse column.
+5. id mappings fitted on train, one per table (columns sharing a table share it); a
+   dynamic table's columns keep their raw ids as int64 keys (`RawIdMapping`);
+6. one `TableSpec` per table and one `FeatureSpec` per sparse column, with the `tables`
+   section's options (dim, hash buckets, dynamic vocabularies, device caches sized by a
+   fraction of the distinct train ids; `apply_tables`).
 
 `check_data_config` validates a `DataConfig` when it is built (at config load, before any
 data is read): every problem is one line naming the key.
@@ -24,7 +27,7 @@ import difflib
 import glob
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,15 +38,25 @@ from ..data import _transforms as tf
 from ..data._files import delimited_header, open_file
 from ..data._labels import LabelRule
 from ..data._text import stable_hash_bytes
-from ..embedding import FeatureSpec, TableSpec
+from ..embedding import FeatureSpec, TableSpec, uniform_init
+from ..embedding._spec import (
+    MISSING_KEY,
+    BloomAdmission,
+    CountAdmission,
+    DynamicVocab,
+    Eviction,
+    HostCache,
+)
 from ..nn import MODELS
-from ._config import ConfigError, from_dict, unknown_key_error
+from ._config import ConfigError, from_dict, to_dict, unknown_key_error
 from ._schema import (
     DATA_DIR_ENV,
+    AdmissionConfig,
     DataConfig,
     FeatureConfig,
     RunConfig,
     SplitConfig,
+    TableConfig,
     sparse_optimizer,
 )
 
@@ -232,6 +245,17 @@ def check_data_config(d: DataConfig) -> None:
     # the sparse columns the run will have, where the config says them
     if d.field_map and d.kind != "libsvm":
         raise ConfigError(f"data.field_map is for data.kind='libsvm', not {d.kind!r}")
+    names = _file_columns(d, schema)
+    if names is not None:
+        for col in feats:
+            if col not in names:
+                raise _unknown(f"data.features.{col}", col, names)
+    _table_options(feats)
+
+
+def _file_columns(d: DataConfig, schema) -> set[str] | None:
+    """The sparse columns of file data as its config says them (the joins checked), or
+    None where only the data tells."""
     names = None
     if d.kind == "criteo":
         names = set(sd.CATEGORICAL_NAMES)
@@ -265,11 +289,7 @@ def check_data_config(d: DataConfig) -> None:
             if clash:
                 raise ConfigError(f"{key}: columns {sorted(clash)} are already columns of the data")
             names |= {c for c in attached if c not in side.dense}
-    if names is not None:
-        for col in feats:
-            if col not in names:
-                raise _unknown(f"data.features.{col}", col, names)
-    _table_options(feats)
+    return names
 
 
 def _check_events(d: DataConfig) -> None:
@@ -372,6 +392,405 @@ def _table_options(feats: dict[str, FeatureConfig]) -> dict[str, dict]:
                 )
             opts[f], who[t, f] = v, col
     return tables
+
+
+# ---------------------------------------------------------------------------------------
+# Tables (the `tables` section): validated at load, made into TableSpec options at build
+
+_DYNAMIC_ONLY = ("max_rows", "admission", "eviction", "when_full", "default_row")
+"""`TableConfig` fields that only a dynamic table takes."""
+_CACHE_ONLY = ("cache_policy", "ram_bytes", "disk_dir")
+"""`TableConfig` fields that only a table with a device cache takes."""
+_HASHED_KINDS = ("criteo", "delimited", "libsvm", "parquet")
+"""File data kinds whose ids the runner maps (vocabulary, hash buckets or raw keys)."""
+_DYNAMIC_KINDS = ("synthetic", *_HASHED_KINDS)
+"""Data kinds whose tables may be dynamic (raw ids as keys)."""
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_bytes(value, key: str) -> int:
+    """A byte count: an int, or a string such as "8GiB", "500MB", "1.5 GB" (decimal
+    units k/M/G/T, binary KiB/MiB/GiB/TiB). Errors name `key`."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = m and _BYTE_UNITS.get(m.group(2).lower())
+        if not m or unit is None:
+            raise ConfigError(
+                f"config key {key!r}: expected bytes (an int, or e.g. '8GiB', '500MB'), "
+                f"got {value!r}"
+            )
+        n = int(float(m.group(1)) * unit)
+    if n < 1:
+        raise ConfigError(f"config key {key!r} must be >= 1 byte, got {value!r}")
+    return n
+
+
+def _cache_rows_value(value, key: str) -> int | float | None:
+    """`cache_rows` keeps its YAML type: an int is rows (>= 0), a float a fraction in
+    (0, 1] (so `1.0` is the whole table and `1` one row)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        from ._config import _number
+
+        value = _number(value.strip())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f"config key {key!r}: expected rows (an int) or a fraction in (0, 1] of the "
+            f"table's distinct train IDs (a float), got {value!r}"
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"config key {key!r} must be >= 0 rows, got {value}")
+        return value
+    if not 0 < value <= 1:
+        raise ConfigError(
+            f"config key {key!r}: a float is a fraction in (0, 1] of the table's distinct "
+            f"train IDs, got {value!r} (write an int for a row count)"
+        )
+    return float(value)
+
+
+def _table_config(opts, prefix: str) -> TableConfig:
+    """One `tables` entry (a mapping) as a checked `TableConfig`; errors name the key."""
+    if isinstance(opts, TableConfig):
+        opts = to_dict(opts)
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, Mapping):
+        raise ConfigError(f"{prefix}: expected a mapping of table options, got {opts!r}")
+    opts = dict(opts)
+    cache_rows = _cache_rows_value(opts.pop("cache_rows", None), f"{prefix}.cache_rows")
+    tc = from_dict(TableConfig, opts, prefix=prefix + ".")
+    positive = {
+        "dim": (tc.dim, 1),
+        "vocab_size": (tc.vocab_size, 2),
+        "max_rows": (tc.max_rows, 1),
+    }
+    if tc.admission is not None:
+        positive["admission.min_count"] = (tc.admission.min_count, 1)
+        if tc.admission.bloom is not None:
+            positive["admission.bloom.counters"] = (tc.admission.bloom.counters, 1)
+            positive["admission.bloom.hashes"] = (tc.admission.bloom.hashes, 1)
+            if (tc.admission.min_count or 0) > 255:
+                raise ConfigError(
+                    f"{prefix}.admission.min_count must be <= 255 with bloom (one-byte "
+                    f"counters), got {tc.admission.min_count}"
+                )
+    if tc.eviction is not None:
+        positive["eviction.ttl_steps"] = (tc.eviction.ttl_steps, 1)
+        positive["eviction.every_steps"] = (tc.eviction.every_steps, 1)
+        if tc.eviction.min_norm is not None and not tc.eviction.min_norm >= 0:
+            raise ConfigError(
+                f"{prefix}.eviction.min_norm must be >= 0, got {tc.eviction.min_norm!r}"
+            )
+    for k, (v, lo) in positive.items():
+        if v is not None and v < lo:
+            raise ConfigError(f"{prefix}.{k} must be >= {lo}, got {v}")
+    ram = None if tc.ram_bytes is None else parse_bytes(tc.ram_bytes, f"{prefix}.ram_bytes")
+    return dataclasses.replace(tc, cache_rows=cache_rows, ram_bytes=ram)
+
+
+def _merge_options(star, own):
+    """`own` over `star`, key by key (nested sections too); None is unset."""
+    if star is None or own is None:
+        return own if star is None else star
+    if not dataclasses.is_dataclass(own):
+        return own
+    out = {}
+    for f in dataclasses.fields(own):
+        a, b = getattr(star, f.name), getattr(own, f.name)
+        out[f.name] = (
+            _merge_options(a, b) if dataclasses.is_dataclass(b) else (a if b is None else b)
+        )
+    return type(own)(**out)
+
+
+def resolve_table(tables: Mapping[str, TableConfig], name: str) -> TableConfig:
+    """The options of table `name`: its own entry over `"*"`, key by key, with the `"*"`
+    options that do not apply to it dropped. A table's own entry setting an option that
+    does not apply (or a `"*"` entry inconsistent in itself) is a `ConfigError` naming
+    the key."""
+    own = tables.get(name)
+    star = None if name == "*" else tables.get("*")
+    tc = _merge_options(star, own) or TableConfig()
+
+    def mine(key: str) -> bool:
+        return own is not None and getattr(own, key) is not None
+
+    def where(key: str) -> str:
+        return f"tables.{name if mine(key) else '*'}.{key}"
+
+    dynamic, cached = bool(tc.dynamic), bool(tc.cache_rows)
+    drop: dict = {}
+    for keys, applies, need in (
+        (_DYNAMIC_ONLY, dynamic, ("a dynamic table", "dynamic: true")),
+        (_CACHE_ONLY, cached, ("a table with a device cache", "cache_rows")),
+    ):
+        for k in keys:
+            if getattr(tc, k) is None or applies:
+                continue
+            if mine(k):
+                raise ConfigError(f"{where(k)} is for {need[0]}; set tables.{name}.{need[1]}")
+            drop[k] = None
+    if dynamic and tc.vocab_size is not None:
+        if mine("vocab_size"):
+            raise ConfigError(
+                f"tables.{name}.vocab_size: table {name!r} is dynamic ({where('dynamic')}) "
+                f"and has no vocabulary; bound it with max_rows, or set dynamic: false"
+            )
+        drop["vocab_size"] = None
+    if dynamic and not cached and tc.max_rows is None:
+        raise ConfigError(
+            f"tables.{name}: a dynamic table needs a device size: set tables.{name}.cache_rows"
+            f" (rows, or a fraction of its distinct train IDs) or tables.{name}.max_rows"
+        )
+    tc = dataclasses.replace(tc, **drop)
+    if dynamic:
+        _dynamic_vocab(tc, name)  # the spec's own checks, at load
+    return tc
+
+
+def _dynamic_vocab(tc: TableConfig, name: str) -> DynamicVocab:
+    adm = tc.admission or AdmissionConfig()
+    if adm.bloom is not None:
+        kw = {"min_count": adm.min_count, **dataclasses.asdict(adm.bloom)}
+        admission = BloomAdmission(**{k: v for k, v in kw.items() if v is not None})
+    else:
+        admission = CountAdmission(
+            **({} if adm.min_count is None else {"min_count": adm.min_count})
+        )
+    eviction = None
+    if tc.eviction is not None:
+        eviction = Eviction(
+            **{k: v for k, v in dataclasses.asdict(tc.eviction).items() if v is not None}
+        )
+    kw = {"when_full": tc.when_full, "default_row": tc.default_row, "max_rows": tc.max_rows}
+    try:
+        return DynamicVocab(
+            admission=admission,
+            eviction=eviction,
+            **{k: v for k, v in kw.items() if v is not None},
+        )
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"tables.{name}: {e}") from None
+
+
+def _config_table_names(d: DataConfig) -> set[str] | None:
+    """The table names of the run as its config says them (None where only the data
+    tells)."""
+    if d.kind == "synthetic":
+        sizes = d.synthetic_options.get("vocab_sizes")
+        n = len(sd.KAGGLE_CARDINALITIES) if sizes is None else len(sizes)
+        return {f"C{i + 1}" for i in range(n)}
+    if d.kind == "behavior":
+        return {"user", "item", "category"}
+    if d.kind == "events":
+        return {"user", "item"}
+    schema = _schema_or_error(d.schema, "data.schema") if d.schema is not None else None
+    cols = _file_columns(d, schema)
+    return None if cols is None else {_table_of(d, c) for c in cols}
+
+
+def _unknown_table(name: str, names) -> ConfigError:
+    close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(
+        f"config key 'tables.{name}': the run has no table {name!r}{hint} "
+        f"(tables: {sorted(names)}, or '*' for every table)"
+    )
+
+
+def check_tables_config(cfg: RunConfig) -> None:
+    """Validate (and normalize in place) `cfg.tables`: entries become `TableConfig`s
+    (`ram_bytes` in bytes), unknown keys and table names, options that do not apply,
+    and what the data kind cannot give are `ConfigError`s naming the key."""
+    if not isinstance(cfg.tables, Mapping):
+        raise ConfigError(
+            f"config key 'tables': expected a mapping {{table: options}}, got {cfg.tables!r}"
+        )
+    tables = {str(k): _table_config(v, f"tables.{k}") for k, v in cfg.tables.items()}
+    object.__setattr__(cfg, "tables", tables)
+    if not tables:
+        return
+    d = cfg.data
+    names = _config_table_names(d)
+    if names is not None:
+        for name in tables:
+            if name != "*" and name not in names:
+                raise _unknown_table(name, names)
+    for name, tc in tables.items():  # what the data kind cannot give, where it is set
+        if tc.dynamic and d.kind not in _DYNAMIC_KINDS:
+            raise ConfigError(
+                f"tables.{name}.dynamic: dynamic tables need data.kind one of "
+                f"{list(_DYNAMIC_KINDS)}, not {d.kind!r}"
+            )
+        if tc.vocab_size is not None and d.kind not in _HASHED_KINDS:
+            raise ConfigError(
+                f"tables.{name}.vocab_size: hash buckets are for file data; data.kind="
+                f"{d.kind!r} sets its own vocabularies"
+                + (" (data.max_vocab, data.synthetic_options)" if d.kind == "synthetic" else "")
+            )
+        if isinstance(tc.cache_rows, float) and (d.kind not in _HASHED_KINDS or d.stream):
+            what = "data.stream" if d.stream else f"data.kind={d.kind!r}"
+            raise ConfigError(
+                f"tables.{name}.cache_rows={tc.cache_rows}: a fraction of the distinct train "
+                f"IDs needs file data read into memory ({what}); give a row count (an int)"
+            )
+    check = sorted(names) if names is not None and "*" in tables else []
+    check += [n for n in tables if n not in check]
+    feats = _table_options(d.features) if d.kind != "events" else {}
+    for name in check:
+        tc = resolve_table(tables, name)
+        if name == "*":
+            continue  # checked in itself; every table it applies to is checked below
+        own = tables.get(name) or TableConfig()
+        for key, old in (("dim", "dim"), ("vocab_size", "hash_buckets")):
+            a, b = getattr(own, key), feats.get(name, {}).get(old)
+            if a is not None and b is not None and a != b:
+                raise ConfigError(
+                    f"tables.{name}.{key}={a} and data.features (table {name!r}) {old}={b} "
+                    f"disagree; set it once (tables.{name}.{key})"
+                )
+        if tc.dynamic and feats.get(name, {}).get("hash_buckets") is not None:
+            col = next(
+                c
+                for c, fc in d.features.items()
+                if _table_of(d, c) == name and fc.hash_buckets is not None
+            )
+            raise ConfigError(
+                f"data.features.{col}.hash_buckets: table {name!r} is dynamic (raw IDs as "
+                f"keys, no hashing); remove it"
+            )
+
+
+def table_dim(cfg: RunConfig, name: str, data_dim: int | None = None) -> int:
+    """Row width of table `name`: `tables.<name>.dim`, else the one its columns set
+    (`data.features.<column>.dim`, `data_dim`), else `tables."*".dim`, else
+    `model.embedding_dim`."""
+    own, star = cfg.tables.get(name), cfg.tables.get("*")
+    for v in (own and own.dim, data_dim, star and star.dim):
+        if v:
+            return v
+    return cfg.model.embedding_dim
+
+
+def _hash_buckets(cfg: RunConfig, name: str, data_buckets: int | None) -> int | None:
+    """Hash buckets of static table `name` (`tables.<name>.vocab_size`, else its
+    columns' `hash_buckets`, else `tables."*".vocab_size`), or None (`data.id_mapping`)."""
+    tc = resolve_table(cfg.tables, name)
+    own = cfg.tables.get(name)
+    if tc.dynamic:
+        return None
+    for v in (own and own.vocab_size, data_buckets, tc.vocab_size):
+        if v:
+            return v
+    return None
+
+
+def is_dynamic(cfg: RunConfig, name: str) -> bool:
+    """Whether the `tables` section makes table `name` dynamic."""
+    return bool(cfg.tables) and bool(resolve_table(cfg.tables, name).dynamic)
+
+
+def _table_names_check(cfg: RunConfig, tables: Sequence[TableSpec]) -> None:
+    """Every table the `tables` section names exists (the data's own tables)."""
+    names = {t.name for t in tables}
+    for name in cfg.tables:
+        if name != "*" and name not in names:
+            raise _unknown_table(name, names)
+
+
+def _batch_ids(cfg: RunConfig, features: Sequence[FeatureSpec], table: str) -> int:
+    """Ids one batch (train or eval) can hold for `table`: a cache this size or the
+    table's distinct ids, whichever is fewer, fits every batch."""
+    b = max(cfg.data.batch_size, cfg.data.eval_batch_size or 0)
+    return sum(f.capacity_for(b) for f in features if f.table == table)
+
+
+def _distinct(values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct ids, their counts) of a table's columns."""
+    if not values:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.unique(np.concatenate([np.asarray(v) for v in values]), return_counts=True)
+
+
+def tiered_options(
+    cfg: RunConfig,
+    spec: TableSpec,
+    features: Sequence[FeatureSpec],
+    *,
+    train_ids: Sequence[np.ndarray] | None = None,
+    vocab_rows: int | None = None,
+    min_count: int = 1,
+) -> tuple[TableSpec, str | None]:
+    """`spec` (a static table built from the data) with the `tables` section's dynamic
+    and cache options applied, and the initializer scale of a tiered table. `train_ids`: the
+    table's train ids (after the id mapping; raw keys for a dynamic table) when the data
+    is in memory; `vocab_rows`: the rows of the data's static table (generated data).
+    Returns (spec, a short note for the run's log or None)."""
+    if not cfg.tables:
+        return spec, None
+    name = spec.name
+    tc = resolve_table(cfg.tables, name)
+    kw: dict = {}
+    if not tc.dynamic and not tc.cache_rows:
+        return spec, None
+    uniq = counts = None
+    if train_ids is not None:
+        uniq, counts = _distinct(train_ids)
+    n_init = spec.vocab_size
+    if tc.dynamic:
+        kw["dynamic"] = _dynamic_vocab(tc, name)
+        kw["vocab_size"] = None
+        if uniq is not None:  # the rows a vocabulary of the train ids would have
+            n_init = int(((counts >= min_count) & (uniq != MISSING_KEY)).sum()) + 1
+        elif vocab_rows is not None:
+            n_init = vocab_rows
+        else:
+            n_init = tc.max_rows or (tc.cache_rows if isinstance(tc.cache_rows, int) else None)
+    note = None
+    if tc.cache_rows:
+        rows = tc.cache_rows
+        if isinstance(rows, float):
+            distinct = int(uniq.shape[0])
+            rows = max(math.ceil(rows * distinct), min(distinct, _batch_ids(cfg, features, name)))
+            rows = max(1, min(rows, tc.max_rows or rows))
+            note = f"{name} {rows:,}/{distinct:,}"
+        disk_dir = tc.disk_dir
+        if disk_dir is None and tc.ram_bytes is not None:
+            disk_dir = "host_rows"
+        if disk_dir is not None:
+            disk_dir = os.path.join(os.path.abspath(cfg.run_dir), disk_dir, name)
+        cache = {"policy": tc.cache_policy, "ram_bytes": tc.ram_bytes, "disk_dir": disk_dir}
+        kw["cache"] = HostCache(rows=rows, **{k: v for k, v in cache.items() if v is not None})
+        if n_init is None:
+            n_init = rows
+    if spec.initializer == uniform_init() and n_init:  # the scale of the static table
+        kw["initializer"] = uniform_init(math.sqrt(1.0 / n_init))
+    try:
+        return dataclasses.replace(spec, **kw), note
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"tables.{name}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -744,13 +1163,15 @@ def build_data(cfg: RunConfig) -> DataBundle:
             gen = sd.SyntheticBehavior(seed=cfg.seed, **d.synthetic_options)
             num_dense = 0
         tables, features = gen.specs(dim=dim, **table_kw)
+        tables = [_with_dim(cfg, t) for t in tables]
+        tables, note = apply_tables(cfg, tables, features, vocab_rows=gen.vocab)
         eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
         eval_batches = []
         for i in range(d.eval_batches):  # numbered from 2**31 - 1 down: never trained on
             sparse, labels, dense = gen.batch(0x7FFFFFFF - i, eval_b)
             eval_batches.append(eval_packer.pack(sparse, labels=labels, dense=dense))
         packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
-        return DataBundle(tuple(tables), tuple(features), packer, gen, eval_batches)
+        return DataBundle(tuple(tables), tuple(features), packer, gen, eval_batches, report=note)
     if d.kind == "events":
         return _build_events(cfg, table_kw)
     return _build_file_data(cfg, table_kw)
@@ -774,10 +1195,8 @@ def _build_events(cfg: RunConfig, table_kw: dict) -> DataBundle:
         }
     )
     tables, features = seq.specs(dim=cfg.model.embedding_dim, **table_kw)
-    tables = [
-        dataclasses.replace(t, dim=dims[t.name]["dim"]) if dims.get(t.name, {}).get("dim") else t
-        for t in tables
-    ]
+    tables = [_with_dim(cfg, t, dims.get(t.name, {}).get("dim")) for t in tables]
+    _table_names_check(cfg, tables)
     eval_b = d.eval_batch_size or d.batch_size
     eval_packer = BatchPacker(tables, features, batch_size=eval_b)
     packer = BatchPacker(tables, features, batch_size=d.batch_size)
@@ -838,10 +1257,10 @@ def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
     for col in d.features:
         if col not in train.sparse:
             raise _unknown(f"data.features.{col}", col, train.sparse)
-    mappings = _id_mappings(d, train)
+    mappings = _id_mappings(cfg, train)
     mapped = {k: None if v is None else v.map_ids(mappings) for k, v in parts.items()}
     present = [v for v in mapped.values() if v is not None]
-    tables, features = _file_specs(cfg, mapped["train"], present, mappings, table_kw)
+    tables, features, note = _file_specs(cfg, mapped["train"], present, mappings, table_kw)
     num_dense = mapped["train"].num_dense
     eval_b = d.eval_batch_size or d.batch_size
     eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
@@ -849,6 +1268,8 @@ def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
     reports = [r.summary() for r in (*splits.reports, *side_reports)]
     if transform.report.summary():
         reports.append(transform.report.summary())
+    if note:
+        reports.append(note)
     sizes = f"splits: train {len(mapped['train']):,}, eval {len(mapped['eval']):,}" + (
         f", test {len(mapped['test']):,}" if mapped["test"] is not None else ""
     )
@@ -901,7 +1322,7 @@ def _build_stream(cfg: RunConfig, table_kw: dict, schema, drop, joins, side_repo
     transform = tf.ColumnTransform(
         dense_names, indicator_bags=d.indicator_bags, joins=joins, drop=drop, max_ids=caps
     )
-    mappings = _id_mappings(d, held[0])
+    mappings = _id_mappings(cfg, held[0])
     parts = [transform(p).map_ids(mappings) for p in (ev, *([] if test is None else [test]))]
 
     def chunk(ex: Examples) -> Examples:
@@ -918,13 +1339,17 @@ def _build_stream(cfg: RunConfig, table_kw: dict, schema, drop, joins, side_repo
         num_processes=jax.process_count(),
         **kw,
     )
-    tables, features = _file_specs(cfg, parts[0], parts, mappings, table_kw, max_ids=caps)
+    tables, features, note = _file_specs(
+        cfg, parts[0], parts, mappings, table_kw, max_ids=caps, train_known=False
+    )
     num_dense = parts[0].num_dense
     eval_b = d.eval_batch_size or d.batch_size
     eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
     packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
     summaries = [r.summary() for r in (*reports, *side_reports)]
     summaries.append(f"train: streaming {train_source!r}")
+    if note:
+        summaries.append(note)
     return DataBundle(
         tuple(tables),
         tuple(features),
@@ -945,8 +1370,10 @@ def _table_of(d: DataConfig, name: str) -> str:
     return fc.table if fc is not None and fc.table else name
 
 
-def _id_mappings(d: DataConfig, train: Examples) -> dict:
-    """One id mapping per table, fitted on the train values of all its columns."""
+def _id_mappings(cfg: RunConfig, train: Examples) -> dict:
+    """One id mapping per table, fitted on the train values of all its columns: raw
+    keys for a dynamic table, hash buckets or a vocabulary for a static one."""
+    d = cfg.data
     opts = _table_options(d.features)
     by_table: dict[str, list[str]] = {}
     for name in train.feature_names:
@@ -954,8 +1381,11 @@ def _id_mappings(d: DataConfig, train: Examples) -> dict:
     mappings = {}
     for table, cols in by_table.items():
         o = opts.get(table, {})
-        if o.get("hash_buckets") is not None or d.id_mapping == "hash":
-            m = sd.HashMapping(buckets=o.get("hash_buckets") or d.hash_buckets)
+        buckets = _hash_buckets(cfg, table, o.get("hash_buckets"))
+        if is_dynamic(cfg, table):
+            m = sd.RawIdMapping()
+        elif buckets is not None or d.id_mapping == "hash":
+            m = sd.HashMapping(buckets=buckets or d.hash_buckets)
         else:
             values = np.concatenate([np.asarray(train.sparse[c].values) for c in cols])
             m = sd.VocabMapping.fit(values, o.get("min_count") or d.min_count)
@@ -986,13 +1416,22 @@ def _roles(d: DataConfig) -> dict[str, str]:
 
 
 def _file_specs(
-    cfg: RunConfig, train: Examples, parts: list[Examples], mappings, table_kw, max_ids=None
+    cfg: RunConfig,
+    train: Examples,
+    parts: list[Examples],
+    mappings,
+    table_kw,
+    max_ids=None,
+    *,
+    train_known: bool = True,
 ):
     """One table per table name (a column's own, or the one it shares) and one feature
     per sparse column: one-id columns as they are, bags mean-pooled (weighted bags
     summed), sequences unpooled (or as `data.features` says), each bag sized by its
-    `max_ids` or the longest in the data."""
-    d, dim = cfg.data, cfg.model.embedding_dim
+    `max_ids` or the longest in the data; the `tables` section applied (`apply_tables`;
+    `train` holds the train split's mapped ids when `train_known`). Returns (tables,
+    features, a note for the run's log or None)."""
+    d = cfg.data
     opts = _table_options(d.features)
     roles = _roles(d)
     tables: dict[str, TableSpec] = {}
@@ -1000,10 +1439,11 @@ def _file_specs(
     for name in train.feature_names:
         t = _table_of(d, name)
         if t not in tables:
+            vocab = mappings[name].vocab_size
             tables[t] = TableSpec(
                 name=t,
-                vocab_size=int(mappings[name].vocab_size),
-                dim=opts.get(t, {}).get("dim") or dim,
+                vocab_size=1 if vocab is None else int(vocab),  # dynamic: apply_tables
+                dim=table_dim(cfg, t, opts.get(t, {}).get("dim")),
                 **table_kw,
             )
         fc = d.features.get(name) or FeatureConfig()
@@ -1019,7 +1459,63 @@ def _file_specs(
         features.append(
             FeatureSpec(name=name, table=t, combiner=combiner, max_ids=max_ids_, weighted=weighted)
         )
-    return list(tables.values()), features
+    min_counts = {t: opts.get(t, {}).get("min_count") or d.min_count for t in tables}
+    specs, note = apply_tables(
+        cfg,
+        list(tables.values()),
+        features,
+        train=train if train_known else None,
+        min_counts=min_counts,
+    )
+    return specs, features, note
+
+
+def _with_dim(cfg: RunConfig, spec: TableSpec, data_dim: int | None = None) -> TableSpec:
+    dim = table_dim(cfg, spec.name, data_dim)
+    return spec if dim == spec.dim else dataclasses.replace(spec, dim=dim)
+
+
+def apply_tables(
+    cfg: RunConfig,
+    tables: Sequence[TableSpec],
+    features: Sequence[FeatureSpec],
+    *,
+    train: Examples | None = None,
+    vocab_rows: Mapping[str, int] | None = None,
+    min_counts: Mapping[str, int] | None = None,
+) -> tuple[list[TableSpec], str | None]:
+    """The data's table specs with the `tables` section's dynamic and cache options
+    (`tiered_options`): `train` holds the train split's mapped ids (file data in memory),
+    `vocab_rows` the generator's rows per table. Returns (tables, a note for the run's
+    log: the tiered tables and their cache rows, or None)."""
+    if not cfg.tables:
+        return list(tables), None
+    _table_names_check(cfg, tables)
+    cols: dict[str, list[str]] = {}
+    for f in features:
+        cols.setdefault(f.table, []).append(f.name)
+    out, notes, dynamic, cached = [], [], 0, 0
+    for t in tables:
+        ids = None if train is None else [train.sparse[c].values for c in cols.get(t.name, ())]
+        spec, note = tiered_options(
+            cfg,
+            t,
+            features,
+            train_ids=ids,
+            vocab_rows=None if vocab_rows is None else vocab_rows.get(t.name),
+            min_count=(min_counts or {}).get(t.name, 1),
+        )
+        out.append(spec)
+        dynamic += spec.dynamic is not None
+        cached += spec.cache is not None
+        if note:
+            notes.append(note)
+    if not dynamic and not cached:
+        return out, None
+    text = f"tables: {dynamic} dynamic, {cached} with a device cache"
+    if notes:
+        text += " (cache rows/distinct train ids: " + ", ".join(notes) + ")"
+    return out, text
 
 
 _STACKED_MODELS = ("dlrm", "deepfm", "wide_deep", "dcnv2")

@@ -386,8 +386,10 @@ def schema_reference(cls, *, title: str = "Config reference", intro: str = "") -
             line = f"- `{prefix}{f.name}` ({_type_doc(tp)}; {_default_doc(f)})"
             lines.append(f"{line}: {doc}" if doc else line)
             is_list = typing.get_origin(tp) in (tuple, list, Sequence)
+            is_map = typing.get_origin(tp) in (dict, Mapping)  # {name: section}
             for sub in _nested_dataclasses(tp):
-                todo.append((f"{prefix}{f.name}{'[]' if is_list else ''}.", sub))
+                part = f"{f.name}{'[]' if is_list else ''}{'.<name>' if is_map else ''}"
+                todo.append((f"{prefix}{part}.", sub))
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -268,12 +268,13 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
         )
     model, trainer = build_trainer(cfg, data)  # training knobs: runner/_knobs.py
     first = first_train_batch(data)
+    state = trainer.init(jax.random.key(cfg.seed), first)  # makes trainer.host_tables
     ckpt = Checkpointer(
         os.path.join(cfg.run_dir, "checkpoints"),
         embedding_layouts(model, first),
         max_to_keep=cfg.keep_checkpoints,
+        **_host_kw(trainer),
     )
-    state = trainer.init(jax.random.key(cfg.seed), first)
     position: dict = {"epoch": 0, "batch": 0}
     if cfg.resume and ckpt.latest_step() is not None:
         state, meta, skipped = ckpt.restore_readable(state, warn=lambda m: log(f"warning: {m}"))
@@ -283,6 +284,33 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
         position = meta["data_position"]
         log(f"resumed from {ckpt.directory}/{int(state.step)} (data position {position})")
     return Run(cfg, data, model, trainer, state, ckpt, position)
+
+
+def _host_kw(trainer: Trainer) -> dict:
+    """The Checkpointer's `host_tables` of a trainer with tiered tables (else none)."""
+    host = getattr(trainer, "host_tables", None)
+    return {} if host is None else {"host_tables": host}
+
+
+def table_stats(trainer: Trainer) -> dict | None:
+    """Per tiered table ("layer/table") its host side's stats (rows live, admitted,
+    rejected, evicted, lookups, cache hit rate...), for summary.json; None without
+    tiered tables."""
+    host = getattr(trainer, "host_tables", None)
+    return None if host is None else _jsonable(host.stats())
+
+
+def _jsonable(tree: Any) -> Any:
+    """Nested stats as JSON values (numpy scalars and 0-d arrays as Python numbers)."""
+    if isinstance(tree, Mapping):
+        return {str(k): _jsonable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_jsonable(v) for v in tree]
+    if isinstance(tree, (np.ndarray, jax.Array)):
+        return _jsonable(np.asarray(tree).tolist())
+    if isinstance(tree, np.generic):
+        return tree.item()
+    return tree
 
 
 def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] = print) -> dict:
@@ -347,10 +375,13 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     cfg = run.cfg
     total, start = run.total_steps, int(run.state.step)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
+    tiered = sum(t.is_tiered for t in run.data.tables)
     log(
         f"training {cfg.model.name} for {total} steps (from step {start}), batch "
         f"{run.data.packer.batch_size}, {len(run.data.features)} sparse features, "
-        f"{sum(t.vocab_size for t in run.data.tables):,} table rows, run dir {cfg.run_dir}"
+        f"{sum(t.device_rows for t in run.data.tables):,} device table rows"
+        + (f" ({tiered} tiered tables)" if tiered else "")
+        + f", run dir {cfg.run_dir}"
     )
     knobs = run_knobs(run, log)  # training knobs (runner/_knobs.py): eval_every, early stop
     epochs = (
@@ -366,7 +397,8 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         epochs=epochs,
         prefetch=cfg.data.prefetch,
         shuffle_buffer=cfg.data.shuffle_buffer,
-        device_put=True,
+        # tiered tables: the host maps the raw int64 ids to cache slots first
+        device_put=getattr(run.trainer, "host_tables", None) is None,
         position=run.position,
     )
     console = Console(log, progress=cfg.progress, total=total, start=start)
@@ -398,6 +430,9 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         "run_dir": os.path.abspath(cfg.run_dir),
     }
     summary |= knobs.summary(summary)  # training knobs: best and last
+    stats = table_stats(run.trainer)
+    if stats is not None:
+        summary["tables"] = stats
     write_summary(os.path.join(cfg.run_dir, "summary.json"), summary)
     plot_curves(metrics_path, os.path.join(cfg.run_dir, "curves.png"))
     log(
@@ -465,7 +500,7 @@ def evaluate_run(
     example = batches[0]
     template = trainer.init(jax.random.key(cfg.seed), example)
     where = best_dir if step == "best" else os.path.join(run_dir, "checkpoints")
-    ckpt = Checkpointer(where, embedding_layouts(model, example))
+    ckpt = Checkpointer(where, embedding_layouts(model, example), **_host_kw(trainer))
     try:
         if step in (None, "last", "best"):
             state, _, _ = ckpt.restore_readable(template, warn=lambda m: log(f"warning: {m}"))

@@ -324,6 +324,103 @@ class EarlyStoppingConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class BloomConfig:
+    """A counting Bloom filter for admission (`tables.<name>.admission.bloom`): memory
+    bounded by `counters` bytes whatever the ID space; a false positive admits an ID
+    early, never late."""
+
+    counters: int | None = None
+    """Counters of the filter, one byte each (null: 16777216); ~10x the distinct IDs seen
+    keeps false positives rare."""
+    hashes: int | None = None
+    """Hash functions, counters each ID touches (null: 3)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+    """When a new ID of a dynamic table gets a trainable row (`tables.<name>.admission`);
+    until then it reads the default row and receives no update."""
+
+    min_count: int | None = None
+    """Times an ID must be seen before it gets a row (null: 1, every ID at first sight;
+    2 with `bloom`)."""
+    bloom: BloomConfig | None = None
+    """Count with a counting Bloom filter (bounded memory, for very large ID spaces)
+    instead of exact counts, e.g. `{counters: 16777216, hashes: 3}` (`{}`: its defaults);
+    null: exact counts."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvictionConfig:
+    """Which IDs of a dynamic table lose their rows (`tables.<name>.eviction`), their rows
+    and optimizer slots reused by new IDs. Runs every `every_steps` and before every
+    checkpoint."""
+
+    ttl_steps: int | None = None
+    """Evict IDs not seen for this many steps (null: never by age)."""
+    min_norm: float | None = None
+    """Evict IDs whose row's L2 norm is below this (null: never by norm)."""
+    every_steps: int | None = None
+    """Steps between runs of the policy (null: 1000)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """Options of one embedding table (`tables.<name>`, the name of the table: the column's
+    own, or the one `data.features.<column>.table` names), or of every table
+    (`tables."*"`). A table's own entry wins key by key over `"*"` (null keeps the `"*"`
+    value); options of `"*"` that do not apply to a table (dynamic options on a static
+    table, cache options without a cache) are ignored for it, while a table's own entry
+    that sets them is an error. Supersedes `data.features.<column>.dim` and
+    `hash_buckets`, which still work (a table's own entry and its columns' options must
+    agree)."""
+
+    dim: int | None = None
+    """Row width (null: the columns' `data.features.<column>.dim`, else
+    `model.embedding_dim`)."""
+    vocab_size: int | None = None
+    """Rows of a static table: its columns' raw IDs hashed into that many buckets (row 0
+    the missing value; as `data.features.<column>.hash_buckets`); null: as `data.id_mapping`
+    says. File data."""
+    dynamic: bool | None = None
+    """Keyed by raw 64-bit IDs, with no vocabulary and no hash collisions: rows are created
+    while training runs (`admission`) and reused after `eviction`. Needs a device size:
+    `cache_rows` or `max_rows`. The rows start U(+-sqrt(1/n)), n the rows a vocabulary of
+    the train IDs seen `data.min_count` times would have (the static table's scale;
+    streams: `max_rows`, else the cache rows); `model.embedding_init` overrides it.
+    Synthetic and file data (not events or behavior)."""
+    cache_rows: int | float | None = None
+    """Rows of the device cache: every row and optimizer slot lives in a host store
+    (`ram_bytes`, `disk_dir`), the hot rows on the device. An int is a row count; a float
+    in (0, 1] that fraction of the table's distinct train IDs (file data read into
+    memory), at least the IDs one batch can hold (or all of them when fewer) so every
+    batch fits; 0: no cache (to opt one table out of a `"*"` cache)."""
+    max_rows: int | None = None
+    """Dynamic: rows at most (null: unbounded, limited by host memory and disk); without a
+    cache the device holds this many rows."""
+    admission: AdmissionConfig | None = None
+    """Dynamic: when a new ID gets a row, e.g. `{min_count: 2}` (null: at first sight)."""
+    eviction: EvictionConfig | None = None
+    """Dynamic: which IDs lose their rows, e.g. `{ttl_steps: 10000}` (null: none)."""
+    when_full: Literal["error", "evict", "default_row"] | None = None
+    """Dynamic, a new ID at `max_rows`: "error" (naming the table), "evict" the least
+    frequently seen IDs not in the batch, or read the default row (null: "error")."""
+    default_row: Literal["zeros", "trainable"] | None = None
+    """Dynamic: what IDs without a row read: zeros (never updated) or one shared trainable
+    row (null: "zeros")."""
+    cache_policy: Literal["lru", "lfu"] | None = None
+    """Which cached rows make room for a batch's misses (never a row the batch uses; null:
+    "lru")."""
+    ram_bytes: int | str | None = None
+    """Host RAM for the table's rows and slots, in bytes or as "8GiB" / "500MB"; beyond it
+    rows go to memory-mapped files in `disk_dir` (null: unbounded RAM)."""
+    disk_dir: str | None = None
+    """Directory of the disk tier (beyond `ram_bytes`), relative to the run directory
+    unless absolute; each table's files go to a subdirectory named after it (null:
+    `host_rows` in the run directory)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "default"
     """Run directory name under out_dir. A run directory belongs to one config: running
@@ -359,6 +456,12 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    tables: dict[str, TableConfig] = dataclasses.field(default_factory=dict)
+    """Per embedding table options, by table name, or `"*"` for every table (see
+    `TableConfig`): dim, vocab_size, dynamic (raw 64-bit IDs, rows created while training),
+    cache_rows (a device cache over a host store), max_rows, admission, eviction, when_full,
+    default_row, cache_policy, ram_bytes, disk_dir. E.g. `{"*": {dynamic: true, cache_rows:
+    0.1, admission: {min_count: 2}}}`."""
     early_stopping: EarlyStoppingConfig | None = None
     """Early stopping and keep-best on an eval metric (null: off), e.g.
     `{metric: auc, patience: 3}`."""
@@ -395,6 +498,9 @@ class RunConfig:
                 raise ValueError(f"`{f}` must be >= 1, got {v}")
         if not self.eval_ks or min(self.eval_ks) < 1:
             raise ValueError(f"`eval_ks` must be cut-offs >= 1, got {list(self.eval_ks)}")
+        from ._build import check_tables_config  # the checks live with the code they guard
+
+        check_tables_config(self)
 
     @property
     def run_dir(self) -> str:
