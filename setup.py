@@ -48,7 +48,15 @@ ext_modules = [
         "sparsejax._cpu_ext",
         sources=[
             f"csrc/{name}.cc"
-            for name in ("module", "common", "worker_pool", "spmm", "sparse_apply", "interaction")
+            for name in (
+                "module",
+                "common",
+                "worker_pool",
+                "spmm",
+                "sparse_apply",
+                "interaction",
+                "id_map",
+            )
         ],
         depends=["csrc/common.h", "csrc/worker_pool.h", "csrc/optimizers.h"],
         include_dirs=_include_dirs + ["csrc"] if _include_dirs else [],

@@ -6,6 +6,9 @@
 //   optimizers()     {code: (class name, slot count)} for sparse_apply (optimizers.h),
 //                    checked against sparsejax/ops/optimizers.py before registering.
 //
+//   IdMapCore, unique_keys   the ID map of dynamic tables (id_map.cc; plain Python
+//                    objects, not FFI targets), wrapped by sparsejax/embedding/_id_map.py.
+//
 // The kernels: spmm.cc (spmm, segment_max), sparse_apply.cc, interaction.cc
 // (pairwise_dots), all on the worker pool of worker_pool.cc.
 
@@ -14,6 +17,10 @@
 
 #include "common.h"
 #include "optimizers.h"
+
+namespace sparsejax {
+int AddIdMap(PyObject* module);  // id_map.cc
+}  // namespace sparsejax
 
 namespace {
 
@@ -79,4 +86,11 @@ PyModuleDef kModule = {
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__cpu_ext(void) { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__cpu_ext(void) {
+  PyObject* m = PyModule_Create(&kModule);
+  if (m != nullptr && sparsejax::AddIdMap(m) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}
