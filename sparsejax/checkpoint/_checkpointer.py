@@ -10,6 +10,14 @@ shape changed; an unreadable checkpoint (e.g. truncated) raises
 unreadable one out of the way of the next save of its step. Every message is one line.
 `restore_tables` reads the tables alone, from the layouts alone: serving needs no
 trainer and no optimizer state.
+
+Tiered tables (dynamic keys or a host cache; `host_tables=`) are not in the orbax items
+(their store's `export_tables` leaves them out: their device state is a cache). Their
+rows, slots and metadata are the host side's `TableSnapshot`s, written beside the orbax
+steps in `host_tables/<step>/` (`_host_tables.py`), full or as a delta against the
+previous save; restoring a step reads its chain (the last full save and the deltas
+after it) and hands it to `host_tables.restore`. A corrupt or missing file of a chain
+makes the checkpoints built on it unreadable (named) while older ones restore.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
+from . import _host_tables
 from ._layout import Layouts, layer_key, stack_tables, tables_by_name, uncovered_layer
 
 
@@ -90,12 +100,43 @@ class Checkpointer:
       layouts: `embedding_layouts(model, batch)`: how each embedding layer stacks its
         tables. A state holding tables of a layer not in `layouts` is refused (no
         checkpoint is ever written without its tables).
-      max_to_keep: older checkpoints are deleted beyond this many.
+      max_to_keep: older checkpoints are deleted beyond this many (with the host steps
+        no kept checkpoint's chain reads).
+      host_tables: the host side of the model's tiered tables (`trainer.host_tables`):
+        `snapshot(state_tables, *, incremental) -> {"layer/table": TableSnapshot}`,
+        `restore(chain)`, `mark_saved()`. Its tables are saved from `snapshot` into
+        `directory/host_tables/<step>/`, not by orbax (the stores' `export_tables`
+        leave tiered tables out; `import_tables` gives them an empty device cache).
+      full_every: with `host_tables`, every `full_every`-th save is full and the ones
+        between are deltas against the previous save. The first save of a checkpointer
+        is full, and so is a save of a step not after the one this checkpointer last
+        saved or restored.
+      tracks_changes: whether this checkpointer's saves are the ones the host side's
+        change tracking counts from (it calls `host_tables.mark_saved()` after each).
+        False for a second checkpointer of the same host tables (e.g. the best state's
+        of early stopping): its saves are all full and leave the tracking alone, so the
+        first one's deltas stay complete.
     """
 
-    def __init__(self, directory: str | os.PathLike, layouts: Layouts, *, max_to_keep: int = 3):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        layouts: Layouts,
+        *,
+        max_to_keep: int = 3,
+        host_tables: Any = None,
+        full_every: int = 1,
+        tracks_changes: bool = True,
+    ):
+        if not (isinstance(full_every, int) and full_every >= 1):
+            raise ValueError(f"Checkpointer: full_every must be an int >= 1, got {full_every!r}")
         self.directory = os.path.abspath(directory)
         self.layouts = dict(layouts)
+        self.host_tables = host_tables
+        self.full_every = full_every if tracks_changes else 1
+        self.tracks_changes = tracks_changes
+        self._host_previous: int | None = None  # last host step saved or restored here
+        self._host_deltas = 0  # deltas since that step's full save
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
@@ -146,23 +187,89 @@ class Checkpointer:
                 f"not saving step {step}: {bad} holds NaN or inf; the "
                 f"last checkpoint ({self.latest_step()}) is kept"
             )
+        host = None
+        if self.host_tables is not None:
+            if step in self.steps():  # orbax refuses it: refuse before the host step is replaced
+                raise StepAlreadyExistsError(
+                    f"checkpoint {step} already exists in {self.directory}"
+                )
+            host = self._save_host(state, step)
         meta = {
             "step": step,
             "tables": self._specs(),
             "data_position": data_position,
             "extra": dict(extra or {}),
+            "host_tables": host,
         }
+        # no "tables" item when every table is tiered (orbax refuses an empty item)
+        items = {"tables": tables, "state": rest}
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                tables=ocp.args.StandardSave(tables),
-                state=ocp.args.StandardSave(rest),
+                **{k: ocp.args.StandardSave(v) for k, v in items.items() if jax.tree.leaves(v)},
                 meta=ocp.args.JsonSave(meta),
             ),
             force=True,
         )
         self.manager.wait_until_finished()
+        if host is not None:
+            if self.tracks_changes:
+                self.host_tables.mark_saved()
+            full = host["kind"] == "full"
+            self._host_previous = step
+            self._host_deltas = 0 if full else self._host_deltas + 1
+        self.prune_host_tables()
         return step
+
+    def _save_host(self, state, step: int) -> dict:
+        """Snapshot the host tables and write them as host step `step` (before the orbax
+        save: a checkpoint is never listed without its host tables); its record."""
+        prev = self._host_previous
+        incremental = (
+            self.tracks_changes
+            and prev is not None
+            and step > prev
+            and self._host_deltas + 1 < self.full_every
+            and self._host_base_readable(prev)
+        )
+        snaps = self.host_tables.snapshot(state.tables, incremental=incremental)
+        if not incremental and any(s.kind != "full" for s in snaps.values()):
+            bad = sorted(k for k, s in snaps.items() if s.kind != "full")
+            raise CheckpointError(
+                f"step {step}: a full save was asked of the host tables, {bad} gave deltas"
+            )
+        m = _host_tables.write_step(self.directory, step, snaps, previous=prev)
+        return {"kind": m["kind"], "previous": m["previous"], "tables": sorted(snaps)}
+
+    def _host_base_readable(self, step: int) -> bool:
+        """Whether host step `step` can be built on (else the next save is full)."""
+        try:
+            _host_tables.read_manifest(self.directory, step)
+        except CheckpointUnreadableError:
+            return False
+        return True
+
+    def prune_host_tables(self) -> list[int]:
+        """Delete the host steps no kept checkpoint's chain reads, and temp folders of
+        saves killed midway; returns the steps deleted (`save` calls this)."""
+        return _host_tables.prune(self.directory, self.steps())
+
+    def read_host_chain(self, step: int | None = None) -> list[dict]:
+        """The host tables' chain of checkpoint `step` (default: latest): the
+        `{"layer/table": TableSnapshot}` of its last full save and of each delta after
+        it, oldest first, checksums verified; what `HostTables.restore` takes (serving
+        a tiered table needs it besides `restore_tables`).
+
+        Raises:
+          CheckpointUnreadableError: a file missing or corrupt (named).
+          CheckpointError: no such checkpoint, or one saved without host tables.
+        """
+        step = self._step(step)
+        if self.read_meta(step).get("host_tables") is None:
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} was saved without host tables"
+            )
+        return _host_tables.read_chain(self.directory, step)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -176,8 +283,7 @@ class Checkpointer:
             "meta"
         ]
 
-    def _read(self, step: int | None, **items) -> tuple[int, dict, dict]:
-        """(step, restored items, meta) after checking the table specs."""
+    def _step(self, step: int | None) -> int:
         steps = self.steps()
         step = steps[-1] if step is None and steps else step
         if step is None or step not in steps:
@@ -185,7 +291,13 @@ class Checkpointer:
                 f"no checkpoint {'' if step is None else step} in "
                 f"{self.directory} (available: {steps})"
             )
-        others = [s for s in steps if s != step]
+        return step
+
+    def _read(self, step: int | None, **items) -> tuple[int, dict, dict, list | None]:
+        """(step, restored items, meta, host chain) after checking the table specs; the
+        chain is read (verified) when this checkpointer has `host_tables`, else None."""
+        step = self._step(step)
+        others = [s for s in self.steps() if s != step]
         try:
             meta = self.read_meta(step)
         except Exception as e:  # noqa: BLE001 - any read failure means the same to the user
@@ -193,12 +305,25 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} is unreadable "
                 f"({_one_line(e)}); other checkpoints: {others}"
             ) from e
+        host_keys = (meta.get("host_tables") or {}).get("tables", [])
         self._check_specs(meta["tables"], step)
+        if host_keys and self.host_tables is None:
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} holds tiered tables {host_keys} "
+                f"whose rows are on the host side: give the Checkpointer host_tables= "
+                f"(trainer.host_tables) to restore them"
+            )
+        if self.host_tables is not None and meta.get("host_tables") is None:
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory} was saved without host tables "
+                f"(this checkpointer has host_tables)"
+            )
+        read = {k: v for k, v in items.items() if jax.tree.leaves(v)}  # empty: not saved
         try:
             restored = self.manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    **{k: ocp.args.StandardRestore(v) for k, v in items.items()}
+                    **{k: ocp.args.StandardRestore(v) for k, v in read.items()}
                 ),
             )
         except Exception as e:  # noqa: BLE001
@@ -206,20 +331,47 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} cannot be restored "
                 f"({_one_line(e)}); other checkpoints: {others}"
             ) from e
-        return step, {k: restored[k] for k in items}, meta
+        got = {k: restored[k] if k in read else v for k, v in items.items()}
+        chain = None
+        if self.host_tables is not None:
+            try:
+                chain = _host_tables.read_chain(self.directory, step)
+            except CheckpointUnreadableError as e:
+                raise CheckpointUnreadableError(
+                    f"checkpoint {step} in {self.directory} cannot be restored ({e}); "
+                    f"other checkpoints: {others}"
+                ) from e
+        return step, got, meta, chain
+
+    def _restore_host(self, step: int, chain: list | None) -> None:
+        """Hand the chain to the host side (after the orbax restore succeeded)."""
+        if chain is None:
+            return
+        try:
+            self.host_tables.restore(chain)
+        except (KeyError, ValueError) as e:  # a tiered table added, removed or reshaped
+            why = e.args[0] if isinstance(e, KeyError) and e.args else e
+            raise CheckpointError(f"checkpoint {step} in {self.directory}: {why}") from e
+        self._host_previous = step
+        self._host_deltas = len(chain) - 1
 
     def restore(self, template, step: int | None = None) -> tuple[Any, dict]:
         """State at `step` (default: latest) shaped like `template`, and its JSON record.
 
+        With `host_tables`, the host tables' chain of `step` is read (checksums
+        verified) and handed to `host_tables.restore` once everything else read.
+
         Raises:
           CheckpointError: no checkpoint, a table added/removed/reshaped since the
-            save, or unreadable files (naming the step and the other checkpoints).
+            save, or unreadable files (naming the step and the other checkpoints; a
+            corrupt or missing host-table file names the file).
         """
         tables, rest = self._split(template)
-        _, got, meta = self._read(step, tables=_abstract(tables), state=_abstract(rest))
+        step, got, meta, chain = self._read(step, tables=_abstract(tables), state=_abstract(rest))
         state = dataclasses.replace(
             template, tables=stack_tables(self.layouts, got["tables"]), **got["state"]
         )
+        self._restore_host(step, chain)
         return state, meta
 
     def restore_readable(
@@ -259,7 +411,9 @@ class Checkpointer:
 
     def set_aside(self, step: int) -> str:
         """Move checkpoint `step` to `<directory>_unreadable/<step>` (out of the way of
-        a new save of that step); returns where it went."""
+        a new save of that step), and its host step to
+        `<directory>_unreadable/host_tables/<step>` unless a kept checkpoint's chain
+        reads it; returns where the checkpoint went."""
         dest_dir = self.directory.rstrip(os.sep) + "_unreadable"
         os.makedirs(dest_dir, exist_ok=True)
         dest = os.path.join(dest_dir, str(step))
@@ -267,17 +421,32 @@ class Checkpointer:
             shutil.rmtree(dest)
         shutil.move(os.path.join(self.directory, str(step)), dest)
         self.manager.reload()
+        host = _host_tables.step_dir(self.directory, step)
+        if os.path.isdir(host) and step not in _host_tables.needed_steps(
+            self.directory, self.steps()
+        ):
+            host_dest = _host_tables.step_dir(dest_dir, step)
+            os.makedirs(os.path.dirname(host_dest), exist_ok=True)
+            if os.path.exists(host_dest):
+                shutil.rmtree(host_dest)
+            shutil.move(host, host_dest)
         return dest
 
     def restore_tables(self, step: int | None = None) -> tuple[dict, dict]:
         """The "embedding" collection at `step` (default: latest), built from the layouts
-        alone (no train state, no dense parameters), and the JSON record."""
+        alone (no train state, no dense parameters), and the JSON record.
+
+        Tiered tables: their device state comes back as an empty cache, and their rows
+        go to `host_tables.restore` (the checkpointer needs `host_tables`: a serving
+        process builds the host side too; `read_host_chain` reads the chain alone)."""
         shapes = {
             layer_key(p): jax.eval_shape(store.export_tables, store.abstract_state())
             for p, store in self.layouts.items()
         }
-        _, got, meta = self._read(step, tables=shapes)
-        return stack_tables(self.layouts, got["tables"]), meta
+        step, got, meta, chain = self._read(step, tables=shapes)
+        tables = stack_tables(self.layouts, got["tables"])
+        self._restore_host(step, chain)
+        return tables, meta
 
     def _check_specs(self, saved: Mapping, step: int) -> None:
         current = self._specs()
