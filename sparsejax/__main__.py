@@ -39,7 +39,7 @@ def _train(args: argparse.Namespace) -> int:
     files, overrides = _split(args.config)
     cfg = runner.load_config(files, overrides)
     summary = runner.train(cfg, restart=args.restart)
-    print({k: v for k, v in summary.items() if k != "run_dir"})
+    print({k: v for k, v in summary.items() if k not in ("run_dir", "tables")})
     return 0
 
 

@@ -266,8 +266,10 @@ def test_raw_id_mapping_keeps_raw_ids_as_keys():
     out = m(raw)
     assert out.dtype == np.int64
     assert out.tolist() == [0, 5, MISSING_KEY, (1 << 63) - 2, 123456789012345]
-    u = np.array([1, 1 << 63, (1 << 64) - 2], np.uint64)
-    assert m(u).tolist() == [1, -(1 << 63), -2]  # the bit pattern
+    u = np.array([1, (1 << 63) - 1], np.uint64)
+    assert m(u).tolist() == [1, (1 << 63) - 1] and m(u).dtype == np.int64
+    with pytest.raises(ValueError, match="raw id 9223372036854775808 is >= 2"):
+        m(np.array([1 << 63], np.uint64))
     assert m(np.array([7], np.int32)).dtype == np.int64
 
 
@@ -308,8 +310,10 @@ def test_the_packer_keeps_int64_keys_for_dynamic_tables():
     assert bag.ids.tolist()[:3] == [big, 5, MISSING_KEY] and set(bag.ids.tolist()[3:]) == {-1}
     assert bag.segments.tolist()[:3] == [0, 0, 2]
     assert static.ids.tolist() == [1, 2, 9, -1]
-    u = dict(sparse, one=sd.JaggedIds(lengths=np.ones(3), values=np.array([1 << 63, 1, 2], "u8")))
-    assert _packer().pack(u, labels=np.zeros(3)).features["one"].ids[0] == -(1 << 63)
+    top = (1 << 63) - 1
+    u = dict(sparse, one=sd.JaggedIds(lengths=np.ones(3), values=np.array([top, 1, 2], "u8")))
+    ids = _packer().pack(u, labels=np.zeros(3)).features["one"].ids
+    assert ids.dtype == np.int64 and ids.tolist() == [top, 1, 2, -1]
 
 
 @pytest.mark.parametrize(
@@ -318,7 +322,7 @@ def test_the_packer_keeps_int64_keys_for_dynamic_tables():
         (np.array([1, -5, 2]), "feature 'one': id -5 of example 1 is negative"),
         (np.array([1, 2, 3], np.int32), "feature 'one': ids of dtype int32, but table 'd' is"),
         (np.array([1.0, 2.0, 3.0]), "ids of dtype float64"),
-        (np.array([1, 2, (1 << 64) - 1], np.uint64), "example 2 is 2**64 - 1, the padding key"),
+        (np.array([1, 2, (1 << 64) - 1], np.uint64), "of example 2 is >= 2**63"),
     ],
 )
 def test_bad_ids_of_a_dynamic_table_name_the_feature(values, message):
@@ -343,10 +347,11 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
         "name=dyn",
         "tables={'*': {dynamic: true, cache_rows: 0.5, admission: {min_count: 2}},"
         " shop: {dynamic: false, cache_rows: 0}}",
-        "checkpoint_every=2",
     )
-    summary = runner.train(cfg, log=lambda line: None)
+    lines = []
+    summary = runner.train(cfg, log=lines.append)
     assert summary["step"] == 4
+    assert any(line.startswith("tables: 2 tiered, ") for line in lines), lines
     on_disk = json.loads((pathlib.Path(cfg.run_dir) / "summary.json").read_text())
     stats = on_disk["tables"]
     assert {k.split("/")[-1] for k in stats} == {"user", "item"}

@@ -96,8 +96,8 @@ class BatchPacker:
     sliding window of a behavior sequence); that is the one documented truncation.
 
     Features of a dynamic table (`TableSpec.dynamic`) keep their raw keys: `PaddedIds.ids`
-    is int64 (-1 pads), and their ids must be int64 (>= 0) or uint64 (the key is the bit
-    pattern; all ones is the padding and is refused); other features get int32 rows.
+    is int64 (-1 pads), and their ids must be int64 or uint64 in [0, 2**63); other
+    features get int32 rows.
     """
 
     def __init__(
@@ -289,13 +289,12 @@ class BatchPacker:
     @staticmethod
     def _keys(spec: FeatureSpec, values: np.ndarray, lengths: np.ndarray, first: int):
         """The raw ids of a dynamic table's feature as int64 keys; a dtype other than
-        int64/uint64, a negative int64 id or the all-ones uint64 (the padding key) is an
-        error naming the feature (and the example)."""
+        int64/uint64, or an id outside [0, 2**63) is an error naming the feature and the
+        example."""
         name = f"feature {spec.name!r}"
         if values.dtype == np.uint64:
-            values = values.view(np.int64)
-            bad = np.flatnonzero(values == -1)
-            what = "is 2**64 - 1, the padding key"
+            bad = np.flatnonzero(values >= np.uint64(1 << 63))
+            what = "is >= 2**63"
         elif values.dtype == np.int64:
             bad = np.flatnonzero(values < 0)
             what = "is negative"
@@ -309,7 +308,7 @@ class BatchPacker:
             example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
             raise ValueError(
                 f"{name}: id {int(values[k])} of example {first + example} {what}; the "
-                f"raw keys of dynamic table {spec.table!r} are >= 0 (missing values: "
-                f"MISSING_KEY, as RawIdMapping gives)"
+                f"keys of dynamic table {spec.table!r} are in [0, 2**63) (missing values: "
+                f"MISSING_KEY, as RawIdMapping gives; larger ids: hash them)"
             )
-        return values
+        return values.astype(np.int64, copy=False)

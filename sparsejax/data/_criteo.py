@@ -277,8 +277,13 @@ class RawIdMapping:
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         raw = np.asarray(raw)
-        if raw.dtype == np.uint64:  # 64-bit ids: the key is their bit pattern
-            return raw.view(np.int64)
+        if raw.dtype == np.uint64:
+            big = raw >= np.uint64(1 << 63)
+            if big.any():
+                raise ValueError(
+                    f"RawIdMapping: raw id {int(raw[big][0])} is >= 2**63; the keys of a "
+                    f"dynamic table are 63-bit (hash larger ids, e.g. with stable_hash)"
+                )
         raw = raw.astype(np.int64, copy=False)
         return np.where(raw < 0, np.int64(MISSING_KEY), raw)
 

@@ -1164,7 +1164,7 @@ def build_data(cfg: RunConfig) -> DataBundle:
             num_dense = 0
         tables, features = gen.specs(dim=dim, **table_kw)
         tables = [_with_dim(cfg, t) for t in tables]
-        tables, note = apply_tables(cfg, tables, features, vocab_rows=gen.vocab)
+        tables, note = apply_tables(cfg, tables, features, vocab_rows=getattr(gen, "vocab", None))
         eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
         eval_batches = []
         for i in range(d.eval_batches):  # numbered from 2**31 - 1 down: never trained on

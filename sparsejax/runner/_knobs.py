@@ -158,8 +158,10 @@ def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
             raise ConfigError("early_stopping needs eval data (data.eval_batches > 0)")
         ckpt = None
         if es.keep_best:
-            ckpt = Checkpointer(
-                os.path.join(cfg.run_dir, BEST_DIR), run.checkpointer.layouts, max_to_keep=1
+            host = getattr(run.trainer, "host_tables", None)  # tiered tables: saved full,
+            kw = {} if host is None else {"host_tables": host, "tracks_changes": False}
+            ckpt = Checkpointer(  # leaving the run's checkpoints' deltas complete
+                os.path.join(cfg.run_dir, BEST_DIR), run.checkpointer.layouts, max_to_keep=1, **kw
             )
         early = EarlyStopping(
             es.metric,

@@ -300,6 +300,20 @@ def table_stats(trainer: Trainer) -> dict | None:
     return None if host is None else _jsonable(host.stats())
 
 
+def _tables_line(stats: Mapping[str, Mapping]) -> str:
+    """The tiered tables' stats in one line (all of them are in summary.json)."""
+    live = sum(int(s.get("rows_live", 0)) for s in stats.values())
+    text = f"tables: {len(stats)} tiered, {live:,} rows live"
+    hits = {k: s["cache_hit_rate"] for k, s in stats.items() if "cache_hit_rate" in s}
+    if hits:
+        low = min(hits, key=hits.get)
+        text += (
+            f", cache hit rate {sum(hits.values()) / len(hits):.3f} on average "
+            f"(lowest {low.split('/')[-1]} {hits[low]:.3f})"
+        )
+    return text + " (per table: summary.json)"
+
+
 def _jsonable(tree: Any) -> Any:
     """Nested stats as JSON values (numpy scalars and 0-d arrays as Python numbers)."""
     if isinstance(tree, Mapping):
@@ -433,6 +447,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     stats = table_stats(run.trainer)
     if stats is not None:
         summary["tables"] = stats
+        log(_tables_line(stats))
     write_summary(os.path.join(cfg.run_dir, "summary.json"), summary)
     plot_curves(metrics_path, os.path.join(cfg.run_dir, "curves.png"))
     log(
