@@ -174,10 +174,15 @@ class Checkpointer:
     def save(self, state, *, data_position: Any = None, extra: Mapping | None = None) -> int:
         """Write a checkpoint at `state.step` and wait until it is on disk.
 
+        With `host_tables`: `host_tables.snapshot(state.tables, incremental=...)` is
+        written to `host_tables/<step>/` first, then the orbax checkpoint, then
+        `host_tables.mark_saved()`; host steps no kept checkpoint reads are deleted.
+
         Raises:
           CheckpointError: the state holds tables of a layer the layouts do not cover.
-          NonFiniteStateError: a parameter, table or slot holds NaN/inf (named); nothing
-            is written.
+          NonFiniteStateError: a parameter, table, slot or host array holds NaN/inf
+            (named); nothing is written.
+          StepAlreadyExistsError (a ValueError): a checkpoint of this step exists.
         """
         step = int(state.step)
         tables, rest = self._split(state)
