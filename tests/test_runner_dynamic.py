@@ -91,7 +91,7 @@ def test_star_and_per_table_entries_merge_key_by_key_into_specs(tmp_path):
         rows=rows,
         policy="lfu",
         ram_bytes=1 << 20,
-        disk_dir=str(pathlib.Path(cfg.run_dir).resolve() / "spill" / "user"),
+        disk_dir=str(pathlib.Path(cfg.run_dir).resolve() / "spill"),
     )
     assert user.vocab_size is None and user.device_rows == rows
     # item: its own row count wins over the "*" fraction
@@ -346,7 +346,7 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
         tmp_path,
         "name=dyn",
         "tables={'*': {dynamic: true, cache_rows: 0.5, admission: {min_count: 2}},"
-        " shop: {dynamic: false, cache_rows: 0}}",
+        " user: {ram_bytes: 1KiB}, shop: {dynamic: false, cache_rows: 0}}",
     )
     lines = []
     summary = runner.train(cfg, log=lines.append)
@@ -355,5 +355,9 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
     on_disk = json.loads((pathlib.Path(cfg.run_dir) / "summary.json").read_text())
     stats = on_disk["tables"]
     assert {k.split("/")[-1] for k in stats} == {"user", "item"}
+    user, item = (next(v for k, v in stats.items() if k.endswith(t)) for t in ("user", "item"))
+    assert user["host_disk_bytes"] > 0 and item["host_disk_bytes"] == 0  # RAM 1 KiB: disk
+    assert (pathlib.Path(cfg.run_dir) / "host_rows").is_dir()
+    assert 0 < user["rows_live"] <= user["admitted"] and user["cache_rows"] > 0
     assert math.isfinite(on_disk["eval"]["auc"])
     assert (pathlib.Path(cfg.run_dir) / "checkpoints" / "host_tables").is_dir()

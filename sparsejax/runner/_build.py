@@ -780,7 +780,7 @@ def tiered_options(
         if disk_dir is None and tc.ram_bytes is not None:
             disk_dir = "host_rows"
         if disk_dir is not None:
-            disk_dir = os.path.join(os.path.abspath(cfg.run_dir), disk_dir, name)
+            disk_dir = os.path.join(os.path.abspath(cfg.run_dir), disk_dir)
         cache = {"policy": tc.cache_policy, "ram_bytes": tc.ram_bytes, "disk_dir": disk_dir}
         kw["cache"] = HostCache(rows=rows, **{k: v for k, v in cache.items() if v is not None})
         if n_init is None:

@@ -416,7 +416,7 @@ class TableConfig:
     rows go to memory-mapped files in `disk_dir` (null: unbounded RAM)."""
     disk_dir: str | None = None
     """Directory of the disk tier (beyond `ram_bytes`), relative to the run directory
-    unless absolute; each table's files go to a subdirectory named after it (null:
+    unless absolute; each table's files go to a subdirectory of its own (null:
     `host_rows` in the run directory)."""
 
 
