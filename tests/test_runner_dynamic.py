@@ -169,6 +169,19 @@ def test_config_round_trips_through_its_yaml(tmp_path):
     assert again == cfg and runner.config_hash(again) == runner.config_hash(cfg)
 
 
+def test_a_cache_size_may_change_on_resume_turning_a_cache_on_may_not(tmp_path):
+    tables = "tables={'*': {dynamic: true, cache_rows: %s}, shop: {dynamic: false, cache_rows: %d}}"
+    first = _load(tmp_path, tables % ("0.5", 0))
+    (pathlib.Path(first.run_dir) / "checkpoints" / "4").mkdir(parents=True)
+    runner._run._record_start(first, {})
+    bigger = _load(tmp_path, tables % ("0.9", 0), "tables.user.ram_bytes=1GB")
+    notes, entry = runner._run._prepare_run_dir(bigger, restart=False)
+    assert "tables.*.cache_rows: 0.5 -> 0.9" in notes[0] and entry["event"] == "resume"
+    assert runner.config_hash(bigger) == runner.config_hash(first)
+    with pytest.raises(ConfigError, match=r"tables.shop.cache_rows: 0 -> 10\)"):
+        runner._run._prepare_run_dir(_load(tmp_path, tables % ("0.5", 10)), restart=False)
+
+
 def test_the_shipped_dynamic_config_makes_every_criteo_table_dynamic():
     cfg = runner.load_config([CONFIGS / "dlrm_criteo_dynamic.yaml"])
     assert cfg.data.kind == "criteo" and cfg.model.name == "dlrm"

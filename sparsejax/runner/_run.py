@@ -56,7 +56,25 @@ RESUMABLE_KEYS = (
 """Keys that may change between runs of one run directory: the run resumes with the new
 values (and `run.json` records the change). Any other change is refused."""
 
+RESUMABLE_TABLE_KEYS = ("cache_rows", "cache_policy", "ram_bytes", "disk_dir")
+"""Keys of a `tables.<name>` entry that may change on resume too: how many rows of a
+tiered table the device caches and where its host rows live (the training math is the
+same; a checkpoint of a tiered table restores at any cache size). `cache_rows` only from
+one size to another: turning a table's cache on or off changes what its checkpoint
+holds."""
+
 _WHERE_KEYS = ("name", "out_dir", "resume")  # where a run lives and whether to go on
+
+
+def _resumable(key: str, old: Any = None, new: Any = None) -> bool:
+    """Whether a change of `key` from `old` to `new` may resume (see `RESUMABLE_KEYS`,
+    `RESUMABLE_TABLE_KEYS`)."""
+    if key in RESUMABLE_KEYS:
+        return True
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "tables" or parts[2] not in RESUMABLE_TABLE_KEYS:
+        return False
+    return parts[2] != "cache_rows" or all(v not in (None, 0, _UNSET) for v in (old, new))
 
 
 @dataclasses.dataclass
@@ -104,15 +122,37 @@ def config_changes(old: Mapping, new: Mapping) -> list[tuple[str, Any, Any]]:
     ]
 
 
+def _canonical(cfg_dict: Mapping) -> dict:
+    """A config dict with its `tables` entries in one form: unset (null) options left
+    out, so an entry that sets a few keys compares equal however it was written (an
+    options section set to its defaults, e.g. `bloom: {}`, stays, as "{}")."""
+
+    def prune(v):
+        if not isinstance(v, Mapping):
+            return v
+        out = {k: prune(x) for k, x in v.items() if x is not None}
+        return out or "{}"
+
+    tables = cfg_dict.get("tables")
+    if not isinstance(tables, Mapping):
+        return dict(cfg_dict)
+    entries = {str(k): prune(v) for k, v in tables.items()}
+    return {**cfg_dict, "tables": {k: v for k, v in entries.items() if v not in ("{}", None)}}
+
+
 def _identity(cfg_dict: Mapping) -> dict:
     """The keys that make a run what it is (not where it lives, not how long it goes)."""
-    skip = (*RESUMABLE_KEYS, *_WHERE_KEYS)
-    return {k: v for k, v in _flatten(cfg_dict).items() if k not in skip}
+    return {
+        k: v
+        for k, v in _flatten(_canonical(cfg_dict)).items()
+        if k not in _WHERE_KEYS and not _resumable(k, 1, 1)
+    }
 
 
 def config_hash(cfg: RunConfig) -> str:
-    """sha256 of the config's identity: every key but the `RESUMABLE_KEYS`, `name`,
-    `out_dir` and `resume` (so a resumable change keeps the hash)."""
+    """sha256 of the config's identity: every key but the `RESUMABLE_KEYS` (and
+    `RESUMABLE_TABLE_KEYS`), `name`, `out_dir` and `resume` (so a resumable change keeps
+    the hash)."""
     text = json.dumps(_identity(to_dict(cfg)), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -195,15 +235,16 @@ def _prepare_run_dir(cfg: RunConfig, *, restart: bool) -> tuple[list[str], dict]
     if old is None:
         notes.append(f"warning: {run_dir} has checkpoints but no config.yaml; not checked")
         return notes, {**entry, "event": "resume", "step": steps[-1]}
-    changes = [c for c in config_changes(old, to_dict(cfg)) if c[0] not in _WHERE_KEYS]
-    blocking = [c for c in changes if c[0] not in RESUMABLE_KEYS]
+    changes = config_changes(_canonical(old), _canonical(to_dict(cfg)))
+    changes = [c for c in changes if c[0] not in _WHERE_KEYS]
+    blocking = [c for c in changes if not _resumable(*c)]
     if blocking:
         shown = ", ".join(f"{k}: {_short(a)} -> {_short(b)}" for k, a, b in blocking[:6])
         more = f" and {len(blocking) - 6} more" if len(blocking) > 6 else ""
         raise ConfigError(
             f"{run_dir} holds a run (checkpoint {steps[-1]}) of a different config "
             f"({shown}{more}); {way_out}. Resumable without a restart: "
-            f"{', '.join(RESUMABLE_KEYS)}"
+            f"{', '.join(RESUMABLE_KEYS)}, tables.<name>.{{{','.join(RESUMABLE_TABLE_KEYS)}}}"
         )
     entry = {**entry, "event": "resume", "step": steps[-1]}
     if changes:
@@ -620,7 +661,11 @@ def config_reference() -> str:
             "`name` is refused, naming the keys that differ (use a new `name=`, or "
             "`sparsejax train --restart`, which moves the old run to `RUN.replaced-<time>`). "
             "These keys may change on resume without a restart (each change is recorded in "
-            "`run.json`): " + ", ".join(f"`{k}`" for k in RESUMABLE_KEYS) + ".",
+            "`run.json`): " + ", ".join(f"`{k}`" for k in RESUMABLE_KEYS) + ", and of a "
+            "`tables.<name>` entry "
+            + ", ".join(f"`{k}`" for k in RESUMABLE_TABLE_KEYS)
+            + " (`cache_rows` from one size to another: the device cache of a tiered "
+            "table; its checkpoint restores at any cache size).",
         ]
     )
     return schema_reference(RunConfig, intro=intro)
