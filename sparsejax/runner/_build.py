@@ -571,21 +571,21 @@ def resolve_table(tables: Mapping[str, TableConfig], name: str) -> TableConfig:
 
 
 def _dynamic_vocab(tc: TableConfig, name: str) -> DynamicVocab:
+    """The `DynamicVocab` of a resolved dynamic table's options (unset options: the
+    spec's defaults); the spec's own errors name the table."""
     adm = tc.admission or AdmissionConfig()
-    if adm.bloom is not None:
-        kw = {"min_count": adm.min_count, **dataclasses.asdict(adm.bloom)}
-        admission = BloomAdmission(**{k: v for k, v in kw.items() if v is not None})
-    else:
-        admission = CountAdmission(
-            **({} if adm.min_count is None else {"min_count": adm.min_count})
-        )
-    eviction = None
-    if tc.eviction is not None:
-        eviction = Eviction(
-            **{k: v for k, v in dataclasses.asdict(tc.eviction).items() if v is not None}
-        )
-    kw = {"when_full": tc.when_full, "default_row": tc.default_row, "max_rows": tc.max_rows}
     try:
+        if adm.bloom is not None:
+            kw = {"min_count": adm.min_count, **dataclasses.asdict(adm.bloom)}
+            admission = BloomAdmission(**{k: v for k, v in kw.items() if v is not None})
+        else:
+            kw = {"min_count": adm.min_count}
+            admission = CountAdmission(**{k: v for k, v in kw.items() if v is not None})
+        eviction = None
+        if tc.eviction is not None:
+            kw = dataclasses.asdict(tc.eviction)
+            eviction = Eviction(**{k: v for k, v in kw.items() if v is not None})
+        kw = {"when_full": tc.when_full, "default_row": tc.default_row, "max_rows": tc.max_rows}
         return DynamicVocab(
             admission=admission,
             eviction=eviction,
