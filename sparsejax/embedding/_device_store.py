@@ -148,7 +148,13 @@ class DeviceTableStore:
         self.tables = {t.name: t for t in tables}
         self.features = {f.name: f for f in features}
         self.implementation = implementation
-        self.stacks: dict[str, Stack] = plan_stacks(tables, max_rows=max_stack_rows)
+        # a tiered table is held as its device cache (its "view"); the host side
+        # (`sparsejax.embedding.HostTables`) fills it and maps raw ids to cache slots
+        self.device_tables = {t.name: t.device_view() for t in tables}
+        self.tiered_tables = {t.name: t for t in tables if t.is_tiered}
+        self.stacks: dict[str, Stack] = plan_stacks(
+            tuple(self.device_tables.values()), max_rows=max_stack_rows
+        )
         self.stack_of = {t.name: s.name for s in self.stacks.values() for t in s.tables}
         groups: dict[tuple[str, str], list[FeatureSpec]] = {}
         for f in features:
@@ -298,10 +304,13 @@ class DeviceTableStore:
         return {name: self.init_part(key, name) for name in self.stacks}
 
     def export_tables(self, state: Mapping) -> dict:
-        """`{table: {"weights": [V, D], "slots": {...}}}`: the stacking-free form."""
+        """`{table: {"weights": [V, D], "slots": {...}}}`: the stacking-free form. Tiered
+        tables are not in it: their state is on the host (`HostTables.snapshot`)."""
         out = {}
         for name, stack in self.stacks.items():
             for t, off in zip(stack.tables, stack.offsets, strict=True):
+                if t.name in self.tiered_tables:
+                    continue
                 rows = slice(off, off + t.vocab_size)
                 out[t.name] = {
                     "weights": state[name]["weights"][rows],
@@ -311,11 +320,26 @@ class DeviceTableStore:
 
     def import_tables(self, tables: Mapping) -> dict:
         """Inverse of `export_tables`, placed on the mesh; names a missing table or a
-        mismatched shape or slot set."""
+        mismatched shape or slot set. Tiered tables get an empty device cache."""
         state = {}
         for name, stack in self.stacks.items():
             parts = []
             for t in stack.tables:
+                if t.name in self.tiered_tables:
+                    parts.append(
+                        {
+                            "weights": np.zeros((t.vocab_size, t.dim), jnp.dtype(t.dtype)),
+                            "slots": {
+                                s.name: np.full(
+                                    (t.vocab_size,) if s.per_row else (t.vocab_size, t.dim),
+                                    s.init,
+                                    s.dtype,
+                                )
+                                for s in stack.optimizer.slots()
+                            },
+                        }
+                    )
+                    continue
                 if t.name not in tables:
                     raise KeyError(f"no saved state for table {t.name!r} (saved: {sorted(tables)})")
                 parts.append(tables[t.name])
@@ -374,7 +398,7 @@ class DeviceTableStore:
             ids, segs, coefs, offset = [], [], [], 0
             for f in group.features:
                 jag = features[f.name]
-                table = self.tables[f.table]
+                table = self.device_tables[f.table]
                 start = stack.offset_of(f.table)
                 bags = batch_size * f.bags_per_example()
                 i = jnp.asarray(jag.ids, jnp.int32)

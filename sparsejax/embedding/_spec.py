@@ -284,7 +284,9 @@ class TableSpec:
     dtype: str = "float32"
     """Storage dtype of the weights, "float32" or "bfloat16" (slots are always f32)."""
     initializer: Initializer = dataclasses.field(default_factory=uniform_init)
-    """`init(key, shape, dtype)`; default U(+-sqrt(1/vocab_size)) as in TorchRec."""
+    """`init(key, shape, dtype)`; default U(+-sqrt(1/vocab_size)) as in TorchRec (a
+    dynamic table: `dynamic.max_rows` for vocab_size, else U(+-sqrt(1/dim))). A dynamic
+    table draws each new key's row from the table's seed and the key alone."""
     optimizer: SparseOptimizer = dataclasses.field(
         default_factory=lambda: RowWiseAdagrad(learning_rate=0.01)
     )

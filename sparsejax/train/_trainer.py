@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,22 @@ def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
 LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
 
 
+def shape_batch(batch):
+    """`batch` with 64-bit ids (the raw keys of dynamic tables) as int32 zeros (-1 kept):
+    the shapes a model's init traces with; the values never matter there."""
+    if not isinstance(batch, SparseBatch):
+        return batch
+    features = {}
+    for name, f in batch.features.items():
+        ids = np.asarray(f.ids) if not isinstance(f.ids, jax.Array) else f.ids
+        if ids.dtype.itemsize == 8:
+            f = dataclasses.replace(
+                f, ids=np.where(np.asarray(ids).view(np.int64) >= 0, 0, -1).astype(np.int32)
+            )
+        features[name] = f
+    return dataclasses.replace(batch, features=features)
+
+
 class Trainer:
     """Builds the train and eval steps of `model` (a Flax module taking a `SparseBatch`;
     its `task` class attribute picks the loss: "binary" or "retrieval").
@@ -102,6 +119,9 @@ class Trainer:
         self.loss_fn = LOSSES[self.task]
         self._layouts: Layouts | None = None
         self._steps: dict[tuple[str, int], Callable] = {}
+        self.host_tables = None
+        """The host side of the model's tiered (dynamic / host-cached) tables, from `init`;
+        None when it has none."""
 
     # ---- placement ------------------------------------------------------------------
     def _replicated(self) -> NamedSharding:
@@ -161,11 +181,19 @@ class Trainer:
 
     # ---- steps ----------------------------------------------------------------------
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        """One jitted step (`state` is donated): `(new state, {"loss": loss})`."""
+        """One jitted step (`state` is donated): `(new state, {"loss": loss})`. With
+        tiered tables, the host maps the batch's raw ids to cache slots and exchanges
+        rows first (while the previous step still runs)."""
+        if self.host_tables is not None:
+            tables, batch = self.host_tables.prepare_train(state.tables, batch)
+            state = state.replace(tables=tables)
         return self._jitted("train", batch)(state, batch)
 
     def eval_step(self, state: TrainState, batch) -> jax.Array:
         """The model's output on `batch` (jitted, no dropout)."""
+        if self.host_tables is not None:
+            tables, batch = self.host_tables.prepare_eval(state.tables, batch)
+            state = state.replace(tables=tables)
         return self._jitted("eval", batch)(state, batch)
 
     @property
@@ -189,6 +217,7 @@ class Trainer:
         table shape.
         """
         k_init, k_tables, k_rng = jax.random.split(key, 3)
+        batch = shape_batch(batch)
         layouts, shapes = trace_layouts(self.model, batch)
         unknown = set(shapes) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
         if unknown:
@@ -199,13 +228,19 @@ class Trainer:
         self._layouts, self._steps = layouts, {}
         # tables are dropped inside the jit, so XLA never compiles their initializers
         params = jax.jit(lambda k: self.model.init(k, batch).get("params", {}))(k_init)
+        layer_keys = {
+            path: jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode()))
+            for path in layouts
+        }
         tables = tables_from_layers(
-            layouts,
-            {
-                path: store.init(jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode())))
-                for path, store in self._stores().items()
-            },
+            layouts, {path: store.init(layer_keys[path]) for path, store in self._stores().items()}
         )
+        self.host_tables = None
+        if any(getattr(store, "tiered_tables", {}) for store in layouts.values()):
+            from ..embedding._tiered import HostTables
+
+            self.host_tables = HostTables(layouts)
+            self.host_tables.init(layer_keys)
         return self.put_state(
             TrainState(
                 step=jnp.zeros((), jnp.int32),

@@ -1,0 +1,910 @@
+"""The host side of tiered tables: dynamic IDs and the device cache.
+
+A tiered table (`TableSpec.dynamic` and/or `TableSpec.cache`) keeps every row and
+optimizer slot in a host store (`HostRows`: RAM, then disk) and only a device cache of
+`device_rows` rows, plus one default row, in the jitted state. The jitted step never sees
+a raw ID: before each step, `HostTables.prepare_train`
+
+1. maps the batch's raw keys to host rows (`IdMap`; a static table's ids are its rows),
+   admitting new keys (`CountFilter` / `BloomFilter`) and evicting old ones (TTL, norm,
+   `max_rows`); keys without a row read the default row and receive no update;
+2. maps rows to cache slots: a miss takes a free slot or the least recently (or
+   frequently) used one the batch does not use;
+3. dispatches one jitted exchange per embedding layer (state donated): it gathers the
+   victims' rows and slots (written back to the host store at the next call) and
+   scatters the misses' rows in; the batch's ids become slot ids.
+
+JAX dispatch is asynchronous, so steps 1-2 for batch t+1 run on the host while the
+device runs step t (the prefetch pipeline of TorchRec's TrainPipelineSparseDist). Moving
+rows never changes their values, so with the same order of updates a cached table
+trains exactly as the same table fully on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._admission import make_filter
+from ._device_store import _name_hash, _table_key
+from ._host_rows import HostRows
+from ._id_map import IdMap, unique_keys
+from ._snapshot import TableSnapshot
+from ._spec import (
+    FeatureSpec,
+    TableSpec,
+    constant_init,
+    normal_init,
+    truncated_normal_init,
+    uniform_init,
+)
+
+
+class TieredInputError(ValueError):
+    """A batch's ids for a tiered table are not valid (dtype, sign, range)."""
+
+
+class CacheCapacityError(ValueError):
+    """A batch needs more distinct rows of a table than its device cache holds."""
+
+
+class DynamicTableFullError(ValueError):
+    """A dynamic table at `max_rows` got new IDs and may not evict."""
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _uniform01(keys: np.ndarray, dim: int, seed: int, stream: int) -> np.ndarray:
+    """f32[n, dim] in [0, 1): a pure function of (seed, stream, key, column)."""
+    base = _mix64(keys.astype(np.uint64) ^ np.uint64(seed & (2**64 - 1)))
+    cols = (np.arange(dim, dtype=np.uint64) + np.uint64(1 + stream * dim)) * _GOLDEN
+    bits = _mix64(base[:, None] + cols[None, :])
+    return ((bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)).astype(np.float32)
+
+
+def keyed_rows(init, keys: np.ndarray, dim: int, seed: int, scale_rows: int) -> np.ndarray:
+    """Initial rows (f32[n, dim]) of new keys of a dynamic table: each a pure function of
+    the table's seed and the key, so a key's row is the same whenever, and in whichever
+    order, it is admitted. `scale_rows` stands for the vocabulary size of initializers
+    whose default scale depends on it (TorchRec's U(+-sqrt(1/V)))."""
+    n = keys.shape[0]
+    shape = (scale_rows, dim)
+    if isinstance(init, uniform_init):
+        s = np.float32(init._bound(shape))
+        return (_uniform01(keys, dim, seed, 0) * 2 - 1) * s
+    if isinstance(init, (normal_init, truncated_normal_init)):
+        std = np.float32(init._std(shape))
+        z = _normal(keys, dim, seed, 0)
+        if isinstance(init, truncated_normal_init):
+            bad, stream = np.abs(z) > 2, 1
+            while bad.any():
+                rows = np.nonzero(bad.any(axis=1))[0]
+                redraw = _normal(keys[rows], dim, seed, stream)
+                z[rows] = np.where(bad[rows], redraw, z[rows])
+                bad, stream = np.abs(z) > 2, stream + 1
+        return z * std
+    if isinstance(init, constant_init):
+        return np.full((n, dim), init.value, np.float32)
+    # any other initializer: a jax.random key folded from each key (one call per row)
+    base = jax.random.key(seed & 0x7FFFFFFF)
+    out = np.empty((n, dim), np.float32)
+    for i, k in enumerate(keys.astype(np.uint64)):
+        kk = jax.random.fold_in(
+            jax.random.fold_in(base, int(k >> np.uint64(32))), int(k) & 0xFFFFFFFF
+        )
+        out[i] = np.asarray(init(kk, (1, dim), jnp.float32), np.float32)[0]
+    return out
+
+
+def _normal(keys, dim, seed, stream) -> np.ndarray:
+    """Standard normals by Box-Muller over two keyed uniform streams."""
+    u1 = _uniform01(keys, dim, seed, 2 * stream + 1)
+    u2 = _uniform01(keys, dim, seed, 2 * stream + 2)
+    r = np.sqrt(-2.0 * np.log1p(-u1))  # u1 in [0, 1): 1 - u1 in (0, 1]
+    return (r * np.cos(2 * np.pi * u2)).astype(np.float32)
+
+
+class _Column:
+    """A growable per-row array (doubles its capacity; new entries get `fill`)."""
+
+    def __init__(self, dtype, fill):
+        self.dtype, self.fill = np.dtype(dtype), fill
+        self.data = np.full(1024, fill, self.dtype)
+
+    def ensure(self, n: int) -> None:
+        if n > self.data.shape[0]:
+            new = np.full(max(n, 2 * self.data.shape[0]), self.fill, self.dtype)
+            new[: self.data.shape[0]] = self.data
+            self.data = new
+
+
+@dataclasses.dataclass
+class TableStats:
+    """Counters of one tiered table since the run (or the restore) started."""
+
+    steps: int = 0
+    lookups: int = 0  # ids looked up (padding excluded)
+    unique_rows: int = 0  # distinct rows looked up, summed over steps
+    hits: int = 0  # of those, already in the device cache
+    rows_moved: int = 0  # rows loaded into the cache
+    admitted: int = 0
+    rejected: int = 0  # lookups of keys without a row (not yet admitted, or refused when full)
+    evicted: int = 0
+
+
+def _bucket(n: int) -> int:
+    """Padded size of an exchange: a few sizes only, so it compiles a few times."""
+    return max(64, 1 << max(0, n - 1).bit_length())
+
+
+class HostTable:
+    """The host side of one tiered table (see the module docstring)."""
+
+    def __init__(self, spec: TableSpec, features: tuple[FeatureSpec, ...], *, key: str):
+        self.spec, self.key, self.features = spec, key, features
+        self.dynamic = spec.dynamic is not None
+        self.capacity = spec.device_rows  # cache slots; slot `capacity` is the default row
+        self.slot_specs = tuple(spec.optimizer.slots())
+        cache = spec.cache
+        self.rows = HostRows(
+            spec.name,
+            spec.dim,
+            jnp.dtype(spec.dtype),
+            [(s.name, s.per_row, s.init) for s in self.slot_specs],
+            ram_bytes=None if cache is None else cache.ram_bytes,
+            disk_dir=None if cache is None else cache.disk_dir,
+        )
+        self.policy = "lru" if cache is None else cache.policy
+        self.count = _Column(np.int64, 0)  # times seen, per row
+        self.last_seen = _Column(np.int64, -1)  # step last seen, per row
+        self.dirty = _Column(np.bool_, False)  # changed since the last save
+        self.row_slot = _Column(np.int32, -1)  # cache slot of each row, -1: not cached
+        self.slot_row = np.full(self.capacity, -1, np.int32)
+        self.slot_used = np.zeros(self.capacity, np.int64)  # LRU: step last used
+        self.free_slots = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)  # a stack
+        self.n_free_slots = self.capacity
+        self.stats = TableStats()
+        self.seed = 0
+        if self.dynamic:
+            self.map = IdMap()
+            self.row_keys = _Column(np.int64, -1)
+            self.free_rows = np.zeros(0, np.int64)
+            self.high = 0  # rows ever allocated (the next fresh row)
+            self.admission = make_filter(spec.dynamic.admission)
+            self.tombstones: list[np.ndarray] = []
+        else:
+            self.high = spec.vocab_size
+            for col in (self.count, self.last_seen, self.dirty, self.row_slot):
+                col.ensure(self.high)
+        self.default_reset = True  # the default row is (re)written at the next exchange
+        self.default_values: tuple[np.ndarray, dict] | None = None  # trainable default row
+
+    # ---- initial values ----------------------------------------------------------------
+    def init(self, layer_key: jax.Array) -> None:
+        """Initial rows: a static table's all at once, drawn exactly as the device store
+        draws the same table; a dynamic table's per key at admission (from a seed)."""
+        key_data = np.asarray(jax.random.key_data(layer_key)).ravel().tolist()
+        mixed = 0
+        for word in key_data:  # the layer key's words, then the table's name
+            mixed = int(_mix64(np.array([(mixed << 32 ^ word) & (2**64 - 1)], np.uint64))[0])
+        self.seed = int(_mix64(np.array([mixed ^ _name_hash(self.spec.name)], np.uint64))[0])
+        if self.dynamic:
+            return
+        spec, v = self.spec, self.spec.vocab_size
+        self.rows.ensure(v)
+        init = spec.initializer
+        dtype = jnp.dtype(spec.dtype)
+        if not hasattr(init, "fill"):
+            if hasattr(init, "host"):
+                w = init.host(
+                    np.random.default_rng([*key_data, _name_hash(spec.name)]), (v, spec.dim), dtype
+                )
+            else:
+                w = np.asarray(init(_table_key(layer_key, spec.name), (v, spec.dim), dtype))
+            self._write_initial(np.arange(v), w)
+            return
+        # `fill` draws chunk by chunk; sub-ranges aligned to its chunks give the same values
+        rng = np.random.default_rng([*key_data, _name_hash(spec.name)])
+        from ._spec import FILL_CHUNK_ELEMENTS
+
+        chunk = max(1, FILL_CHUNK_ELEMENTS // spec.dim) * 16
+        for start in range(0, v, chunk):
+            rows = np.arange(start, min(v, start + chunk))
+            w = np.empty((rows.shape[0], spec.dim), dtype)
+            init.fill(rng, w)
+            self._write_initial(rows, w)
+
+    def _write_initial(self, rows: np.ndarray, weights: np.ndarray) -> None:
+        self.rows.scatter(rows, weights, self._init_slots(rows.shape[0]))
+
+    def _init_slots(self, n: int) -> dict[str, np.ndarray]:
+        d = self.spec.dim
+        return {
+            s.name: np.full((n,) if s.per_row else (n, d), s.init, np.float32)
+            for s in self.slot_specs
+        }
+
+    # ---- ids -> rows -------------------------------------------------------------------
+    def check_ids(self, feature: str, ids) -> np.ndarray:
+        """The feature's ids as int64 (padding -1), or a one-line error naming it."""
+        ids = np.asarray(ids)
+        t = self.spec.name
+        if self.dynamic:
+            if ids.dtype == np.uint64:
+                return ids.view(np.int64)
+            if ids.dtype != np.int64:
+                raise TieredInputError(
+                    f"feature {feature!r} (dynamic table {t!r}): ids have dtype {ids.dtype}; "
+                    f"raw IDs must be int64 or uint64"
+                )
+            bad = ids < -1
+            if bad.any():
+                raise TieredInputError(
+                    f"feature {feature!r} (dynamic table {t!r}): negative ID "
+                    f"{int(ids[bad][0])}; raw IDs are >= 0 (-1 pads; missing values: "
+                    f"MISSING_KEY)"
+                )
+            return ids
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TieredInputError(
+                f"feature {feature!r} (table {t!r}): ids have dtype {ids.dtype}, not integers"
+            )
+        ids = ids.astype(np.int64, copy=False)
+        bad = (ids < -1) | (ids >= self.spec.vocab_size)
+        if bad.any():
+            raise TieredInputError(
+                f"feature {feature!r} (table {t!r}): id {int(ids[bad][0])} is out of range "
+                f"[0, {self.spec.vocab_size})"
+            )
+        return ids
+
+    def _rows_of(self, uniq: np.ndarray, counts: np.ndarray, step: int, admit: bool) -> np.ndarray:
+        """Rows of unique keys (-1: no row); with `admit`, new keys may get rows."""
+        if not self.dynamic:
+            return uniq.copy()
+        rows = self.map.lookup(uniq).astype(np.int64)
+        if not admit:
+            return rows
+        new = np.nonzero(rows < 0)[0]
+        if new.shape[0]:
+            ok = self.admission.observe(uniq[new], counts[new])
+            take = new[ok]
+            if take.shape[0]:
+                got = self._allocate(uniq[take], keep=rows[rows >= 0], step=step)
+                rows[take[: got.shape[0]]] = got
+        return rows
+
+    def _allocate(self, keys: np.ndarray, *, keep: np.ndarray, step: int) -> np.ndarray:
+        """Rows for newly admitted keys (fewer than asked only with when_full='default_row');
+        rows of keys in `keep` (this batch's) are never evicted to make room."""
+        dyn = self.spec.dynamic
+        n = keys.shape[0]
+        room = self.free_rows.shape[0] + (
+            n if dyn.max_rows is None else max(0, dyn.max_rows - self.high)
+        )
+        if room < n:
+            if dyn.when_full == "error":
+                raise DynamicTableFullError(
+                    f"dynamic table {self.spec.name!r} is full ({dyn.max_rows} rows, "
+                    f"max_rows) and {n} new IDs need rows; set dynamic.when_full to "
+                    f"'evict' or 'default_row', add an eviction policy, or raise max_rows"
+                )
+            if dyn.when_full == "evict":
+                self._evict_to_make_room(n - room, keep)
+                room = self.free_rows.shape[0] + max(0, dyn.max_rows - self.high)
+            keys = keys[:room]
+            n = keys.shape[0]
+        reuse = min(n, self.free_rows.shape[0])
+        rows = np.concatenate(
+            [
+                self.free_rows[self.free_rows.shape[0] - reuse :][::-1],
+                np.arange(self.high, self.high + n - reuse, dtype=np.int64),
+            ]
+        )
+        self.free_rows = self.free_rows[: self.free_rows.shape[0] - reuse]
+        self.high += n - reuse
+        for col in (self.count, self.last_seen, self.dirty, self.row_slot, self.row_keys):
+            col.ensure(self.high)
+        self.rows.ensure(self.high)
+        # the default scale of U(+-sqrt(1/V)) with no V: max_rows, else the dim (as
+        # DeepRec's 1/sqrt(dim)); never the cache size, which may change between runs
+        scale_rows = dyn.max_rows or self.spec.dim
+        w = keyed_rows(self.spec.initializer, keys, self.spec.dim, self.seed, scale_rows)
+        self.rows.scatter(rows, w.astype(jnp.dtype(self.spec.dtype)), self._init_slots(n))
+        self.map.insert(keys, rows.astype(np.int32))
+        self.row_keys.data[rows] = keys
+        self.count.data[rows] = 0
+        self.last_seen.data[rows] = step
+        self.dirty.data[rows] = True
+        self.stats.admitted += n
+        return rows
+
+    def _evict_to_make_room(self, need: int, keep: np.ndarray) -> None:
+        """Evict the least frequently seen rows (ties: least recently) outside `keep`;
+        a little more than needed, so a full table does not sort every step."""
+        live = np.nonzero(self.row_keys.data[: self.high] >= 0)[0]
+        live = live[~np.isin(live, keep)]
+        extra = max(need, (self.spec.dynamic.max_rows or 0) // 100)
+        k = min(live.shape[0], extra)
+        if k < need:
+            raise DynamicTableFullError(
+                f"dynamic table {self.spec.name!r}: one batch needs {need} more rows than "
+                f"max_rows={self.spec.dynamic.max_rows} leaves after its own rows"
+            )
+        order = np.lexsort((self.last_seen.data[live], self.count.data[live]))[:k]
+        self.evict_rows(live[order])
+
+    def evict_rows(self, rows: np.ndarray) -> None:
+        """Remove rows' keys (tombstoned for the next save); rows and slots are reused."""
+        if rows.shape[0] == 0:
+            return
+        keys = self.row_keys.data[rows]
+        self.map.erase(keys)
+        self.admission.forget(keys)
+        self.tombstones.append(keys.copy())
+        slots = self.row_slot.data[rows]
+        cached = slots >= 0
+        self._free_slots(slots[cached])
+        self.row_slot.data[rows] = -1
+        self.row_keys.data[rows] = -1
+        self.dirty.data[rows] = False
+        self.count.data[rows] = 0
+        self.last_seen.data[rows] = -1
+        self.free_rows = np.concatenate([self.free_rows, rows.astype(np.int64)])
+        self.stats.evicted += rows.shape[0]
+
+    def _free_slots(self, slots: np.ndarray) -> None:
+        self.slot_row[slots] = -1
+        n = slots.shape[0]
+        self.free_slots[self.n_free_slots : self.n_free_slots + n] = slots
+        self.n_free_slots += n
+
+    # ---- rows -> cache slots -----------------------------------------------------------
+    def place(self, rows: np.ndarray, step: int):
+        """Cache slots of distinct `rows` (all >= 0), loading misses: returns
+        `(slots, load_slots, load_rows, old_rows)`: `load_rows` go into `load_slots`,
+        whose previous rows `old_rows` (-1: the slot was free) leave the cache."""
+        if rows.shape[0] > self.capacity:
+            raise CacheCapacityError(
+                f"table {self.spec.name!r}: one batch looks up {rows.shape[0]} distinct rows "
+                f"but its device cache holds {self.capacity} (cache.rows); raise cache.rows "
+                f"to at least {rows.shape[0]} or use smaller batches"
+            )
+        slots = self.row_slot.data[rows]
+        hit = slots >= 0
+        if self.policy == "lru":
+            self.slot_used[slots[hit]] = step
+        miss = np.nonzero(~hit)[0]
+        n = miss.shape[0]
+        take = min(n, self.n_free_slots)
+        load_slots = np.empty(n, np.int32)
+        load_slots[:take] = self.free_slots[self.n_free_slots - take : self.n_free_slots]
+        self.n_free_slots -= take
+        if n > take:
+            # neither a slot the batch hits nor one it just took may be a victim
+            keep = np.concatenate([slots[hit], load_slots[:take]])
+            load_slots[take:] = self._victims(n - take, keep, step)
+        old = self.slot_row[load_slots].astype(np.int64)
+        self.row_slot.data[old[old >= 0]] = -1
+        load_rows = rows[miss]
+        self.slot_row[load_slots] = load_rows
+        self.row_slot.data[load_rows] = load_slots
+        if self.policy == "lru":
+            self.slot_used[load_slots] = step
+        slots[miss] = load_slots
+        return slots, load_slots, load_rows, old
+
+    def _victims(self, k: int, in_batch: np.ndarray, step: int) -> np.ndarray:
+        """k occupied slots the batch does not use: least recently used (LRU) or least
+        frequently seen rows (LFU)."""
+        if self.policy == "lru":
+            score = self.slot_used.copy()
+            score[in_batch] = np.iinfo(np.int64).max
+        else:
+            score = self.count.data[self.slot_row].astype(np.int64)
+            score[in_batch] = np.iinfo(np.int64).max
+        return np.argpartition(score, k - 1)[:k].astype(np.int32)
+
+    # ---- one batch ----------------------------------------------------------------------
+    def map_batch(self, ids_by_feature: Mapping[str, np.ndarray], step: int, *, train: bool):
+        """Slot ids per feature, and `(load_slots, load_rows, old_rows)` of the cache
+        exchange (`old_rows`: the rows the load slots held, to write back; -1 none).
+
+        Train: new keys may be admitted, counts and last-seen updated, the cache
+        changed. Eval: nothing changes; rows outside the cache are placed (for this
+        batch only) in slots the batch does not use, returned as the loads."""
+        names = list(ids_by_feature)
+        checked = [self.check_ids(f, ids_by_feature[f]) for f in names]
+        keys = np.concatenate(checked) if checked else np.zeros(0, np.int64)
+        uniq, inverse, counts = unique_keys(keys)
+        rows = self._rows_of(uniq, counts, step, admit=train)
+        has = rows >= 0
+        r = rows[has]
+        if train:
+            self.count.data[r] += counts[has]
+            self.last_seen.data[r] = step
+            self.dirty.data[r] = True
+            st = self.stats
+            st.steps += 1
+            st.lookups += int(counts.sum())
+            st.rejected += int(counts[~has].sum())
+            st.unique_rows += r.shape[0]
+            slots, load_slots, load_rows, old_rows = self.place(r, step)
+            st.hits += r.shape[0] - load_rows.shape[0]
+            st.rows_moved += load_rows.shape[0]
+        else:
+            slots, load_slots, load_rows = self._place_for_eval(r)
+            old_rows = np.full(load_slots.shape[0], -1, np.int64)
+        slot_of_uniq = np.full(uniq.shape[0], self.capacity, np.int32)  # no row: default
+        slot_of_uniq[has] = slots
+        flat = np.where(inverse >= 0, slot_of_uniq[np.maximum(inverse, 0)], -1).astype(np.int32)
+        out, start = {}, 0
+        for f, ids in zip(names, checked, strict=True):
+            out[f] = flat[start : start + ids.shape[0]]
+            start += ids.shape[0]
+        return out, load_slots, load_rows, old_rows
+
+    def _place_for_eval(self, rows: np.ndarray):
+        if rows.shape[0] > self.capacity:
+            self.place(rows, 0)  # raises CacheCapacityError
+        slots = self.row_slot.data[rows].copy()
+        miss = np.nonzero(slots < 0)[0]
+        if miss.shape[0] == 0:
+            return slots, np.zeros(0, np.int32), np.zeros(0, np.int64)
+        used = np.zeros(self.capacity, np.bool_)
+        used[slots[slots >= 0]] = True
+        spare = np.nonzero(~used)[0][: miss.shape[0]].astype(np.int32)
+        slots[miss] = spare
+        return slots, spare, rows[miss]
+
+    # ---- eviction policy -----------------------------------------------------------------
+    def expired_rows(self, step: int, norms=None) -> np.ndarray:
+        """Live rows the eviction policy removes now (TTL; norm when `norms` given)."""
+        ev = self.spec.dynamic.eviction
+        live = np.nonzero(self.row_keys.data[: self.high] >= 0)[0]
+        out = np.zeros(live.shape[0], np.bool_)
+        if ev.ttl_steps is not None:
+            out |= self.last_seen.data[live] < step - ev.ttl_steps
+        if ev.min_norm is not None and norms is not None:
+            out |= norms(live) < ev.min_norm
+        return live[out]
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def live_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, keys) of every row holding a key (a static table: all, keyed by id)."""
+        if not self.dynamic:
+            rows = np.arange(self.high, dtype=np.int64)
+            return rows, rows
+        rows = np.nonzero(self.row_keys.data[: self.high] >= 0)[0]
+        return rows, self.row_keys.data[rows]
+
+    def snapshot(self, step: int, incremental: bool) -> TableSnapshot:
+        """The host state (current: flush the cache first); `incremental`: the rows changed
+        since the last `mark_saved`, and the keys evicted since."""
+        rows, keys = self.live_rows()
+        if incremental:
+            keep = self.dirty.data[rows]
+            rows, keys = rows[keep], keys[keep]
+        w, slots = self.rows.gather(rows)
+        arrays = {
+            "keys": keys.astype(np.int64),
+            "weights": w,
+            "count": self.count.data[rows].copy(),
+            "last_seen": self.last_seen.data[rows].copy(),
+            **{f"slot/{k}": v for k, v in slots.items()},
+        }
+        if self.dynamic:
+            tomb = np.concatenate(self.tombstones) if self.tombstones else np.zeros(0, np.int64)
+            arrays["tombstones"] = tomb if incremental else np.zeros(0, np.int64)
+            arrays |= {f"admission/{k}": v for k, v in self.admission.state().items()}
+            arrays["high"] = np.array([self.high], np.int64)
+        if self.default_values is not None:
+            dw, ds = self.default_values
+            arrays["default/weights"] = dw
+            arrays |= {f"default/slot/{k}": v for k, v in ds.items()}
+        meta = {
+            "table": self.spec.name,
+            "dim": self.spec.dim,
+            "dtype": self.spec.dtype,
+            "dynamic": self.dynamic,
+            "seed": str(self.seed),
+            "stats": dataclasses.asdict(self.stats),
+        }
+        return TableSnapshot("delta" if incremental else "full", step, arrays, meta)
+
+    def mark_saved(self) -> None:
+        self.dirty.data[:] = False
+        if self.dynamic:
+            self.tombstones = []
+
+    def restore(self, chain: list[TableSnapshot]) -> None:
+        """Rebuild from a full snapshot and its deltas (in order); the cache starts empty."""
+        self.__init__(self.spec, self.features, key=self.key)
+        first = chain[0]
+        if first.kind != "full":
+            raise ValueError(f"table {self.spec.name!r}: a restore chain starts with a full save")
+        self.seed = int(first.meta["seed"])
+        for snap in chain:
+            a = snap.arrays
+            keys = a["keys"]
+            slots = {k[len("slot/") :]: v for k, v in a.items() if k.startswith("slot/")}
+            if self.dynamic:
+                if a["tombstones"].shape[0]:
+                    rows = self.map.lookup(a["tombstones"])
+                    self.evict_rows(rows[rows >= 0].astype(np.int64))
+                rows = self.map.lookup(keys).astype(np.int64)
+                new = rows < 0
+                if new.any():
+                    n = int(new.sum())
+                    got = np.arange(self.high, self.high + n, dtype=np.int64)
+                    if self.free_rows.shape[0]:
+                        reuse = min(n, self.free_rows.shape[0])
+                        got[:reuse] = self.free_rows[-reuse:]
+                        self.free_rows = self.free_rows[:-reuse]
+                        got[reuse:] = np.arange(self.high, self.high + n - reuse)
+                    self.high = max(self.high, int(got.max(initial=-1)) + 1)
+                    for col in (
+                        self.count,
+                        self.last_seen,
+                        self.dirty,
+                        self.row_slot,
+                        self.row_keys,
+                    ):
+                        col.ensure(self.high)
+                    self.rows.ensure(self.high)
+                    self.map.insert(keys[new], got.astype(np.int32))
+                    self.row_keys.data[got] = keys[new]
+                    rows[new] = got
+                self.admission.load_state(
+                    {k[len("admission/") :]: v for k, v in a.items() if k.startswith("admission/")}
+                )
+            else:
+                rows = keys
+            self.rows.scatter(rows, a["weights"], slots)
+            self.count.data[rows] = a["count"]
+            self.last_seen.data[rows] = a["last_seen"]
+            if "default/weights" in a:
+                self.default_values = (
+                    a["default/weights"],
+                    {
+                        k[len("default/slot/") :]: v
+                        for k, v in a.items()
+                        if k.startswith("default/slot/")
+                    },
+                )
+        self.tombstones = [] if self.dynamic else None
+        self.stats = TableStats(**chain[-1].meta.get("stats", {}))
+        self.default_reset = True
+
+    def report(self) -> dict:
+        """Stats for logs and summary.json."""
+        st = self.stats
+        live = int(self.map.__len__()) if self.dynamic else self.spec.vocab_size
+        out = {
+            "rows_live": live,
+            "cache_rows": self.capacity,
+            "admitted": st.admitted,
+            "rejected": st.rejected,
+            "evicted": st.evicted,
+            "lookups_per_step": st.lookups / max(st.steps, 1),
+            "rows_moved_per_step": st.rows_moved / max(st.steps, 1),
+            "cache_hit_rate": st.hits / st.unique_rows if st.unique_rows else None,
+            "host_ram_bytes": int(self.rows.ram_bytes_used),
+            "host_disk_bytes": int(self.rows.disk_bytes_used),
+        }
+        if self.dynamic:
+            out["pending_admission"] = int(self.admission.pending)
+        return out
+
+
+def layer_table_key(path: tuple[str, ...], table: str) -> str:
+    """ "<layer path>/<table>": a tiered table's name in checkpoints and stats."""
+    return f"{'/'.join(path) or '<root>'}/{table}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where a tiered table's cache lives in its layer's stacked state."""
+
+    stack: str
+    offset: int
+    stack_rows: int  # an exchange's padding index (out of bounds: dropped)
+    capacity: int
+    zero_default: bool
+
+
+class _Layer:
+    """The tiered tables of one embedding layer and its jitted exchanges."""
+
+    def __init__(self, path, store, tables: dict[str, HostTable]):
+        self.path, self.tables = path, tables
+        self.place = {}
+        for name, ht in tables.items():
+            stack = store.stacks[store.stack_of[name]]
+            self.place[name] = _Placement(
+                stack.name,
+                stack.offset_of(name),
+                stack.rows,
+                ht.capacity,
+                ht.spec.dynamic is None or ht.spec.dynamic.default_row == "zeros",
+            )
+        self.stacks = sorted({p.stack for p in self.place.values()})
+        self.exchange = jax.jit(self._exchange, donate_argnums=0)
+        self.eval_exchange = jax.jit(lambda state, loads: self._exchange(state, loads)[0])
+        self.gather = jax.jit(self._gather)
+
+    def _exchange(self, state, loads):
+        """Gather the rows leaving the cache, scatter the rows entering it, (re)write
+        each default row; padding indices are out of bounds (read as 0, dropped)."""
+        state = {k: {"weights": v["weights"], "slots": dict(v["slots"])} for k, v in state.items()}
+        evicted = {}
+        for name, ld in loads.items():
+            p, st = self.place[name], state[self.place[name].stack]
+            idx = ld["index"]
+            w = st["weights"]
+            evicted[name] = (
+                w.at[idx].get(mode="fill", fill_value=0),
+                {k: v.at[idx].get(mode="fill", fill_value=0) for k, v in st["slots"].items()},
+            )
+            d = p.offset + p.capacity
+            w = w.at[idx].set(ld["weights"].astype(w.dtype), mode="drop")
+            st["weights"] = w.at[d].set(
+                jnp.where(ld["reset"], ld["default_weights"].astype(w.dtype), w[d])
+            )
+            for k, v in st["slots"].items():
+                v = v.at[idx].set(ld["slots"][k], mode="drop")
+                st["slots"][k] = v.at[d].set(jnp.where(ld["reset"], ld["default_slots"][k], v[d]))
+        return state, evicted
+
+    def _gather(self, state, index):
+        out = {}
+        for name, idx in index.items():
+            st = state[self.place[name].stack]
+            out[name] = (
+                st["weights"].at[idx].get(mode="fill", fill_value=0),
+                {k: v.at[idx].get(mode="fill", fill_value=0) for k, v in st["slots"].items()},
+            )
+        return out
+
+
+def _subtree(tree: Mapping, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _with_subtree(tree: Mapping, path: tuple, value: Mapping) -> dict:
+    if not path:
+        return {**tree, **value}
+    return {**tree, path[0]: _with_subtree(tree[path[0]], path[1:], value)}
+
+
+def _pad(a: np.ndarray, n: int, fill=0) -> np.ndarray:
+    out = np.full((n, *a.shape[1:]), fill, a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+class HostTables:
+    """The host side of every tiered table of a model, by embedding layer and table.
+
+    `Trainer` builds one at `init` when a layer has tiered tables (`trainer.host_tables`)
+    and calls `prepare_train` / `prepare_eval` before every step; checkpoints call
+    `snapshot` / `restore` / `mark_saved`. Each tiered table is a `HostTable` keyed
+    "<layer path>/<table>" (`tables`).
+
+    Args:
+      layouts: each embedding layer's `TableStore` by module path
+        (`sparsejax.checkpoint.embedding_layouts`).
+    """
+
+    def __init__(self, layouts: Mapping):
+        self.layers: dict[tuple, _Layer] = {}
+        for path, store in layouts.items():
+            tiered = getattr(store, "tiered_tables", {})
+            if not tiered:
+                continue
+            tables = {
+                name: HostTable(
+                    spec,
+                    tuple(f for f in store.features.values() if f.table == name),
+                    key=layer_table_key(path, name),
+                )
+                for name, spec in tiered.items()
+            }
+            self.layers[path] = _Layer(path, store, tables)
+        self.step = 0  # training steps prepared (= the state's step)
+        self._pending: list = []  # exchanges whose evicted rows are not written back yet
+
+    @staticmethod
+    def needed(layouts: Mapping) -> bool:
+        """Whether any layer of `layouts` has a tiered table."""
+        return any(getattr(s, "tiered_tables", {}) for s in layouts.values())
+
+    @property
+    def tables(self) -> dict[str, HostTable]:
+        return {ht.key: ht for layer in self.layers.values() for ht in layer.tables.values()}
+
+    def init(self, layer_keys: Mapping) -> None:
+        """Initial rows; `layer_keys[path]` is the key the layer's store was initialized
+        with (a static cached table then starts exactly as on the device)."""
+        for path, layer in self.layers.items():
+            for ht in layer.tables.values():
+                ht.init(layer_keys[path])
+
+    # ---- steps ---------------------------------------------------------------------------
+    def prepare_train(self, state_tables: Mapping, batch):
+        """`(state_tables, batch)` for the next train step: raw ids mapped to cache slots,
+        the misses loaded (one jitted exchange per layer, the state donated)."""
+        self.step += 1
+        self._write_back()
+        self._run_eviction(state_tables, self.step, due_only=True)
+        return self._prepare(state_tables, batch, train=True)
+
+    def prepare_eval(self, state_tables: Mapping, batch):
+        """`(state_tables, batch)` to evaluate `batch`: nothing of the host side or of
+        `state_tables` changes (the returned tables are a copy where needed)."""
+        self._write_back()
+        return self._prepare(state_tables, batch, train=False)
+
+    def _prepare(self, state_tables, batch, *, train: bool):
+        features = dict(batch.features)
+        for layer in self.layers.values():
+            moves = {}
+            for name, ht in layer.tables.items():
+                missing = [f.name for f in ht.features if f.name not in features]
+                if missing:
+                    raise KeyError(f"batch lacks features {missing} of table {name!r}")
+                ids = {f.name: features[f.name].ids for f in ht.features}
+                mapped, load_slots, load_rows, old_rows = ht.map_batch(ids, self.step, train=train)
+                for f in ht.features:
+                    features[f.name] = dataclasses.replace(features[f.name], ids=mapped[f.name])
+                moves[name] = (load_slots, load_rows, old_rows)
+            state_tables = self._dispatch(state_tables, layer, moves, train=train)
+        return state_tables, dataclasses.replace(batch, features=features)
+
+    def _dispatch(self, state_tables, layer: _Layer, moves, *, train: bool):
+        size = _bucket(max(m[0].shape[0] for m in moves.values()))
+        loads = {}
+        for name, (load_slots, load_rows, _) in moves.items():
+            ht, p = layer.tables[name], layer.place[name]
+            n = load_slots.shape[0]
+            index = np.full(size, p.stack_rows, np.int32)
+            index[:n] = p.offset + load_slots
+            w, slots = ht.rows.gather(load_rows)
+            reset = p.zero_default or ht.default_reset
+            if p.zero_default or ht.default_values is None:
+                dw = np.zeros(ht.spec.dim, np.float32)
+                ds = {
+                    s.name: np.full(() if s.per_row else (ht.spec.dim,), s.init, np.float32)
+                    for s in ht.slot_specs
+                }
+            else:
+                dw, ds = ht.default_values
+            if train:
+                ht.default_reset = False
+            loads[name] = {
+                "index": index,
+                "weights": _pad(np.asarray(w), size),
+                "slots": {k: _pad(v, size) for k, v in slots.items()},
+                "reset": np.bool_(reset),
+                "default_weights": np.asarray(dw, np.float32),
+                "default_slots": {k: np.asarray(v, np.float32) for k, v in ds.items()},
+            }
+        layer_state = _subtree(state_tables, layer.path)
+        sub = {k: layer_state[k] for k in layer.stacks}
+        if not train:
+            return _with_subtree(state_tables, layer.path, layer.eval_exchange(sub, loads))
+        new, evicted = layer.exchange(sub, loads)
+        for leaf in jax.tree.leaves(evicted):
+            leaf.copy_to_host_async()
+        self._pending.append((layer, {k: m[2] for k, m in moves.items()}, evicted))
+        return _with_subtree(state_tables, layer.path, new)
+
+    def _write_back(self) -> None:
+        """Store the rows the previous exchanges moved out of the cache."""
+        for layer, old_rows, evicted in self._pending:
+            for name, rows in old_rows.items():
+                keep = np.nonzero(rows >= 0)[0]
+                if keep.shape[0] == 0:
+                    continue
+                w, slots = jax.device_get(evicted[name])
+                layer.tables[name].rows.scatter(
+                    rows[keep], w[keep], {k: v[keep] for k, v in slots.items()}
+                )
+        self._pending = []
+
+    def flush(self, state_tables: Mapping) -> None:
+        """Copy every cached row (and a trainable default row) to the host store, so the
+        host holds every table's current state (the cache keeps its rows)."""
+        self._write_back()
+        for path, layer in self.layers.items():
+            index, cached = {}, {}
+            for name, ht in layer.tables.items():
+                p = layer.place[name]
+                slots = np.nonzero(ht.slot_row >= 0)[0]
+                cached[name] = (slots, ht.slot_row[slots].astype(np.int64))
+                idx = np.full(_bucket(slots.shape[0] + 1), p.stack_rows, np.int32)
+                idx[: slots.shape[0]] = p.offset + slots
+                idx[slots.shape[0]] = p.offset + p.capacity  # the default row
+                index[name] = idx
+            sub = _subtree(state_tables, path)
+            got = jax.device_get(layer.gather({k: sub[k] for k in layer.stacks}, index))
+            for name, (slots, rows) in cached.items():
+                ht, n = layer.tables[name], slots.shape[0]
+                w, s = got[name]
+                ht.rows.scatter(rows, w[:n], {k: v[:n] for k, v in s.items()})
+                if not layer.place[name].zero_default:
+                    ht.default_values = (w[n].astype(np.float32), {k: v[n] for k, v in s.items()})
+
+    def _run_eviction(self, state_tables, step: int, *, due_only: bool) -> None:
+        """The eviction policies of the dynamic tables (those due at `step`, or all)."""
+        flushed = False
+        for layer in self.layers.values():
+            for ht in layer.tables.values():
+                ev = ht.spec.dynamic.eviction if ht.dynamic else None
+                if ev is None or (due_only and step % ev.every_steps):
+                    continue
+                if ev.min_norm is not None and not flushed:
+                    self.flush(state_tables)
+                    flushed = True
+                ht.evict_rows(
+                    ht.expired_rows(step, ht.rows.norms if ev.min_norm is not None else None)
+                )
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def snapshot(self, state_tables: Mapping, *, incremental: bool) -> dict[str, TableSnapshot]:
+        """Every tiered table's host state after running the eviction policies and
+        flushing the cache; `incremental`: only what changed since `mark_saved`."""
+        self._run_eviction(state_tables, self.step, due_only=False)
+        self.flush(state_tables)
+        return {key: ht.snapshot(self.step, incremental) for key, ht in self.tables.items()}
+
+    def mark_saved(self) -> None:
+        """The last snapshot is on disk: the next incremental one starts from here."""
+        for ht in self.tables.values():
+            ht.mark_saved()
+
+    def restore(self, chain) -> None:
+        """Rebuild every table from `chain` (snapshot dicts, full first, then deltas);
+        the device caches start empty (as `import_tables` leaves them)."""
+        if not chain:
+            raise ValueError("HostTables.restore: an empty chain")
+        for key, ht in self.tables.items():
+            missing = [i for i, c in enumerate(chain) if key not in c]
+            if missing:
+                raise KeyError(
+                    f"the checkpoint has no host state for tiered table {key!r} "
+                    f"(it has {sorted(chain[missing[0]])})"
+                )
+            ht.restore([c[key] for c in chain])
+        self._pending = []
+        self.step = int(next(iter(chain[-1].values())).step) if chain[-1] else self.step
+
+    def stats(self) -> dict[str, dict]:
+        """Per table: rows live, admitted, rejected, evicted, lookups and rows moved per
+        step, cache hit rate, host bytes in RAM and on disk."""
+        return {key: ht.report() for key, ht in self.tables.items()}
+
+    def tables_by_name(self, state_tables: Mapping) -> dict[str, dict]:
+        """`{key: {"keys", "weights", "slots"}}`, current (flushes), rows sorted by key."""
+        self.flush(state_tables)
+        out = {}
+        for key, ht in self.tables.items():
+            rows, keys = ht.live_rows()
+            order = np.argsort(keys, kind="stable")
+            w, s = ht.rows.gather(rows[order])
+            out[key] = {"keys": keys[order], "weights": w, "slots": s}
+        return out
