@@ -360,6 +360,8 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
         "name=dyn",
         "tables={'*': {dynamic: true, cache_rows: 0.5, admission: {min_count: 2}},"
         " user: {ram_bytes: 1KiB}, shop: {dynamic: false, cache_rows: 0}}",
+        "checkpoint_every=2",
+        "checkpoint_full_every=2",
     )
     lines = []
     summary = runner.train(cfg, log=lines.append)
@@ -373,4 +375,6 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
     assert (pathlib.Path(cfg.run_dir) / "host_rows").is_dir()
     assert 0 < user["rows_live"] <= user["admitted"] and user["cache_rows"] > 0
     assert math.isfinite(on_disk["eval"]["auc"])
-    assert (pathlib.Path(cfg.run_dir) / "checkpoints" / "host_tables").is_dir()
+    host = pathlib.Path(cfg.run_dir) / "checkpoints" / "host_tables"
+    kinds = [json.loads((host / s / "manifest.json").read_text())["kind"] for s in ("2", "4")]
+    assert kinds == ["full", "delta"]  # checkpoint_full_every=2

@@ -50,6 +50,7 @@ RESUMABLE_KEYS = (
     "eval_every",
     "checkpoint_every",
     "keep_checkpoints",
+    "checkpoint_full_every",
     "progress",
     "data.prefetch",
 )
@@ -314,7 +315,7 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
         os.path.join(cfg.run_dir, "checkpoints"),
         embedding_layouts(model, first),
         max_to_keep=cfg.keep_checkpoints,
-        **_host_kw(trainer),
+        **_host_kw(trainer, full_every=cfg.checkpoint_full_every),
     )
     position: dict = {"epoch": 0, "batch": 0}
     if cfg.resume and ckpt.latest_step() is not None:
@@ -327,10 +328,11 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     return Run(cfg, data, model, trainer, state, ckpt, position)
 
 
-def _host_kw(trainer: Trainer) -> dict:
-    """The Checkpointer's `host_tables` of a trainer with tiered tables (else none)."""
+def _host_kw(trainer: Trainer, **kw) -> dict:
+    """The Checkpointer's `host_tables` (and `kw`) of a trainer with tiered tables (else
+    none)."""
     host = getattr(trainer, "host_tables", None)
-    return {} if host is None else {"host_tables": host}
+    return {} if host is None else {"host_tables": host, **kw}
 
 
 def table_stats(trainer: Trainer) -> dict | None:

@@ -446,11 +446,17 @@ class RunConfig:
     """Steps between checkpoints (default: only at the end)."""
     keep_checkpoints: int = 3
     """Checkpoints kept (>= 1); older ones are deleted."""
+    checkpoint_full_every: int = 1
+    """Tiered tables (`tables`): every this many checkpoints one holds their full host
+    state, the ones between only the rows changed since the previous checkpoint (and the
+    IDs evicted since); 1: every checkpoint full. A restore reads the last full one and
+    the deltas after it."""
     resume: bool = True
     """Continue from the run directory's latest checkpoint if there is one. The
     resumable keys (steps, epochs, log_every, eval_every, checkpoint_every,
-    keep_checkpoints, progress, data.prefetch) may change between runs of one run
-    directory (each change is logged in run.json); any other change is refused."""
+    keep_checkpoints, checkpoint_full_every, progress, data.prefetch, and a tiered
+    table's cache_rows, cache_policy, ram_bytes, disk_dir) may change between runs of one
+    run directory (each change is logged in run.json); any other change is refused."""
     progress: bool = True
     """A progress bar (false: one line per logged step)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -492,7 +498,7 @@ class RunConfig:
                 "set eval_every=N steps"
             )
         fields = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every")
-        for f in (*fields, "keep_checkpoints"):
+        for f in (*fields, "keep_checkpoints", "checkpoint_full_every"):
             v = getattr(self, f)
             if isinstance(v, int) and v < 1:  # eval_every may be "epoch"
                 raise ValueError(f"`{f}` must be >= 1, got {v}")
