@@ -342,3 +342,24 @@ def test_cpp_backend_missing_is_one_line(monkeypatch):
     assert IdMap().backend == "numpy"
     with pytest.raises(ValueError, match="backend='cpp' needs the C\\+\\+ extension"):
         IdMap(backend="cpp")
+
+
+@needs_cpp
+def test_cpp_large_allocations():
+    # slot arrays of 64 MiB or more are mmap'd (2 MiB-aligned): the map, its growth, and
+    # unique_keys' own scratch table above the kept one
+    rng = np.random.default_rng(13)
+    m = IdMap((1 << 22) - 1, backend="cpp")
+    assert m.num_slots == 1 << 23 and m.nbytes == 16 << 23
+    keys = key_pool(rng, 4000)
+    m.insert(keys, np.arange(keys.size, dtype=np.int32))
+    np.testing.assert_array_equal(m.erase(keys[::2]), np.arange(0, keys.size, 2))
+    np.testing.assert_array_equal(m.items()[0], keys[1::2])
+    big = rng.integers(0, 1 << 20, size=(1 << 21) + 5).astype(np.int64)
+    uniq, inverse, counts = unique_keys(big)
+    np.testing.assert_array_equal(uniq[inverse], big)
+    np.testing.assert_array_equal(counts, np.bincount(inverse))
+    assert (np.diff(np.sort(uniq)) != 0).all()
+    # first-appearance order: each new index is one more than the largest seen before
+    seen = np.maximum.accumulate(np.concatenate([[-1], inverse[:-1]]))
+    assert (inverse <= seen + 1).all() and (uniq.size == inverse.max() + 1)
