@@ -158,6 +158,13 @@ class HostTable:
         self.capacity = spec.device_rows  # cache slots; slot `capacity` is the default row
         self.slot_specs = tuple(spec.optimizer.slots())
         cache = spec.cache
+        # each disk block is one mapping and a process gets ~65k (vm.max_map_count):
+        # with a disk tier, blocks of 12-24 MiB keep a 1e8-row table to a few hundred
+        row_bytes = spec.dim * jnp.dtype(spec.dtype).itemsize + sum(
+            4 if s.per_row else 4 * spec.dim for s in self.slot_specs
+        )
+        disk = cache is not None and cache.disk_dir is not None
+        block_rows = 1 << max(12, ((24 << 20) // row_bytes).bit_length() - 1) if disk else 1 << 16
         self.rows = HostRows(
             spec.name,
             spec.dim,
@@ -165,6 +172,7 @@ class HostTable:
             [(s.name, s.per_row, s.init) for s in self.slot_specs],
             ram_bytes=None if cache is None else cache.ram_bytes,
             disk_dir=None if cache is None else cache.disk_dir,
+            block_rows=block_rows,
         )
         self.policy = "lru" if cache is None else cache.policy
         self.count = _Column(np.int64, 0)  # times seen, per row
@@ -174,6 +182,10 @@ class HostTable:
         self.slot_row = np.full(self.capacity, -1, np.int32)
         self.slot_used = np.zeros(self.capacity, np.int64)  # LRU: step last used
         self.free_slots = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)  # a stack
+        self._protect = np.zeros(self.capacity, np.bool_)  # slots a victim search skips
+        self._cand = np.zeros(0, np.int64)  # victim candidates, lowest score first
+        self._cand_score = np.zeros(0, np.int64)
+        self._cand_pos = 0
         self.n_free_slots = self.capacity
         self.stats = TableStats()
         self.seed = 0
@@ -190,6 +202,7 @@ class HostTable:
                 col.ensure(self.high)
         self.default_reset = True  # the default row is (re)written at the next exchange
         self.default_values: tuple[np.ndarray, dict] | None = None  # trainable default row
+        self._initial_default: tuple[np.ndarray, dict] | None = None
 
     # ---- initial values ----------------------------------------------------------------
     def init(self, layer_key: jax.Array) -> None:
@@ -225,6 +238,17 @@ class HostTable:
             w = np.empty((rows.shape[0], spec.dim), dtype)
             init.fill(rng, w)
             self._write_initial(rows, w)
+
+    def default_row(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(weights [D], {slot: value}) the default row is (re)written with: zeros and
+        the slots' initial values, or the saved trainable row."""
+        if self.default_values is not None and self.spec.dynamic is not None:
+            if self.spec.dynamic.default_row == "trainable":
+                return self.default_values
+        if self._initial_default is None:
+            slots = {k: v[0] for k, v in self._init_slots(1).items()}
+            self._initial_default = (np.zeros(self.spec.dim, np.float32), slots)
+        return self._initial_default
 
     def _write_initial(self, rows: np.ndarray, weights: np.ndarray) -> None:
         self.rows.scatter(rows, weights, self._init_slots(rows.shape[0]))
@@ -406,16 +430,52 @@ class HostTable:
         slots[miss] = load_slots
         return slots, load_slots, load_rows, old
 
-    def _victims(self, k: int, in_batch: np.ndarray, step: int) -> np.ndarray:
-        """k occupied slots the batch does not use: least recently used (LRU) or least
-        frequently seen rows (LFU)."""
+    def _scores(self, slots: np.ndarray) -> np.ndarray:
+        """Eviction order of slots (lowest first): step last used (LRU) or the times
+        its row was seen (LFU)."""
         if self.policy == "lru":
-            score = self.slot_used.copy()
-            score[in_batch] = np.iinfo(np.int64).max
-        else:
-            score = self.count.data[self.slot_row].astype(np.int64)
-            score[in_batch] = np.iinfo(np.int64).max
-        return np.argpartition(score, k - 1)[:k].astype(np.int32)
+            return self.slot_used[slots]
+        return self.count.data[np.maximum(self.slot_row[slots], 0)]
+
+    def _victims(self, k: int, keep: np.ndarray, step: int) -> np.ndarray:
+        """k occupied slots outside `keep` (the batch's), lowest score first.
+
+        A sorted list of the lowest-scored slots (a sixteenth of the cache, or more) is
+        computed once and consumed across steps: a candidate whose score changed since
+        (used again, or reloaded) or that the batch keeps is skipped. Scores only grow,
+        so what remains are still the lowest of the cache (exactly LRU; LFU up to rows
+        loaded since the list was made), at O(k) per step instead of O(cache)."""
+        protect = self._protect
+        protect[keep] = True
+        out = []
+        while k > 0:
+            if self._cand_pos >= self._cand.shape[0]:
+                self._refresh_candidates(k)
+            c = self._cand[self._cand_pos : self._cand_pos + 2 * k]
+            ok = (
+                (self._scores(c) == self._cand_score[self._cand_pos : self._cand_pos + c.shape[0]])
+                & ~protect[c]
+                & (self.slot_row[c] >= 0)
+            )
+            good = np.nonzero(ok)[0][:k]
+            out.append(c[good])
+            protect[c[good]] = True  # a refresh below must not offer them again
+            k -= good.shape[0]
+            self._cand_pos += int(good[-1]) + 1 if k == 0 else c.shape[0]
+        victims = np.concatenate(out).astype(np.int32)
+        protect[keep] = False
+        protect[victims] = False
+        return victims
+
+    def _refresh_candidates(self, k: int) -> None:
+        occupied = np.nonzero((self.slot_row >= 0) & ~self._protect)[0]
+        if occupied.shape[0] < k:  # place() checked the batch fits: this is a bug
+            raise AssertionError(f"table {self.spec.name!r}: {k} victims needed, none left")
+        score = self._scores(occupied)
+        n = min(occupied.shape[0], max(2 * k, self.capacity // 16))
+        part = np.argpartition(score, n - 1)[:n] if n < occupied.shape[0] else np.arange(n)
+        order = part[np.argsort(score[part], kind="stable")]
+        self._cand, self._cand_score, self._cand_pos = occupied[order], score[order], 0
 
     # ---- one batch ----------------------------------------------------------------------
     def map_batch(self, ids_by_feature: Mapping[str, np.ndarray], step: int, *, train: bool):
@@ -641,34 +701,16 @@ class _Layer:
                 ht.spec.dynamic is None or ht.spec.dynamic.default_row == "zeros",
             )
         self.stacks = sorted({p.stack for p in self.place.values()})
-        self.exchange = jax.jit(self._exchange, donate_argnums=0)
-        self.eval_exchange = jax.jit(lambda state, loads: self._exchange(state, loads)[0])
+        # two programs, not one: a gather and a scatter of the same buffer in one XLA
+        # program make XLA copy the whole stack (~50 ms for 800k rows x 16 on 2 cores);
+        # apart, the gather reads first and the donated scatter writes in place
         self.gather = jax.jit(self._gather)
-
-    def _exchange(self, state, loads):
-        """Gather the rows leaving the cache, scatter the rows entering it, (re)write
-        each default row; padding indices are out of bounds (read as 0, dropped)."""
-        state = {k: {"weights": v["weights"], "slots": dict(v["slots"])} for k, v in state.items()}
-        evicted = {}
-        for name, ld in loads.items():
-            p, st = self.place[name], state[self.place[name].stack]
-            idx = ld["index"]
-            w = st["weights"]
-            evicted[name] = (
-                w.at[idx].get(mode="fill", fill_value=0),
-                {k: v.at[idx].get(mode="fill", fill_value=0) for k, v in st["slots"].items()},
-            )
-            d = p.offset + p.capacity
-            w = w.at[idx].set(ld["weights"].astype(w.dtype), mode="drop")
-            st["weights"] = w.at[d].set(
-                jnp.where(ld["reset"], ld["default_weights"].astype(w.dtype), w[d])
-            )
-            for k, v in st["slots"].items():
-                v = v.at[idx].set(ld["slots"][k], mode="drop")
-                st["slots"][k] = v.at[d].set(jnp.where(ld["reset"], ld["default_slots"][k], v[d]))
-        return state, evicted
+        self.scatter = jax.jit(self._scatter, donate_argnums=0)
+        self.scatter_copy = jax.jit(self._scatter)  # eval: the state is not changed
 
     def _gather(self, state, index):
+        """`{table: (weights, {slot: values})}` at stack rows `index[table]`
+        (out-of-bounds padding reads zeros)."""
         out = {}
         for name, idx in index.items():
             st = state[self.place[name].stack]
@@ -676,6 +718,23 @@ class _Layer:
                 st["weights"].at[idx].get(mode="fill", fill_value=0),
                 {k: v.at[idx].get(mode="fill", fill_value=0) for k, v in st["slots"].items()},
             )
+        return out
+
+    def _scatter(self, state, loads):
+        """Write each stack's loaded rows (weights and slots) at their stack rows: one
+        scatter per array (padding indices are out of bounds: dropped)."""
+        out = {}
+        for stack, st in state.items():
+            ld = loads[stack]
+            out[stack] = {
+                "weights": st["weights"]
+                .at[ld["index"]]
+                .set(ld["weights"].astype(st["weights"].dtype), mode="drop"),
+                "slots": {
+                    k: v.at[ld["index"]].set(ld["slots"][k], mode="drop")
+                    for k, v in st["slots"].items()
+                },
+            }
         return out
 
 
@@ -709,6 +768,11 @@ class HostTables:
       layouts: each embedding layer's `TableStore` by module path
         (`sparsejax.checkpoint.embedding_layouts`).
     """
+
+    release_every = 100
+    """Train steps between `HostRows.release_pages` of the tables with a disk tier: the
+    disk blocks' pages touched since leave the process's resident memory (they stay in
+    the files and the page cache), so memory stays flat while the disk tier grows."""
 
     def __init__(self, layouts: Mapping):
         self.layers: dict[tuple, _Layer] = {}
@@ -751,6 +815,10 @@ class HostTables:
         self.step += 1
         self._write_back()
         self._run_eviction(state_tables, self.step, due_only=True)
+        if self.step % self.release_every == 0:  # the disk tiers' pages leave the RSS
+            for ht in self.tables.values():
+                if ht.rows.disk_bytes_used:
+                    ht.rows.release_pages()
         return self._prepare(state_tables, batch, train=True)
 
     def prepare_eval(self, state_tables: Mapping, batch):
@@ -776,41 +844,52 @@ class HostTables:
         return state_tables, dataclasses.replace(batch, features=features)
 
     def _dispatch(self, state_tables, layer: _Layer, moves, *, train: bool):
-        size = _bucket(max(m[0].shape[0] for m in moves.values()))
-        loads = {}
-        for name, (load_slots, load_rows, _) in moves.items():
-            ht, p = layer.tables[name], layer.place[name]
-            n = load_slots.shape[0]
-            index = np.full(size, p.stack_rows, np.int32)
-            index[:n] = p.offset + load_slots
-            w, slots = ht.rows.gather(load_rows)
-            reset = p.zero_default or ht.default_reset
-            if p.zero_default or ht.default_values is None:
-                dw = np.zeros(ht.spec.dim, np.float32)
-                ds = {
-                    s.name: np.full(() if s.per_row else (ht.spec.dim,), s.init, np.float32)
-                    for s in ht.slot_specs
-                }
-            else:
-                dw, ds = ht.default_values
-            if train:
-                ht.default_reset = False
-            loads[name] = {
-                "index": index,
-                "weights": _pad(np.asarray(w), size),
-                "slots": {k: _pad(v, size) for k, v in slots.items()},
-                "reset": np.bool_(reset),
-                "default_weights": np.asarray(dw, np.float32),
-                "default_slots": {k: np.asarray(v, np.float32) for k, v in ds.items()},
-            }
+        """Gather the rows leaving the cache (train), then scatter the rows entering it
+        and each default row that needs (re)writing, per stack in one padded call."""
         layer_state = _subtree(state_tables, layer.path)
         sub = {k: layer_state[k] for k in layer.stacks}
-        if not train:
-            return _with_subtree(state_tables, layer.path, layer.eval_exchange(sub, loads))
-        new, evicted = layer.exchange(sub, loads)
-        for leaf in jax.tree.leaves(evicted):
-            leaf.copy_to_host_async()
-        self._pending.append((layer, {k: m[2] for k, m in moves.items()}, evicted))
+        if train:
+            size = _bucket(max(m[0].shape[0] for m in moves.values()))
+            index = {}
+            for name, (load_slots, _, _) in moves.items():
+                p = layer.place[name]
+                index[name] = np.full(size, p.stack_rows, np.int32)
+                index[name][: load_slots.shape[0]] = p.offset + load_slots
+            evicted = layer.gather(sub, index)
+            for leaf in jax.tree.leaves(evicted):
+                leaf.copy_to_host_async()
+            self._pending.append((layer, {k: m[2] for k, m in moves.items()}, evicted))
+        parts: dict[str, list] = {k: [] for k in layer.stacks}
+        for name, (load_slots, load_rows, _) in moves.items():
+            ht, p = layer.tables[name], layer.place[name]
+            w, slots = ht.rows.gather(load_rows)
+            index = p.offset + load_slots.astype(np.int32)
+            if p.zero_default or ht.default_reset:
+                dw, ds = ht.default_row()
+                index = np.append(index, np.int32(p.offset + p.capacity))
+                w = np.concatenate([w, dw[None].astype(w.dtype)])
+                slots = {k: np.concatenate([v, ds[k][None]]) for k, v in slots.items()}
+                if train:
+                    ht.default_reset = False
+            parts[p.stack].append((index, w, slots))
+        loads = {}
+        for stack, items in parts.items():
+            n = sum(i.shape[0] for i, _, _ in items)
+            size = _bucket(n)
+            rows = layer.place[next(t for t in layer.place if layer.place[t].stack == stack)]
+            index = np.full(size, rows.stack_rows, np.int32)
+            index[:n] = np.concatenate([i for i, _, _ in items])
+            loads[stack] = {
+                "index": index,
+                "weights": _pad(np.concatenate([w for _, w, _ in items]), size),
+                "slots": {
+                    k: _pad(np.concatenate([s[k] for _, _, s in items]), size) for k in items[0][2]
+                },
+            }
+        if train:
+            new = layer.scatter(sub, loads)
+        else:
+            new = layer.scatter_copy(sub, loads)
         return _with_subtree(state_tables, layer.path, new)
 
     def _write_back(self) -> None:
