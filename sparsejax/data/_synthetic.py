@@ -53,6 +53,44 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+_ROUNDS = 4
+"""Feistel rounds of the raw-key scramble (`SyntheticCriteo.id_space`)."""
+
+
+def _feistel(x: np.ndarray, keys: np.ndarray, half: int) -> np.ndarray:
+    """A fixed pseudo-random bijection of [0, 2**(2 * half)): `_ROUNDS` Feistel rounds
+    with splitmix64 as the round function. x: uint64[..., F]; keys: uint64[rounds, F]
+    (one key per round and feature, broadcast over the leading axes)."""
+    mask = np.uint64((1 << half) - 1)
+    h = np.uint64(half)
+    left, right = x >> h, x & mask
+    for k in keys:
+        left, right = right, left ^ (_mix64(right ^ k) & mask)
+    return (left << h) | right
+
+
+def scramble_ids(ranks: np.ndarray, id_space: int, keys: np.ndarray) -> np.ndarray:
+    """A bijection of [0, id_space) (id_space <= 2**63), per column: `_feistel` over the
+    smallest even bit width holding the space, cycle-walked (values that land outside
+    the space are permuted again until they land inside; a permutation of a superset
+    restricted this way is a permutation of the space). ranks: int64[B, F] in [0,
+    id_space); keys: uint64[rounds, F]. Returns int64[B, F] in [0, id_space)."""
+    bits = max(2, (int(id_space) - 1).bit_length())
+    half = (bits + 1) // 2
+    shape = ranks.shape
+    flat = _feistel(ranks.astype(np.uint64), keys, half).reshape(-1)
+    col = None
+    top = np.uint64(id_space) if id_space < 1 << 64 else None
+    bad = np.flatnonzero(flat >= top)
+    while bad.size:  # each pass keeps at least 1 - id_space / 2**(2 * half) >= 1/4 of them
+        if col is None:
+            col = np.broadcast_to(np.arange(shape[-1]), shape).reshape(-1)
+        y = _feistel(flat[bad], keys[:, col[bad]], half)
+        flat[bad] = y
+        bad = bad[y >= top]
+    return flat.reshape(shape).view(np.int64)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyntheticCriteo:
     """An endless, deterministic source of Criteo-shaped batches (features "C1".."CF").
@@ -65,6 +103,13 @@ class SyntheticCriteo:
     Bernoulli(sigmoid(bias + signal * (mean-square-normalized sum of hidden per-id weights +
     hidden dense weights . dense))); the per-id weights are a hash of (feature, id, seed),
     so hot ids are learnable.
+
+    With `id_space`, the ids are raw 64-bit keys for dynamic tables (no vocabulary):
+    every feature draws its Zipf ranks over `[0, id_space)` (in float64, so the tail of a
+    1e9-ID space is not rounded to a coarse grid) and maps them through a fixed
+    pseudo-random bijection of `[0, id_space)` per feature (a cycle-walked Feistel
+    network keyed by the seed), so the hot keys are scattered over the whole space, not
+    small integers. Still O(batch) per batch, whatever the space.
     """
 
     num_dense: int = 13
@@ -82,6 +127,11 @@ class SyntheticCriteo:
     """Hidden logit offset (about 27% positives at the defaults)."""
     seed: int = 0
     """Seeds the hidden model, the id permutations and every batch."""
+    id_space: int | None = None
+    """Raw keys: every feature's ids are int64 keys in `[0, id_space)` (at most 2**63),
+    a fixed per-feature bijection of Zipf ranks over the whole space (for dynamic tables;
+    e.g. 10**9). `vocab_sizes` then only gives the number of features (default 26), and
+    `vocab` reports `id_space` rows for each. None: ids in `[0, vocab_sizes[f])`."""
 
     def __post_init__(self):
         sizes = self.vocab_sizes
@@ -90,6 +140,15 @@ class SyntheticCriteo:
         sizes = tuple(int(v) for v in sizes)
         if not sizes or min(sizes) < 1:
             raise ValueError(f"SyntheticCriteo: vocab_sizes must be positive, got {sizes}")
+        if self.id_space is not None:
+            space = self.id_space
+            if isinstance(space, float) and space.is_integer():
+                space = int(space)  # 1e9 from a config
+            if isinstance(space, bool) or not isinstance(space, (int, np.integer)):
+                raise ValueError(f"SyntheticCriteo: id_space must be an int, got {space!r}")
+            if not 1 <= space <= 1 << 63:
+                raise ValueError(f"SyntheticCriteo: id_space must be in [1, 2**63], got {space}")
+            object.__setattr__(self, "id_space", int(space))
         if self.zipf_exponent <= 0:
             raise ValueError(
                 f"SyntheticCriteo: zipf_exponent must be > 0, got {self.zipf_exponent}"
@@ -106,6 +165,8 @@ class SyntheticCriteo:
         object.__setattr__(self, "_vocab", np.asarray(sizes, np.int64))
         object.__setattr__(self, "_mult", np.asarray(mult, np.int64))
         object.__setattr__(self, "_add", np.asarray(add, np.int64))
+        if self.id_space is not None:  # every feature ranges over the raw key space
+            object.__setattr__(self, "vocab_sizes", (self.id_space,) * len(sizes))
         object.__setattr__(
             self,
             "_dense_w",
@@ -116,6 +177,10 @@ class SyntheticCriteo:
         object.__setattr__(self, "_dense_scale", scale)
         sample = self._dense(np.random.default_rng([self.seed, 1 << 31]), 1 << 14)
         object.__setattr__(self, "_dense_center", sample.mean(0))  # centers the dense term
+        if self.id_space is not None:  # Feistel round keys, one per round and feature
+            seq = np.random.SeedSequence([self.seed, 1 << 29])
+            keys = seq.generate_state(_ROUNDS * len(sizes), np.uint64)
+            object.__setattr__(self, "_round_keys", keys.reshape(_ROUNDS, len(sizes)))
 
     @property
     def feature_names(self) -> tuple[str, ...]:
@@ -129,11 +194,17 @@ class SyntheticCriteo:
     def specs(
         self, *, dim: int, **table_kwargs
     ) -> tuple[tuple[TableSpec, ...], tuple[FeatureSpec, ...]]:
-        """One table per feature with this generator's vocab sizes."""
-        return specs_for_vocab(self.vocab, dim=dim, **table_kwargs)
+        """One table per feature with this generator's vocab sizes (with `id_space`: static
+        stand-ins of at most 2**31 - 2 rows, for dynamic tables to replace)."""
+        vocab = self.vocab
+        if self.id_space is not None:
+            vocab = {k: min(v, 2**31 - 2) for k, v in vocab.items()}
+        return specs_for_vocab(vocab, dim=dim, **table_kwargs)
 
     def ranks(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:
         """Zipf ranks (0 = most frequent), int64[batch_size, num_features]."""
+        if self.id_space is not None:
+            return self._space_ranks(rng, batch_size)
         s = self.zipf_exponent
         top = self._vocab.astype(np.float32) + np.float32(1)  # power law's support [1, V+1)
         u = rng.random((batch_size, top.shape[0]), np.float32)
@@ -144,6 +215,29 @@ class SyntheticCriteo:
             x = (np.float32(1) + u * (top**e - np.float32(1))) ** (np.float32(1) / e)
         # f32 rounding can step one past either end; clip keeps every id in range
         return np.clip(x.astype(np.int64) - 1, 0, self._vocab - 1)
+
+    def _space_ranks(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:
+        """`ranks` over `[0, id_space)`: the continuous power law's inverse CDF in
+        float64 (f32 would put ranks beyond 2**24 on a grid)."""
+        s, n = self.zipf_exponent, self.id_space
+        u = rng.random((batch_size, len(self.vocab_sizes)))
+        top = float(n) + 1.0  # the power law's support [1, n + 1)
+        if abs(s - 1.0) < 1e-6:
+            x = np.exp(u * math.log(top))
+        else:
+            e = 1.0 - s
+            x = (1.0 + u * (top**e - 1.0)) ** (1.0 / e)
+        cap = min(float(n) - 1.0, float(np.nextafter(2.0**63, 0.0)))  # casts without overflow
+        ranks = np.clip(np.floor(x) - 1.0, 0.0, cap).astype(np.int64)
+        return np.minimum(ranks, n - 1)
+
+    def ids(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:
+        """The ids of a batch, int64[batch_size, num_features]: Zipf ranks through the
+        per-feature bijection (`[0, vocab_sizes[f])`, or the raw keys of `id_space`)."""
+        ranks = self.ranks(rng, batch_size)
+        if self.id_space is not None:
+            return scramble_ids(ranks, self.id_space, self._round_keys)
+        return (ranks * self._mult + self._add) % self._vocab
 
     def hidden_weights(self, ids: np.ndarray) -> np.ndarray:
         """The hidden per-id weights in [-1, 1) of ids[B, num_features] (f32)."""
@@ -163,7 +257,7 @@ class SyntheticCriteo:
     def batch(self, index: int, batch_size: int) -> HostBatch:
         """Batch `index` as host arrays `(sparse by name, labels f32[B], dense f32[B, D])`."""
         rng = np.random.default_rng([self.seed, int(index)])
-        ids = (self.ranks(rng, batch_size) * self._mult + self._add) % self._vocab
+        ids = self.ids(rng, batch_size)
         dense = self._dense(rng, batch_size)
         score = self.hidden_weights(ids).sum(1) * np.float32(
             math.sqrt(3.0 / ids.shape[1])

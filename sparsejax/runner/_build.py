@@ -620,6 +620,19 @@ def _unknown_table(name: str, names) -> ConfigError:
     )
 
 
+def _check_id_space_tables(d: DataConfig, tables: Mapping[str, TableConfig]) -> None:
+    """`data.synthetic_options.id_space` makes the ids raw keys of a huge space: every
+    table must be dynamic (a `ConfigError` naming the first static one)."""
+    names = sorted(_config_table_names(d), key=lambda n: (len(n), n))
+    static = [n for n in names if not resolve_table(tables, n).dynamic]
+    if static:
+        raise ConfigError(
+            f"data.synthetic_options.id_space={d.synthetic_options['id_space']}: the ids are "
+            f"raw keys for dynamic tables, but table {static[0]!r} is static; set "
+            f"tables.'*'.dynamic: true (with cache_rows)"
+        )
+
+
 def check_tables_config(cfg: RunConfig) -> None:
     """Validate (and normalize in place) `cfg.tables`: entries become `TableConfig`s
     (`ram_bytes` in bytes), unknown keys and table names, options that do not apply,
@@ -630,6 +643,8 @@ def check_tables_config(cfg: RunConfig) -> None:
         )
     tables = {str(k): _table_config(v, f"tables.{k}") for k, v in cfg.tables.items()}
     object.__setattr__(cfg, "tables", tables)
+    if cfg.data.kind == "synthetic" and cfg.data.synthetic_options.get("id_space") is not None:
+        _check_id_space_tables(cfg.data, tables)
     if not tables:
         return
     d = cfg.data
