@@ -709,16 +709,18 @@ class _Layer:
         self.scatter_copy = jax.jit(self._scatter)  # eval: the state is not changed
 
     def _gather(self, state, index):
-        """`{table: (weights, {slot: values})}` at stack rows `index[table]`
+        """`{stack: (weights, {slot: values})}` at the rows `index[stack]` of each stack
         (out-of-bounds padding reads zeros)."""
-        out = {}
-        for name, idx in index.items():
-            st = state[self.place[name].stack]
-            out[name] = (
-                st["weights"].at[idx].get(mode="fill", fill_value=0),
-                {k: v.at[idx].get(mode="fill", fill_value=0) for k, v in st["slots"].items()},
+        return {
+            stack: (
+                state[stack]["weights"].at[idx].get(mode="fill", fill_value=0),
+                {
+                    k: v.at[idx].get(mode="fill", fill_value=0)
+                    for k, v in state[stack]["slots"].items()
+                },
             )
-        return out
+            for stack, idx in index.items()
+        }
 
     def _scatter(self, state, loads):
         """Write each stack's loaded rows (weights and slots) at their stack rows: one
@@ -844,65 +846,70 @@ class HostTables:
         return state_tables, dataclasses.replace(batch, features=features)
 
     def _dispatch(self, state_tables, layer: _Layer, moves, *, train: bool):
-        """Gather the rows leaving the cache (train), then scatter the rows entering it
-        and each default row that needs (re)writing, per stack in one padded call."""
+        """Per stack, one padded index of the rows entering the cache (each table's load
+        slots, then each default row that needs (re)writing): train gathers what those
+        slots hold first (written back at the next call), then scatters the new rows."""
         layer_state = _subtree(state_tables, layer.path)
         sub = {k: layer_state[k] for k in layer.stacks}
-        if train:
-            size = _bucket(max(m[0].shape[0] for m in moves.values()))
-            index = {}
-            for name, (load_slots, _, _) in moves.items():
-                p = layer.place[name]
-                index[name] = np.full(size, p.stack_rows, np.int32)
-                index[name][: load_slots.shape[0]] = p.offset + load_slots
-            evicted = layer.gather(sub, index)
-            for leaf in jax.tree.leaves(evicted):
-                leaf.copy_to_host_async()
-            self._pending.append((layer, {k: m[2] for k, m in moves.items()}, evicted))
-        parts: dict[str, list] = {k: [] for k in layer.stacks}
-        for name, (load_slots, load_rows, _) in moves.items():
-            ht, p = layer.tables[name], layer.place[name]
-            w, slots = ht.rows.gather(load_rows)
-            index = p.offset + load_slots.astype(np.int32)
-            if p.zero_default or ht.default_reset:
-                dw, ds = ht.default_row()
-                index = np.append(index, np.int32(p.offset + p.capacity))
-                w = np.concatenate([w, dw[None].astype(w.dtype)])
-                slots = {k: np.concatenate([v, ds[k][None]]) for k, v in slots.items()}
-                if train:
-                    ht.default_reset = False
-            parts[p.stack].append((index, w, slots))
-        loads = {}
-        for stack, items in parts.items():
-            n = sum(i.shape[0] for i, _, _ in items)
-            size = _bucket(n)
-            rows = layer.place[next(t for t in layer.place if layer.place[t].stack == stack)]
-            index = np.full(size, rows.stack_rows, np.int32)
-            index[:n] = np.concatenate([i for i, _, _ in items])
-            loads[stack] = {
-                "index": index,
-                "weights": _pad(np.concatenate([w for _, w, _ in items]), size),
-                "slots": {
-                    k: _pad(np.concatenate([s[k] for _, _, s in items]), size) for k in items[0][2]
-                },
+        loads, segments = {}, {}
+        for stack in layer.stacks:
+            names = [t for t in moves if layer.place[t].stack == stack]
+            resets = {
+                t: layer.place[t].zero_default or layer.tables[t].default_reset for t in names
             }
-        if train:
-            new = layer.scatter(sub, loads)
-        else:
-            new = layer.scatter_copy(sub, loads)
-        return _with_subtree(state_tables, layer.path, new)
+            n = sum(moves[t][0].shape[0] for t in names) + sum(resets.values())
+            size, first = _bucket(n), layer.tables[names[0]]
+            index = np.full(size, layer.place[names[0]].stack_rows, np.int32)
+            weights = np.zeros((size, first.spec.dim), first.rows.dtype)
+            slots = {
+                sp.name: np.zeros((size,) if sp.per_row else (size, first.spec.dim), np.float32)
+                for sp in first.slot_specs
+            }
+            at, segs = 0, []
+            for t in names:  # each table's loads
+                load_slots, load_rows, old_rows = moves[t]
+                ht, p, k = layer.tables[t], layer.place[t], load_slots.shape[0]
+                index[at : at + k] = p.offset + load_slots
+                w, sl = ht.rows.gather(load_rows)
+                weights[at : at + k] = w
+                for name, v in sl.items():
+                    slots[name][at : at + k] = v
+                segs.append((t, at, old_rows))
+                at += k
+            for t in names:  # then the default rows
+                if resets[t]:
+                    ht, p = layer.tables[t], layer.place[t]
+                    dw, ds = ht.default_row()
+                    index[at] = p.offset + p.capacity
+                    weights[at] = dw
+                    for name, v in ds.items():
+                        slots[name][at] = v
+                    at += 1
+                    if train:
+                        ht.default_reset = False
+            loads[stack] = {"index": index, "weights": weights, "slots": slots}
+            segments[stack] = segs
+        if not train:
+            return _with_subtree(state_tables, layer.path, layer.scatter_copy(sub, loads))
+        evicted = layer.gather(sub, {k: v["index"] for k, v in loads.items()})
+        for leaf in jax.tree.leaves(evicted):
+            leaf.copy_to_host_async()
+        self._pending.append((layer, segments, evicted))
+        return _with_subtree(state_tables, layer.path, layer.scatter(sub, loads))
 
     def _write_back(self) -> None:
         """Store the rows the previous exchanges moved out of the cache."""
-        for layer, old_rows, evicted in self._pending:
-            for name, rows in old_rows.items():
-                keep = np.nonzero(rows >= 0)[0]
-                if keep.shape[0] == 0:
+        for layer, segments, evicted in self._pending:
+            for stack, segs in segments.items():
+                if not any((old >= 0).any() for _, _, old in segs):
                     continue
-                w, slots = jax.device_get(evicted[name])
-                layer.tables[name].rows.scatter(
-                    rows[keep], w[keep], {k: v[keep] for k, v in slots.items()}
-                )
+                w, slots = jax.device_get(evicted[stack])
+                for t, at, old in segs:
+                    keep = np.nonzero(old >= 0)[0]
+                    if keep.shape[0]:
+                        layer.tables[t].rows.scatter(
+                            old[keep], w[at + keep], {k: v[at + keep] for k, v in slots.items()}
+                        )
         self._pending = []
 
     def flush(self, state_tables: Mapping) -> None:
@@ -910,22 +917,18 @@ class HostTables:
         host holds every table's current state (the cache keeps its rows)."""
         self._write_back()
         for path, layer in self.layers.items():
-            index, cached = {}, {}
-            for name, ht in layer.tables.items():
+            sub = _subtree(state_tables, path)
+            sub = {k: sub[k] for k in layer.stacks}
+            for name, ht in layer.tables.items():  # one gather per table: flushes are rare
                 p = layer.place[name]
                 slots = np.nonzero(ht.slot_row >= 0)[0]
-                cached[name] = (slots, ht.slot_row[slots].astype(np.int64))
-                idx = np.full(_bucket(slots.shape[0] + 1), p.stack_rows, np.int32)
-                idx[: slots.shape[0]] = p.offset + slots
-                idx[slots.shape[0]] = p.offset + p.capacity  # the default row
-                index[name] = idx
-            sub = _subtree(state_tables, path)
-            got = jax.device_get(layer.gather({k: sub[k] for k in layer.stacks}, index))
-            for name, (slots, rows) in cached.items():
-                ht, n = layer.tables[name], slots.shape[0]
-                w, s = got[name]
+                rows, n = ht.slot_row[slots].astype(np.int64), slots.shape[0]
+                idx = np.full(_bucket(n + 1), p.stack_rows, np.int32)
+                idx[:n] = p.offset + slots
+                idx[n] = p.offset + p.capacity  # the default row
+                w, s = jax.device_get(layer.gather(sub, {p.stack: idx}))[p.stack]
                 ht.rows.scatter(rows, w[:n], {k: v[:n] for k, v in s.items()})
-                if not layer.place[name].zero_default:
+                if not p.zero_default:
                     ht.default_values = (w[n].astype(np.float32), {k: v[n] for k, v in s.items()})
 
     def _run_eviction(self, state_tables, step: int, *, due_only: bool) -> None:
