@@ -369,3 +369,60 @@ def test_keyed_initial_rows_depend_on_the_key_only():
     assert abs(z.mean()) < 0.01 and z.std() == pytest.approx(1.0, rel=0.02)
     tz = keyed_rows(truncated_normal_init(1.0), np.arange(20000, dtype=np.int64), 8, 1, 100)
     assert np.abs(tz).max() <= 2.0
+
+
+def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp_path):
+    """The same training with every row on disk (a RAM budget of nothing) as in RAM;
+    Bloom admission never admits before a key's min_count-th sighting; norm eviction
+    removes keys; a trainable default row is saved and restored with the table."""
+    from sparsejax.embedding import BloomAdmission
+
+    opt = RowWiseAdagrad(learning_rate=0.3)
+    batches = _batches(40, user_keys=USER_KEYS, item_keys=ITEM_KEYS, seed=9)
+
+    def user(**cache):
+        return {
+            "dynamic": DynamicVocab(
+                admission=BloomAdmission(min_count=3, counters=1 << 14),
+                eviction=Eviction(min_norm=0.25, every_steps=10),
+                default_row="trainable",
+            ),
+            "cache": HostCache(rows=24, **cache),
+        }
+
+    ram = _tables(opt, user=user(), item=_dynamic(48))
+    disk = _tables(opt, user=user(ram_bytes=1, disk_dir=str(tmp_path)), item=_dynamic(48))
+    t_ram, s_ram, l_ram = _train(ram, batches)
+    t_disk, s_disk, l_disk = _train(disk, batches)
+    np.testing.assert_array_equal(l_disk, l_ram)
+    a, b = _host(t_ram, s_ram)["embedding/user"], _host(t_disk, s_disk)["embedding/user"]
+    np.testing.assert_array_equal(a["keys"], b["keys"])
+    np.testing.assert_array_equal(a["weights"], b["weights"])
+    ht = t_disk.host_tables.tables["embedding/user"]
+    assert ht.rows.disk_bytes_used > 0 and ht.rows.ram_bytes_used == 0
+    st = ht.report()
+    assert st["evicted"] > 0 and st["rejected"] > 0
+    # never early: every key holding a row was seen at least 3 times
+    seen = np.concatenate([np.asarray(bt.features["user"].ids) for bt in batches])
+    keys, counts = np.unique(seen, return_counts=True)
+    assert set(b["keys"]) <= set(keys[counts >= 3])
+    # the trainable default row learned and travels with a snapshot
+    snap = t_disk.host_tables.snapshot(s_disk.tables, incremental=False)["embedding/user"]
+    default = snap.arrays["default/weights"]
+    assert np.abs(default).sum() > 0
+    t2, s2, _ = _train(disk, batches[:1])
+    t2.host_tables.restore(
+        [
+            {
+                "embedding/user": snap,
+                **{
+                    k: v
+                    for k, v in t_disk.host_tables.snapshot(
+                        s_disk.tables, incremental=False
+                    ).items()
+                    if k != "embedding/user"
+                },
+            }
+        ]
+    )
+    np.testing.assert_array_equal(t2.host_tables.tables["embedding/user"].default_row()[0], default)

@@ -158,13 +158,18 @@ class HostTable:
         self.capacity = spec.device_rows  # cache slots; slot `capacity` is the default row
         self.slot_specs = tuple(spec.optimizer.slots())
         cache = spec.cache
-        # each disk block is one mapping and a process gets ~65k (vm.max_map_count):
-        # with a disk tier, blocks of 12-24 MiB keep a 1e8-row table to a few hundred
+        # blocks of 12-24 MiB: a call costs a little per block it touches, and each disk
+        # block is one mapping (a process gets ~65k: vm.max_map_count), so a 1e8-row
+        # table takes a few hundred; a static table smaller than that, one block its size
         row_bytes = spec.dim * jnp.dtype(spec.dtype).itemsize + sum(
             4 if s.per_row else 4 * spec.dim for s in self.slot_specs
         )
+        big = 1 << max(12, ((24 << 20) // row_bytes).bit_length() - 1)
         disk = cache is not None and cache.disk_dir is not None
-        block_rows = 1 << max(12, ((24 << 20) // row_bytes).bit_length() - 1) if disk else 1 << 16
+        if self.dynamic:
+            block_rows = big if disk else 1 << 16
+        else:
+            block_rows = min(big, 1 << max(10, (spec.vocab_size - 1).bit_length()))
         self.rows = HostRows(
             spec.name,
             spec.dim,
