@@ -278,8 +278,8 @@ class HostTable:
                     f"feature {feature!r} (dynamic table {t!r}): ids have dtype {ids.dtype}; "
                     f"raw IDs must be int64 or uint64"
                 )
-            bad = ids < -1
-            if bad.any():
+            if ids.shape[0] and ids.min() < -1:
+                bad = ids < -1
                 raise TieredInputError(
                     f"feature {feature!r} (dynamic table {t!r}): negative ID "
                     f"{int(ids[bad][0])}; raw IDs are >= 0 (-1 pads; missing values: "
@@ -291,8 +291,8 @@ class HostTable:
                 f"feature {feature!r} (table {t!r}): ids have dtype {ids.dtype}, not integers"
             )
         ids = ids.astype(np.int64, copy=False)
-        bad = (ids < -1) | (ids >= self.spec.vocab_size)
-        if bad.any():
+        if ids.shape[0] and (ids.min() < -1 or ids.max() >= self.spec.vocab_size):
+            bad = (ids < -1) | (ids >= self.spec.vocab_size)
             raise TieredInputError(
                 f"feature {feature!r} (table {t!r}): id {int(ids[bad][0])} is out of range "
                 f"[0, {self.spec.vocab_size})"
@@ -516,9 +516,11 @@ class HostTable:
         else:
             slots, load_slots, load_rows = self._place_for_eval(r)
             old_rows = np.full(load_slots.shape[0], -1, np.int64)
-        slot_of_uniq = np.full(uniq.shape[0], self.capacity, np.int32)  # no row: default
-        slot_of_uniq[has] = slots
-        flat = np.where(inverse >= 0, slot_of_uniq[np.maximum(inverse, 0)], -1).astype(np.int32)
+        # one more entry, -1, which padding's inverse (-1) picks
+        slot_of_uniq = np.full(uniq.shape[0] + 1, self.capacity, np.int32)  # no row: default
+        slot_of_uniq[-1] = -1
+        slot_of_uniq[:-1][has] = slots
+        flat = slot_of_uniq[inverse]
         out, start = {}, 0
         for f, ids in zip(names, checked, strict=True):
             out[f] = flat[start : start + ids.shape[0]]
