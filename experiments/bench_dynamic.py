@@ -26,6 +26,12 @@
     single-threaded, numpy's too).
 
     PYTHONPATH=. python experiments/bench_dynamic.py --part map
+
+--part cache: DLRM training with each table's rows in a device cache of 10% of them
+    (static ids, and the same ids as raw keys of dynamic tables) vs the tables fully on
+    the device, per Zipf exponent; see experiments/_dynamic_cache.py.
+
+    PYTHONPATH=. python experiments/bench_dynamic.py --part cache
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -323,8 +330,18 @@ def print_map_table(results: dict, args) -> None:
 
 # ------------------------------------------------------------------ entry point
 
-PARTS = {"map": part_map}
-"""--part name -> function(args); the device-cache part ("cache") is added here."""
+
+def part_cache(args) -> None:
+    """Training with a 10% device cache vs the table on the device (_dynamic_cache.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _dynamic_cache
+
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores")
+    _dynamic_cache.run(args)
+
+
+PARTS = {"map": part_map, "cache": part_cache}
+"""--part name -> function(args)."""
 
 
 def main() -> None:
@@ -341,7 +358,16 @@ def main() -> None:
     g.add_argument(
         "--dict-max", type=float, default=1e7, help="largest dict built (larger: extrapolated)"
     )
+    g = ap.add_argument_group("--part cache")
+    g.add_argument("--zipf", default="0.8,1.05,1.2", help="Zipf exponents, comma-separated")
+    g.add_argument("--vocab", type=float, default=1e6, help="rows of each table")
+    g.add_argument("--tables", type=int, default=8, help="tables (one feature each)")
+    g.add_argument("--nbatch", type=int, default=150, help="distinct batches, rotated")
+    g.add_argument("--steps", type=int, default=30, help="steps per rep")
+    g.add_argument("--warmup", type=int, default=400, help="steps before timing (cache full)")
     args = ap.parse_args()
+    args.zipf = [float(z) for z in str(args.zipf).split(",")]
+    args.vocab = int(args.vocab)
     args.dict_max = int(args.dict_max)
     PARTS[args.part](args)
 
