@@ -179,10 +179,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
 def _is_user_error(e: BaseException) -> bool:
     """Errors a user fixes (config, data, checkpoint, run directory, NaN loss) as
     opposed to bugs: the `ValueError` family (`ConfigError`, `RunLockedError`, parse
-    errors naming file:line), `CheckpointError`, `FloatingPointError` (the NaN stop)."""
+    errors naming file:line), `CheckpointError`, `FloatingPointError` (the NaN stop),
+    `HostStorageFullError` (a tiered table's disk tier is full)."""
     from .checkpoint import CheckpointError
+    from .embedding._host_rows import HostStorageFullError
 
-    return isinstance(e, (ValueError, CheckpointError, FloatingPointError))
+    return isinstance(e, (ValueError, CheckpointError, FloatingPointError, HostStorageFullError))
 
 
 def _log_traceback(e: BaseException, run_dir: str | None) -> str | None:

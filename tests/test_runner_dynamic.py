@@ -378,3 +378,40 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
     host = pathlib.Path(cfg.run_dir) / "checkpoints" / "host_tables"
     kinds = [json.loads((host / s / "manifest.json").read_text())["kind"] for s in ("2", "4")]
     assert kinds == ["full", "delta"]  # checkpoint_full_every=2
+
+
+def test_a_full_disk_while_spilling_is_one_line_and_the_last_checkpoint_restores(
+    tmp_path, monkeypatch, capsys
+):
+    pytest.importorskip("sparsejax.embedding._tiered")
+    import errno
+    import os
+
+    from sparsejax.__main__ import main
+
+    _csv(tmp_path / "clicks.csv")
+    args = [
+        "train",
+        f"out_dir={tmp_path / 'runs'}",
+        *FAST,
+        "data.kind=delimited",
+        f"data.train={tmp_path / 'clicks.csv'}",
+        SCHEMA,
+        "data.batch_size=32",
+        "data.split={by: rows, train: 150}",
+        "tables={'*': {dynamic: true, cache_rows: 0.5}, user: {ram_bytes: 1KiB}}",
+        "checkpoint_every=2",
+    ]
+    assert main([*args, "steps=2"]) == 0
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:  # the resumed run's disk tier cannot grow
+        m.setattr(os, "posix_fallocate", no_space)
+        assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'user'" in err[0] and "disk tier" in err[0], err
+    assert main(args) == 0  # the step-2 checkpoint is intact: the run resumes and ends
+    summary = json.loads((tmp_path / "runs" / "default" / "summary.json").read_text())
+    assert summary["step"] == 4
