@@ -116,18 +116,52 @@ def _normal(keys, dim, seed, stream) -> np.ndarray:
     return (r * np.cos(2 * np.pi * u2)).astype(np.float32)
 
 
-class _Column:
-    """A growable per-row array (doubles its capacity; new entries get `fill`)."""
+class _RowMeta:
+    """Per-row metadata of a table as one record per row (count, last seen, key, cache
+    slot, dirty): the few thousand rows a step touches are scattered over the table, so
+    one cache line per row instead of one per array and row. Grows by doubling; each
+    field is a `_Field` whose `.data` is a view of the records."""
 
-    def __init__(self, dtype, fill):
-        self.dtype, self.fill = np.dtype(dtype), fill
-        self.data = np.full(1024, fill, self.dtype)
+    FIELDS = (
+        ("count", np.int64, 0),  # times seen
+        ("last_seen", np.int64, -1),  # step last seen
+        ("key", np.int64, -1),  # a dynamic table's key (-1: free row)
+        ("slot", np.int32, -1),  # cache slot, -1: not cached
+        ("dirty", np.bool_, False),  # changed since the last save
+    )
+
+    def __init__(self):
+        self.dtype = np.dtype([(n, t) for n, t, _ in self.FIELDS], align=True)
+        self.records = self._new(1024)
+
+    def _new(self, n: int) -> np.ndarray:
+        rec = np.empty(n, self.dtype)
+        for name, _, fill in self.FIELDS:
+            rec[name] = fill
+        return rec
 
     def ensure(self, n: int) -> None:
-        if n > self.data.shape[0]:
-            new = np.full(max(n, 2 * self.data.shape[0]), self.fill, self.dtype)
-            new[: self.data.shape[0]] = self.data
-            self.data = new
+        if n > self.records.shape[0]:
+            new = self._new(max(n, 2 * self.records.shape[0]))
+            new[: self.records.shape[0]] = self.records
+            self.records = new
+
+    def field(self, name: str) -> _Field:
+        return _Field(self, name)
+
+
+class _Field:
+    """One field of `_RowMeta`, used like a growable array: `.data`, `.ensure(n)`."""
+
+    def __init__(self, meta: _RowMeta, name: str):
+        self.meta, self.name = meta, name
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.meta.records[self.name]
+
+    def ensure(self, n: int) -> None:
+        self.meta.ensure(n)
 
 
 @dataclasses.dataclass
@@ -180,10 +214,11 @@ class HostTable:
             block_rows=block_rows,
         )
         self.policy = "lru" if cache is None else cache.policy
-        self.count = _Column(np.int64, 0)  # times seen, per row
-        self.last_seen = _Column(np.int64, -1)  # step last seen, per row
-        self.dirty = _Column(np.bool_, False)  # changed since the last save
-        self.row_slot = _Column(np.int32, -1)  # cache slot of each row, -1: not cached
+        self.meta = _RowMeta()
+        self.count = self.meta.field("count")
+        self.last_seen = self.meta.field("last_seen")
+        self.dirty = self.meta.field("dirty")
+        self.row_slot = self.meta.field("slot")
         self.slot_row = np.full(self.capacity, -1, np.int32)
         self.slot_used = np.zeros(self.capacity, np.int64)  # LRU: step last used
         self.free_slots = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)  # a stack
@@ -196,7 +231,7 @@ class HostTable:
         self.seed = 0
         if self.dynamic:
             self.map = IdMap()
-            self.row_keys = _Column(np.int64, -1)
+            self.row_keys = self.meta.field("key")
             self.free_rows = np.zeros(0, np.int64)
             self.high = 0  # rows ever allocated (the next fresh row)
             self.admission = make_filter(spec.dynamic.admission)
