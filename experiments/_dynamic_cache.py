@@ -2,9 +2,11 @@
 their rows vs the same tables fully on the device, per Zipf exponent.
 
 Workload: B=4096, 13 dense + --tables sparse features with one id each, each its own
-table of --vocab rows, D=16, DLRM bottom 13->64->16, top ->64->1, row-wise Adagrad on
-the tables, Adam on the MLPs. Ids are Zipf(s) ranks over the vocabulary (scrambled, so
-hot rows are spread over the table), pre-generated: --nbatch batches rotated.
+table of --vocab rows; --model small (D=16, DLRM bottom 13->64->16, top ->64->1) or dlrm
+(D=64, bottom 13->512->256->64, top ->512->256->1, as configs/dlrm_synthetic_1m.yaml);
+row-wise Adagrad on the tables, Adam on the MLPs. Ids are Zipf(s) ranks over the
+vocabulary (scrambled, so hot rows are spread over the table), pre-generated: --nbatch
+batches rotated.
 
 Rows per exponent s (each in its own process, the on-device one first, then the cached
 and dynamic ones; every process runs --reps repetitions of --steps steps after a warm-up
@@ -30,7 +32,14 @@ import time
 
 import numpy as np
 
-B, DIM, DENSE = 4096, 16, 13
+B, DENSE = 4096, 13
+MODELS = {
+    "small": (16, (64, 16), (64, 1)),
+    "dlrm": (64, (512, 256, 64), (512, 256, 1)),
+}
+"""--model: (embedding dim, bottom MLP, top MLP). "small" is the worst case for the cache
+(a ~2-10 ms step: the host's share is largest); "dlrm" has the layer sizes of
+configs/dlrm_synthetic_1m.yaml (the throughput configuration)."""
 
 
 def _ids(s: float, vocab: int, tables: int, nbatch: int, seed: int = 0) -> np.ndarray:
@@ -44,7 +53,15 @@ def _ids(s: float, vocab: int, tables: int, nbatch: int, seed: int = 0) -> np.nd
 
 
 def _worker(
-    kind: str, s: float, vocab: int, tables: int, nbatch: int, steps: int, reps: int, warmup: int
+    kind: str,
+    s: float,
+    vocab: int,
+    tables: int,
+    nbatch: int,
+    steps: int,
+    reps: int,
+    warmup: int,
+    model_name: str,
 ):
     import jax
     import optax
@@ -56,12 +73,13 @@ def _worker(
     from sparsejax.train import Trainer
 
     opt = RowWiseAdagrad(learning_rate=0.01)
+    dim, bottom, top = MODELS[model_name]
     extra = {
         "device": {"vocab_size": vocab},
         "cached": {"vocab_size": vocab, "cache": HostCache(rows=vocab // 10)},
         "dynamic": {"dynamic": DynamicVocab(), "cache": HostCache(rows=vocab // 10)},
     }[kind]
-    specs = [TableSpec(name=f"t{i}", dim=DIM, optimizer=opt, **extra) for i in range(tables)]
+    specs = [TableSpec(name=f"t{i}", dim=dim, optimizer=opt, **extra) for i in range(tables)]
     feats = [FeatureSpec(name=f"f{i}", table=f"t{i}") for i in range(tables)]
     ids = _ids(s, vocab, tables, nbatch)
     if kind == "dynamic":  # raw keys: the ids scrambled over the int64 range
@@ -80,7 +98,7 @@ def _worker(
     ]
     if kind == "device":  # the device side gets its batches on the device, as a loader would
         batches = [jax.device_put(b) for b in batches]
-    model = DLRM(tables=tuple(specs), features=tuple(feats), bottom=(64, DIM), top=(64, 1))
+    model = DLRM(tables=tuple(specs), features=tuple(feats), bottom=bottom, top=top)
     trainer = Trainer(model, optax.adam(1e-3))
     state = trainer.init(jax.random.key(0), batches[0])
     plan = [0.0]
@@ -126,7 +144,9 @@ def _worker(
 def run(args) -> list[str]:
     """Runs every (exponent, kind) in its own process; returns the table's lines."""
     lines = [
-        f"B={B}, {args.tables} tables x {args.vocab} rows, D={DIM}, cache = 10% of the rows; "
+        f"model {args.model} (D={MODELS[args.model][0]}, bottom {MODELS[args.model][1]}, top "
+        f"{MODELS[args.model][2]}), B={B}, {args.tables} tables x {args.vocab} rows, "
+        f"cache = 10% of the rows; "
         f"{args.reps} reps x {args.steps} steps, median",
         "",
         "| Zipf s | tables | ms/step | samples/s | vs on device | hit rate | rows moved/step/table"
@@ -147,6 +167,7 @@ def run(args) -> list[str]:
                 str(args.steps),
                 str(args.reps),
                 str(args.warmup),
+                args.model,
             ]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -167,5 +188,5 @@ def run(args) -> list[str]:
 
 
 if __name__ == "__main__":
-    kind, s, vocab, tables, nbatch, steps, reps, warmup = sys.argv[1:]
-    _worker(kind, float(s), *map(int, (vocab, tables, nbatch, steps, reps, warmup)))
+    kind, s, vocab, tables, nbatch, steps, reps, warmup, model = sys.argv[1:]
+    _worker(kind, float(s), *map(int, (vocab, tables, nbatch, steps, reps, warmup)), model)

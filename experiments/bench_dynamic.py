@@ -362,6 +362,7 @@ def main() -> None:
     g.add_argument("--zipf", default="0.8,1.05,1.2", help="Zipf exponents, comma-separated")
     g.add_argument("--vocab", type=float, default=1e6, help="rows of each table")
     g.add_argument("--tables", type=int, default=8, help="tables (one feature each)")
+    g.add_argument("--model", choices=("small", "dlrm"), default="small", help="layer sizes")
     g.add_argument("--nbatch", type=int, default=150, help="distinct batches, rotated")
     g.add_argument("--steps", type=int, default=30, help="steps per rep")
     g.add_argument("--warmup", type=int, default=400, help="steps before timing (cache full)")
