@@ -87,6 +87,11 @@ class JaggedIds:
         )
 
 
+def _example(lengths: np.ndarray, k: int) -> int:
+    """The example (0-based, within the chunk) that flat id position `k` belongs to."""
+    return int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+
+
 class BatchPacker:
     """Packs host arrays into `SparseBatch`es of fixed shapes for the given specs.
 
@@ -244,10 +249,9 @@ class BatchPacker:
             bad = np.flatnonzero((values < 0) | (values >= vocab))
             if bad.size:
                 k = bad[0]
-                example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
                 raise ValueError(
-                    f"{name}: id {int(values[k])} of example {first + example} is "
-                    f"outside table {spec.table!r} of {vocab} rows"
+                    f"{name}: id {int(values[k])} of example {first + _example(lengths, k)} "
+                    f"is outside table {spec.table!r} of {vocab} rows"
                 )
         example = np.repeat(np.arange(n), lengths)
         starts = np.cumsum(lengths) - lengths
@@ -305,9 +309,9 @@ class BatchPacker:
             )
         if bad.size:
             k = bad[0]
-            example = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
             raise ValueError(
-                f"{name}: id {int(values[k])} of example {first + example} {what}; the "
+                f"{name}: id {int(values[k])} of example {first + _example(lengths, k)} "
+                f"{what}; the "
                 f"keys of dynamic table {spec.table!r} are in [0, 2**63) (missing values: "
                 f"MISSING_KEY, as RawIdMapping gives; larger ids: hash them)"
             )
