@@ -371,11 +371,15 @@ def test_keyed_initial_rows_depend_on_the_key_only():
     assert np.abs(tz).max() <= 2.0
 
 
-def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp_path):
-    """The same training with every row on disk (a RAM budget of nothing) as in RAM;
-    Bloom admission never admits before a key's min_count-th sighting; norm eviction
-    removes keys; a trainable default row is saved and restored with the table."""
+def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp_path, monkeypatch):
+    """The same training with every row on disk (a RAM budget of nothing, its pages
+    released from memory every few steps) as in RAM; Bloom admission never admits
+    before a key's min_count-th sighting; norm eviction removes keys; a trainable
+    default row is saved and restored with the table."""
     from sparsejax.embedding import BloomAdmission
+    from sparsejax.embedding._tiered import HostTables
+
+    monkeypatch.setattr(HostTables, "release_every", 3)
 
     opt = RowWiseAdagrad(learning_rate=0.3)
     batches = _batches(40, user_keys=USER_KEYS, item_keys=ITEM_KEYS, seed=9)
