@@ -430,3 +430,23 @@ def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp
         ]
     )
     np.testing.assert_array_equal(t2.host_tables.tables["embedding/user"].default_row()[0], default)
+
+
+def test_a_large_cached_table_starts_as_the_same_table_on_the_device():
+    """Initial rows drawn in chunks on the host equal the device store's, for a table
+    larger than one chunk (the default U(+-sqrt(1/V)) scale comes from the whole V)."""
+    opt = SGD(learning_rate=0.1)
+    v = 70_000  # > 16 chunks of FILL_CHUNK_ELEMENTS // 64 rows
+    batch = _int32(_batches(1)[0])
+    feats = (FeatureSpec(name="user", table="user"),)
+
+    def start(**cache):
+        t = (TableSpec(name="user", vocab_size=v, dim=64, optimizer=opt, **cache),)
+        model = DLRM(tables=t, features=feats, bottom=(8, 64), top=(8, 1))
+        trainer = Trainer(model, optax.sgd(0.05))
+        return trainer, trainer.init(jax.random.key(3), batch)
+
+    ref = _device_tables(*start())["user"]["weights"]
+    trainer, state = start(cache=HostCache(rows=32))
+    got = _host(trainer, state)["embedding/user"]["weights"]
+    np.testing.assert_array_equal(got, ref)

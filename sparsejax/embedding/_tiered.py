@@ -269,6 +269,9 @@ class HostTable:
             self._write_initial(np.arange(v), w)
             return
         # `fill` draws chunk by chunk; sub-ranges aligned to its chunks give the same values
+        # (a default scale that depends on the table's size is fixed from the whole table)
+        if isinstance(init, uniform_init) and init.scale is None:
+            init = uniform_init(init._bound((v, spec.dim)))
         rng = np.random.default_rng([*key_data, _name_hash(spec.name)])
         from ._spec import FILL_CHUNK_ELEMENTS
 
