@@ -450,3 +450,24 @@ def test_a_large_cached_table_starts_as_the_same_table_on_the_device():
     trainer, state = start(cache=HostCache(rows=32))
     got = _host(trainer, state)["embedding/user"]["weights"]
     np.testing.assert_array_equal(got, ref)
+
+
+def test_bfloat16_tables_train_exactly_through_the_cache():
+    opt = RowWiseAdagrad(learning_rate=0.3)
+    batches = _batches(30, seed=11)
+
+    def tables(**cache):
+        return [
+            TableSpec(
+                name="user", vocab_size=500, dim=DIM, dtype="bfloat16", optimizer=opt, **cache
+            ),
+            TableSpec(name="item", vocab_size=400, dim=DIM, optimizer=opt),
+            TableSpec(name="plain", vocab_size=50, dim=DIM, optimizer=opt),
+        ]
+
+    ref_t, ref_s, ref_l = _train(tables(), [_int32(b) for b in batches])
+    t, s, losses = _train(tables(cache=HostCache(rows=24)), batches)
+    np.testing.assert_array_equal(losses, ref_l)
+    got = _host(t, s)["embedding/user"]["weights"]
+    assert got.dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(got, _device_tables(ref_t, ref_s)["user"]["weights"])
