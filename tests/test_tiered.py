@@ -13,6 +13,7 @@ from sparsejax.checkpoint._layout import stack_tables, tables_by_name
 from sparsejax.data import PaddedIds, SparseBatch
 from sparsejax.embedding import (
     CountAdmission,
+    DeviceTableStore,
     DynamicVocab,
     Eviction,
     FeatureSpec,
@@ -471,3 +472,41 @@ def test_bfloat16_tables_train_exactly_through_the_cache():
     got = _host(t, s)["embedding/user"]["weights"]
     assert got.dtype == jax.numpy.bfloat16
     np.testing.assert_array_equal(got, _device_tables(ref_t, ref_s)["user"]["weights"])
+
+
+def test_a_feature_read_by_tiered_tables_in_two_layers_gets_each_tables_slots():
+    """DeepFM reads every feature twice (embedding and first-order tables, in two
+    layers): each tiered table maps the ids to its own cache slots, exactly as with
+    all rows cached; a feature read by a tiered and a plain table is refused."""
+    from sparsejax.nn import DeepFM
+
+    opt = SGD(learning_rate=0.3)
+    batches = _batches(15, user_keys=USER_KEYS, item_keys=ITEM_KEYS, seed=2)
+
+    def run(user_cache, item_cache):
+        t = _tables(opt, user=_dynamic(user_cache), item=_dynamic(item_cache))
+        model = DeepFM(tables=tuple(t), features=tuple(_features()), hidden=(8,))
+        trainer = Trainer(model, optax.sgd(0.05))
+        return _train(
+            None, batches, trainer=trainer, state=trainer.init(jax.random.key(0), batches[0])
+        )
+
+    small, big = run(24, 48), run(1024, 1024)
+    np.testing.assert_array_equal(small[2], big[2])
+    assert sorted(small[0].host_tables.tables) == [
+        "embedding/item",
+        "embedding/user",
+        "linear/item_linear",
+        "linear/user_linear",
+    ]
+
+    from sparsejax.embedding._tiered import HostTables
+
+    plain = DeviceTableStore(
+        [TableSpec(name="u2", vocab_size=10, dim=DIM)], [FeatureSpec(name="user", table="u2")]
+    )
+    tiered = DeviceTableStore(
+        [TableSpec(name="user", dim=DIM, **_dynamic(8))], [FeatureSpec(name="user", table="user")]
+    )
+    with pytest.raises(ValueError, match="feature 'user' is read by tiered and plain tables"):
+        HostTables({("a",): plain, ("b",): tiered})

@@ -398,6 +398,8 @@ class DeviceTableStore:
             ids, segs, coefs, offset = [], [], [], 0
             for f in group.features:
                 jag = features[f.name]
+                if f.table in self.tiered_tables:  # its own slot ids, if the batch has them
+                    jag = features.get(f"{f.name}@{f.table}", jag)
                 table = self.device_tables[f.table]
                 start = stack.offset_of(f.table)
                 bags = batch_size * f.bags_per_example()

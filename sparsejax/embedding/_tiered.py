@@ -718,6 +718,12 @@ class HostTable:
         return out
 
 
+def tiered_feature_key(feature: str, table: str) -> str:
+    """The batch key of `feature`'s slot ids in tiered `table`, when several tiered
+    tables read the feature (the store's lookup prefers it to the feature's name)."""
+    return f"{feature}@{table}"
+
+
 def layer_table_key(path: tuple[str, ...], table: str) -> str:
     """ "<layer path>/<table>": a tiered table's name in checkpoints and stats."""
     return f"{'/'.join(path) or '<root>'}/{table}"
@@ -840,6 +846,20 @@ class HostTables:
                 for name, spec in tiered.items()
             }
             self.layers[path] = _Layer(path, store, tables)
+        readers: dict[str, list[tuple[str, bool]]] = {}  # feature -> (table, tiered)
+        for store in layouts.values():
+            tiered = getattr(store, "tiered_tables", {})
+            for f in store.features.values():
+                readers.setdefault(f.name, []).append((f.table, f.table in tiered))
+        for feature, tables in readers.items():
+            if any(t for _, t in tables) and not all(t for _, t in tables):
+                raise ValueError(
+                    f"feature {feature!r} is read by tiered and plain tables "
+                    f"({sorted(n for n, _ in tables)}): its ids cannot be both raw keys and "
+                    f"rows; give every table it reads the same dynamic/cache setting"
+                )
+        self.shared_features = {f for f, tables in readers.items() if len(tables) > 1}
+        """Features several tiered tables read: their slot ids travel per table."""
         self.step = 0  # training steps prepared (= the state's step)
         self._pending: list = []  # exchanges whose evicted rows are not written back yet
 
@@ -879,17 +899,25 @@ class HostTables:
         return self._prepare(state_tables, batch, train=False)
 
     def _prepare(self, state_tables, batch, *, train: bool):
-        features = dict(batch.features)
+        """Each tiered table's features as slot ids: under the feature's name, and under
+        `tiered_feature_key(feature, table)` when several tiered tables (e.g. DeepFM's
+        embedding and first-order tables, in two layers) read one feature."""
+        raw, features = batch.features, dict(batch.features)
         for layer in self.layers.values():
             moves = {}
             for name, ht in layer.tables.items():
-                missing = [f.name for f in ht.features if f.name not in features]
+                missing = [f.name for f in ht.features if f.name not in raw]
                 if missing:
                     raise KeyError(f"batch lacks features {missing} of table {name!r}")
-                ids = {f.name: features[f.name].ids for f in ht.features}
+                ids = {f.name: raw[f.name].ids for f in ht.features}
                 mapped, load_slots, load_rows, old_rows = ht.map_batch(ids, self.step, train=train)
                 for f in ht.features:
-                    features[f.name] = dataclasses.replace(features[f.name], ids=mapped[f.name])
+                    slots = dataclasses.replace(raw[f.name], ids=mapped[f.name])
+                    if f.name in self.shared_features:
+                        features[tiered_feature_key(f.name, name)] = slots
+                    features[f.name] = (
+                        slots if features[f.name] is raw[f.name] else features[f.name]
+                    )
                 moves[name] = (load_slots, load_rows, old_rows)
             state_tables = self._dispatch(state_tables, layer, moves, train=train)
         return state_tables, dataclasses.replace(batch, features=features)
