@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from .._hashing import mix64
 from ..embedding._spec import FeatureSpec, TableSpec
 from ._batch import JaggedIds
 from ._criteo import specs_for_vocab
@@ -44,15 +45,6 @@ KAGGLE_CARDINALITIES = (
 """Distinct values of C1..C26 in the full Criteo Kaggle DAC train set."""
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer: a fixed pseudo-random bijection of uint64 (vectorized)."""
-    z = z ^ (z >> np.uint64(30))
-    z = z * np.uint64(0xBF58476D1CE4E5B9)
-    z = z ^ (z >> np.uint64(27))
-    z = z * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 _ROUNDS = 4
 """Feistel rounds of the raw-key scramble (`SyntheticCriteo.id_space`)."""
 
@@ -65,7 +57,7 @@ def _feistel(x: np.ndarray, keys: np.ndarray, half: int) -> np.ndarray:
     h = np.uint64(half)
     left, right = x >> h, x & mask
     for k in keys:
-        left, right = right, left ^ (_mix64(right ^ k) & mask)
+        left, right = right, left ^ (mix64(right ^ k) & mask)
     return (left << h) | right
 
 
@@ -247,7 +239,7 @@ class SyntheticCriteo:
             + f
             + np.uint64((self.seed * 0x9E3779B97F4A7C15) % (1 << 64))
         )
-        bits = _mix64(key) >> np.uint64(40)  # 24 bits
+        bits = mix64(key) >> np.uint64(40)  # 24 bits
         return bits.astype(np.float32) * np.float32(2.0 / (1 << 24)) - np.float32(1.0)
 
     def _dense(self, rng: np.random.Generator, batch_size: int) -> np.ndarray:

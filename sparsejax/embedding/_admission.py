@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._hashing import mix64
 from ._spec import BloomAdmission, CountAdmission
 
 __all__ = ["BloomFilter", "CountFilter", "make_filter"]
@@ -179,8 +180,6 @@ def _expect(owner: str, arrays, names: tuple[str, ...]) -> None:
 
 # splitmix64 (Steele et al.): the finalizer mixes, the golden-ratio step seeds each hash
 _GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
 _MASK = (1 << 64) - 1
 
 
@@ -189,16 +188,6 @@ def _splitmix(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return x ^ (x >> 31)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64[n], in place (wrapping arithmetic)."""
-    x ^= x >> np.uint64(30)
-    x *= _MIX1
-    x ^= x >> np.uint64(27)
-    x *= _MIX2
-    x ^= x >> np.uint64(31)
-    return x
 
 
 class BloomFilter:
@@ -242,7 +231,7 @@ class BloomFilter:
         out = np.empty((self.hashes, u.size), np.int64)
         m = np.uint64(self.num_counters)
         for i, s in enumerate(self._seeds):
-            out[i] = _mix(u + s) % m
+            out[i] = mix64(u + s) % m
         return out
 
     def observe(self, keys, counts) -> np.ndarray:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._hashing import mix64
 from ._admission import make_filter
 from ._device_store import _name_hash, _table_key
 from ._host_rows import HostRows
@@ -59,18 +60,11 @@ class DynamicTableFullError(ValueError):
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 def _uniform01(keys: np.ndarray, dim: int, seed: int, stream: int) -> np.ndarray:
     """f32[n, dim] in [0, 1): a pure function of (seed, stream, key, column)."""
-    base = _mix64(keys.astype(np.uint64) ^ np.uint64(seed & (2**64 - 1)))
+    base = mix64(keys.astype(np.uint64) ^ np.uint64(seed & (2**64 - 1)))
     cols = (np.arange(dim, dtype=np.uint64) + np.uint64(1 + stream * dim)) * _GOLDEN
-    bits = _mix64(base[:, None] + cols[None, :])
+    bits = mix64(base[:, None] + cols[None, :])
     return ((bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)).astype(np.float32)
 
 
@@ -251,8 +245,8 @@ class HostTable:
         key_data = np.asarray(jax.random.key_data(layer_key)).ravel().tolist()
         mixed = 0
         for word in key_data:  # the layer key's words, then the table's name
-            mixed = int(_mix64(np.array([(mixed << 32 ^ word) & (2**64 - 1)], np.uint64))[0])
-        self.seed = int(_mix64(np.array([mixed ^ _name_hash(self.spec.name)], np.uint64))[0])
+            mixed = int(mix64(np.array([(mixed << 32 ^ word) & (2**64 - 1)], np.uint64))[0])
+        self.seed = int(mix64(np.array([mixed ^ _name_hash(self.spec.name)], np.uint64))[0])
         if self.dynamic:
             return
         spec, v = self.spec, self.spec.vocab_size
