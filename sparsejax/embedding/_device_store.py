@@ -329,14 +329,7 @@ class DeviceTableStore:
                     parts.append(
                         {
                             "weights": np.zeros((t.vocab_size, t.dim), jnp.dtype(t.dtype)),
-                            "slots": {
-                                s.name: np.full(
-                                    (t.vocab_size,) if s.per_row else (t.vocab_size, t.dim),
-                                    s.init,
-                                    s.dtype,
-                                )
-                                for s in stack.optimizer.slots()
-                            },
+                            "slots": stack.optimizer.init_slots(t.vocab_size, t.dim),
                         }
                     )
                     continue

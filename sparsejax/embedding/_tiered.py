@@ -145,7 +145,7 @@ class _RowMeta:
 
 
 class _Field:
-    """One field of `_RowMeta`, used like a growable array: `.data`, `.ensure(n)`."""
+    """One field of `_RowMeta`: `.data` is its current view (valid until it grows)."""
 
     def __init__(self, meta: _RowMeta, name: str):
         self.meta, self.name = meta, name
@@ -153,9 +153,6 @@ class _Field:
     @property
     def data(self) -> np.ndarray:
         return self.meta.records[self.name]
-
-    def ensure(self, n: int) -> None:
-        self.meta.ensure(n)
 
 
 @dataclasses.dataclass
@@ -232,8 +229,7 @@ class HostTable:
             self.tombstones: list[np.ndarray] = []
         else:
             self.high = spec.vocab_size
-            for col in (self.count, self.last_seen, self.dirty, self.row_slot):
-                col.ensure(self.high)
+            self.meta.ensure(self.high)
         self.default_reset = True  # the default row is (re)written at the next exchange
         self.default_values: tuple[np.ndarray, dict] | None = None  # trainable default row
         self._initial_default: tuple[np.ndarray, dict] | None = None
@@ -367,18 +363,7 @@ class HostTable:
                 room = self.free_rows.shape[0] + max(0, dyn.max_rows - self.high)
             keys = keys[:room]
             n = keys.shape[0]
-        reuse = min(n, self.free_rows.shape[0])
-        rows = np.concatenate(
-            [
-                self.free_rows[self.free_rows.shape[0] - reuse :][::-1],
-                np.arange(self.high, self.high + n - reuse, dtype=np.int64),
-            ]
-        )
-        self.free_rows = self.free_rows[: self.free_rows.shape[0] - reuse]
-        self.high += n - reuse
-        for col in (self.count, self.last_seen, self.dirty, self.row_slot, self.row_keys):
-            col.ensure(self.high)
-        self.rows.ensure(self.high)
+        rows = self._take_rows(n)
         # the default scale of U(+-sqrt(1/V)) with no V: max_rows, else the dim (as
         # DeepRec's 1/sqrt(dim)); never the cache size, which may change between runs
         scale_rows = dyn.max_rows or self.spec.dim
@@ -390,6 +375,22 @@ class HostTable:
         self.last_seen.data[rows] = step
         self.dirty.data[rows] = True
         self.stats.admitted += n
+        return rows
+
+    def _take_rows(self, n: int) -> np.ndarray:
+        """n rows for new keys: freed rows first (the last freed first), then fresh ones;
+        the metadata and the host store grow to cover them."""
+        reuse = min(n, self.free_rows.shape[0])
+        rows = np.concatenate(
+            [
+                self.free_rows[self.free_rows.shape[0] - reuse :][::-1],
+                np.arange(self.high, self.high + n - reuse, dtype=np.int64),
+            ]
+        )
+        self.free_rows = self.free_rows[: self.free_rows.shape[0] - reuse]
+        self.high += n - reuse
+        self.meta.ensure(self.high)
+        self.rows.ensure(self.high)
         return rows
 
     def _evict_to_make_room(self, need: int, keep: np.ndarray) -> None:
@@ -437,16 +438,19 @@ class HostTable:
         self.n_free_slots += n
 
     # ---- rows -> cache slots -----------------------------------------------------------
+    def _check_capacity(self, distinct: int) -> None:
+        if distinct > self.capacity:
+            raise CacheCapacityError(
+                f"table {self.spec.name!r}: one batch looks up {distinct} distinct rows "
+                f"but its device cache holds {self.capacity} (cache.rows); raise cache.rows "
+                f"to at least {distinct} or use smaller batches"
+            )
+
     def place(self, rows: np.ndarray, step: int):
         """Cache slots of distinct `rows` (all >= 0), loading misses: returns
         `(slots, load_slots, load_rows, old_rows)`: `load_rows` go into `load_slots`,
         whose previous rows `old_rows` (-1: the slot was free) leave the cache."""
-        if rows.shape[0] > self.capacity:
-            raise CacheCapacityError(
-                f"table {self.spec.name!r}: one batch looks up {rows.shape[0]} distinct rows "
-                f"but its device cache holds {self.capacity} (cache.rows); raise cache.rows "
-                f"to at least {rows.shape[0]} or use smaller batches"
-            )
+        self._check_capacity(rows.shape[0])
         slots = self.row_slot.data[rows]
         hit = slots >= 0
         if self.policy == "lru":
@@ -560,8 +564,7 @@ class HostTable:
         return out, load_slots, load_rows, old_rows
 
     def _place_for_eval(self, rows: np.ndarray):
-        if rows.shape[0] > self.capacity:
-            self.place(rows, 0)  # raises CacheCapacityError
+        self._check_capacity(rows.shape[0])
         slots = self.row_slot.data[rows].copy()
         miss = np.nonzero(slots < 0)[0]
         if miss.shape[0] == 0:
@@ -612,7 +615,6 @@ class HostTable:
             tomb = np.concatenate(self.tombstones) if self.tombstones else np.zeros(0, np.int64)
             arrays["tombstones"] = tomb if incremental else np.zeros(0, np.int64)
             arrays |= {f"admission/{k}": v for k, v in self.admission.state().items()}
-            arrays["high"] = np.array([self.high], np.int64)
         if self.default_values is not None:
             dw, ds = self.default_values
             arrays["default/weights"] = dw
@@ -650,23 +652,7 @@ class HostTable:
                 rows = self.map.lookup(keys).astype(np.int64)
                 new = rows < 0
                 if new.any():
-                    n = int(new.sum())
-                    got = np.arange(self.high, self.high + n, dtype=np.int64)
-                    if self.free_rows.shape[0]:
-                        reuse = min(n, self.free_rows.shape[0])
-                        got[:reuse] = self.free_rows[-reuse:]
-                        self.free_rows = self.free_rows[:-reuse]
-                        got[reuse:] = np.arange(self.high, self.high + n - reuse)
-                    self.high = max(self.high, int(got.max(initial=-1)) + 1)
-                    for col in (
-                        self.count,
-                        self.last_seen,
-                        self.dirty,
-                        self.row_slot,
-                        self.row_keys,
-                    ):
-                        col.ensure(self.high)
-                    self.rows.ensure(self.high)
+                    got = self._take_rows(int(new.sum()))
                     self.map.insert(keys[new], got.astype(np.int32))
                     self.row_keys.data[got] = keys[new]
                     rows[new] = got
@@ -687,14 +673,14 @@ class HostTable:
                         if k.startswith("default/slot/")
                     },
                 )
-        self.tombstones = [] if self.dynamic else None
+        if self.dynamic:
+            self.tombstones = []  # the evictions replayed above are in the chain already
         self.stats = TableStats(**chain[-1].meta.get("stats", {}))
-        self.default_reset = True
 
     def report(self) -> dict:
         """Stats for logs and summary.json."""
         st = self.stats
-        live = int(self.map.__len__()) if self.dynamic else self.spec.vocab_size
+        live = len(self.map) if self.dynamic else self.spec.vocab_size
         out = {
             "rows_live": live,
             "cache_rows": self.capacity,
