@@ -61,11 +61,9 @@ def shape_batch(batch):
         return batch
     features = {}
     for name, f in batch.features.items():
-        ids = np.asarray(f.ids) if not isinstance(f.ids, jax.Array) else f.ids
-        if ids.dtype.itemsize == 8:
-            f = dataclasses.replace(
-                f, ids=np.where(np.asarray(ids).view(np.int64) >= 0, 0, -1).astype(np.int32)
-            )
+        if f.ids.dtype.itemsize == 8:  # host arrays: device ids are 32-bit
+            keys = np.asarray(f.ids).view(np.int64)
+            f = dataclasses.replace(f, ids=np.where(keys >= 0, 0, -1).astype(np.int32))
         features[name] = f
     return dataclasses.replace(batch, features=features)
 
