@@ -19,7 +19,7 @@ def _kernel_env(data: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["SPARSEJAX_DATA_DIR"] = str(data)  # where the notebook finds the sample
     # conftest.py fakes 4 CPU devices for mesh tests; the notebook runs as a user's would.
-    if env.get("XLA_FLAGS") == "--xla_force_host_platform_device_count=4":
+    if env.get("XLA_FLAGS") == "--xla_force_host_platform_device_count=8":
         del env["XLA_FLAGS"]
     # The kernel imports the sparsejax under test, installed or not (its cwd is experiments/).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

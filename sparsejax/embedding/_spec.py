@@ -16,7 +16,9 @@ from ..ops.optimizers import RowWiseAdagrad, SparseOptimizer
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 DTYPES = ("float32", "bfloat16")
-PLACEMENTS = ("device",)
+PLACEMENTS = ("device", "replicated", "table_wise", "column_wise", "table_row_wise", "row_wise")
+"""Where a table lives: "device" (whole on every device of the mesh, the single-device
+store) or a placement of `sparsejax.sharding` (see `sparsejax.sharding._placement`)."""
 FILL_CHUNK_ELEMENTS = 1 << 18
 """Elements drawn at a time by `uniform_init.fill` (1 MiB of float32)."""
 
@@ -292,7 +294,9 @@ class TableSpec:
     )
     """Sparse optimizer for this table's touched rows."""
     placement: str = "device"
-    """Where the table lives; "device" for now (sharded comes later)."""
+    """Where the table lives (`PLACEMENTS`): "device", the whole table on every device;
+    or a placement on a ("data", "model") mesh ("replicated", "table_wise",
+    "column_wise", "table_row_wise", "row_wise"), served by `sparsejax.sharding`."""
     dynamic: DynamicVocab | None = None
     """Keyed by raw 64-bit IDs, rows created while training (None: ids in [0, vocab_size))."""
     cache: HostCache | None = None
