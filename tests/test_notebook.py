@@ -18,7 +18,7 @@ MIN_AUC = 0.70  # the notebook asserts the same; one epoch reaches ~0.73
 def _kernel_env(data: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["SPARSEJAX_DATA_DIR"] = str(data)  # where the notebook finds the sample
-    # conftest.py fakes 4 CPU devices for mesh tests; the notebook runs as a user's would.
+    # conftest.py fakes 8 CPU devices for mesh tests; the notebook runs as a user's would.
     if env.get("XLA_FLAGS") == "--xla_force_host_platform_device_count=8":
         del env["XLA_FLAGS"]
     # The kernel imports the sparsejax under test, installed or not (its cwd is experiments/).
