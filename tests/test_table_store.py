@@ -247,9 +247,9 @@ def test_default_mesh_is_one_device_and_state_carries_named_shardings():
 
 
 def test_four_device_mesh_replicates_tables_and_matches_one_device(implementation):
-    assert len(jax.devices()) == 4
+    assert len(jax.devices()) >= 4
     tables, features = _specs()
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("data", "model"))
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("data", "model"))
     store = DeviceTableStore(tables, features, mesh=mesh, implementation=implementation)
     assert store.with_mesh(default_mesh()) == DeviceTableStore(
         tables, features, implementation=implementation

@@ -83,6 +83,22 @@ def _table_key(key: jax.Array, name: str) -> jax.Array:
     return jax.random.fold_in(key, _name_hash(name))
 
 
+def fill_table(key: jax.Array, table: TableSpec, rows: np.ndarray) -> None:
+    """Write `table`'s initial weights (a function of `key` and its name only) into the
+    host array `rows` ([vocab_size, dim], the storage dtype), drawing with numpy when
+    the initializer can (`fill` in chunks, or `host`)."""
+    init = table.initializer
+    if hasattr(init, "fill") or hasattr(init, "host"):
+        key_data = np.asarray(jax.random.key_data(key)).ravel().tolist()
+        rng = np.random.default_rng([*key_data, _name_hash(table.name)])
+        if hasattr(init, "fill"):
+            init.fill(rng, rows)
+        else:
+            rows[...] = init.host(rng, rows.shape, rows.dtype)
+    else:
+        rows[...] = np.asarray(init(_table_key(key, table.name), rows.shape, rows.dtype))
+
+
 def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialized host array aligned to 64 bytes, which the CPU client can adopt
     as a device buffer without a copy (`device_put(..., may_alias=True)`)."""
@@ -277,19 +293,9 @@ class DeviceTableStore:
             )
             return {"weights": weights, "slots": stack.optimizer.init_slots(stack.rows, stack.dim)}
         self.check_memory(name)
-        key_data = np.asarray(jax.random.key_data(key)).ravel().tolist()
         weights = _aligned_empty((stack.rows, stack.dim), jnp.dtype(stack.dtype))
         for t, off in zip(stack.tables, stack.offsets, strict=True):
-            rows = weights[off : off + t.vocab_size]
-            init = t.initializer
-            if hasattr(init, "fill"):
-                init.fill(np.random.default_rng([*key_data, _name_hash(t.name)]), rows)
-            elif hasattr(init, "host"):
-                rows[...] = init.host(
-                    np.random.default_rng([*key_data, _name_hash(t.name)]), rows.shape, rows.dtype
-                )
-            else:
-                rows[...] = np.asarray(init(_table_key(key, t.name), rows.shape, rows.dtype))
+            fill_table(key, t, weights[off : off + t.vocab_size])
         r = self._replicated()
         slots = {
             s.name: jnp.full(
