@@ -117,11 +117,13 @@ def make_store(
     mesh: Mesh | None = None,
     implementation: str | None = None,
 ) -> TableStore:
-    """The store for `tables`, chosen by their `placement` ("device" is the only one
-    today: `DeviceTableStore`)."""
+    """The store for `tables`, chosen by their `placement`: all "device" (the default),
+    `DeviceTableStore` (tables whole on every device); any other placement,
+    `sparsejax.sharding.ShardedTableStore` on `mesh`."""
     from ._device_store import DeviceTableStore
 
-    placements = {t.placement for t in tables}
-    if placements - {"device"}:
-        raise ValueError(f"no table store for placements {sorted(placements - {'device'})}")
-    return DeviceTableStore(tables, features, mesh=mesh, implementation=implementation)
+    if all(t.placement == "device" for t in tables):
+        return DeviceTableStore(tables, features, mesh=mesh, implementation=implementation)
+    from ..sharding import ShardedTableStore
+
+    return ShardedTableStore(tables, features, mesh=mesh, implementation=implementation)

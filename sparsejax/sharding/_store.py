@@ -1,0 +1,693 @@
+"""`ShardedTableStore`: tables placed on a ("data", "model") mesh, looked up and updated
+under `shard_map` with explicit collectives that move ids and pooled rows, never tables.
+
+Every device holds `B / N` examples of the batch (`shard_batch` re-pads the ids per
+device) and one piece of every table (`_placement`). Tables of one placement, dim,
+dtype and optimizer share a stack: on each shard a block of `rows_per_shard` rows, where
+each table keeps its own rows (table-wise: on its one shard; row-wise: row `i` on shard
+`i % S` at local row `offset + i // S`, so the hot low ids of skewed data spread over
+every shard instead of filling the first).
+
+One step, per stack and pooling kind, with S shards and R replicas:
+- lookup: each device sorts its ids by owner into S buckets of `n` entries each (`n`:
+  the ids the device holds, so a bucket never overflows, however skewed the ids), and
+  an all-to-all over the shard axes hands each owner its rows' ids, bags and pooling
+  coefficients; the owner pools them into partial bags, and an all-to-all sends the
+  partial sums back (S x bags x D floats), where they are added (max pooling: taken from
+  the one owner a bag has, so row-split tables refuse it);
+- update: the gradient of the pooled rows is all-gathered over the shard axes (each owner
+  sees the bags its rows went into), the owners' received lookups and those gradients
+  are all-gathered over the replica axes, and every copy of a shard applies its sparse
+  optimizer to its own rows: the same update the single-device store makes, summed in
+  another order.
+Bytes per step grow with the batch, the features and the dim, never with the vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import ops
+from ..embedding._device_store import GroupLookups, apply_group_gradients, fill_table
+from ..embedding._memory import available_memory, format_bytes
+from ..embedding._spec import FeatureSpec, TableSpec, check_specs
+from ..embedding._stacking import stack_name
+from . import _placement as pl
+
+ALL = pl.AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One table, or one column piece of a column-wise table, inside a stack."""
+
+    table: TableSpec  # the piece's own spec (a column piece: dim / M)
+    source: str  # the user's table
+    column: int | None  # index of a column piece
+    shard: int  # table-wise: the shard holding it
+    offset: int  # first local row on its shard(s)
+    stride: int  # 1: whole on `shard`; S: row i on shard i % S, local row offset + i // S
+
+    @property
+    def local_rows(self) -> int:
+        return -(-self.table.vocab_size // self.stride)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStack:
+    name: str
+    placement: str
+    pieces: tuple[Piece, ...]
+    dim: int
+    dtype: str
+    optimizer: object
+    shards: int
+    rows_per_shard: int
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return pl.shard_axes(self.placement)
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return pl.replica_axes(self.placement)
+
+    def spec(self, ndim: int) -> P:
+        axes = self.axes
+        first = None if not axes else axes[0] if len(axes) == 1 else axes
+        return P(first, *([None] * (ndim - 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One feature reading one piece: a slice of its group's bags."""
+
+    feature: FeatureSpec
+    piece: Piece
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedGroup:
+    name: str
+    stack: str
+    entries: tuple[Entry, ...]
+    combiner: str
+
+    @property
+    def needs_coefficients(self) -> bool:
+        return any(
+            e.feature.weighted or e.feature.combiner in ("mean", "sqrtn") for e in self.entries
+        )
+
+
+def _stack_kind(placement: str) -> str:
+    return "table_wise" if placement == "column_wise" else placement
+
+
+def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
+    """`(stack kind, piece)` of every table; offsets are filled in by `_stacks`."""
+    out = []
+    model = int(mesh_shape.get("model", 1))
+    for t in tables:
+        p = "replicated" if t.placement == "device" else t.placement
+        view = t.device_view()
+        if p == "column_wise":
+            if t.dim % model:
+                raise ValueError(
+                    f"table {t.name!r}: column_wise placement splits dim {t.dim} over the "
+                    f"{model} devices of the 'model' axis; it must divide by {model}"
+                )
+            if any(s.per_row for s in t.optimizer.slots()):
+                raise ValueError(
+                    f"table {t.name!r}: column_wise placement splits each row over devices, "
+                    f"but {type(t.optimizer).__name__} keeps one value per whole row; use "
+                    f"Adagrad, Adam, FTRL or SGD, or a row placement"
+                )
+            if t.is_tiered:
+                raise ValueError(f"table {t.name!r}: a tiered table cannot be column_wise")
+            width = t.dim // model
+            for k in range(model):
+                piece_spec = dataclasses.replace(view, dim=width, placement="table_wise")
+                out.append(("table_wise", Piece(piece_spec, t.name, k, k, 0, 1)))
+            continue
+        if t.is_tiered and p in ("row_wise", "table_row_wise"):
+            raise ValueError(
+                f"table {t.name!r}: a tiered (dynamic or host-cached) table can be "
+                f"replicated or table_wise, not {p}"
+            )
+        out.append((p, Piece(view, t.name, None, 0, 0, 1)))
+    return out
+
+
+def _stacks(tables, mesh_shape) -> dict[str, ShardedStack]:
+    by_key: dict[tuple, list[Piece]] = {}
+    for kind, piece in _build_pieces(tables, mesh_shape):
+        t = piece.table
+        by_key.setdefault((kind, stack_name(t.dim, t.dtype, t.optimizer)), []).append(piece)
+    stacks = {}
+    for (kind, base), pieces in sorted(by_key.items()):
+        shards = pl.num_shards(kind, mesh_shape)
+        whole = [p for p in pieces if p.column is None]
+        shard_of = (
+            pl.assign_table_wise(
+                {p.source: p.table.vocab_size * pl.row_bytes(p.table) for p in whole}, shards
+            )
+            if kind == "table_wise"
+            else {}
+        )
+        load = [0] * shards
+        placed = []
+        for p in sorted(pieces, key=lambda p: (p.source, p.column or 0)):
+            if kind == "table_wise":
+                s = p.shard if p.column is not None else shard_of[p.source]
+                placed.append(dataclasses.replace(p, shard=s, offset=load[s], stride=1))
+                load[s] += p.table.vocab_size
+            else:
+                stride = 1 if kind == "replicated" else shards
+                p = dataclasses.replace(p, shard=0, offset=load[0], stride=stride)
+                placed.append(p)
+                load[0] += p.local_rows
+        rows = max(load)
+        if rows >= 2**31:
+            raise ValueError(
+                f"stack {kind}_{base}: {rows} rows on one device exceed the int32 row ids "
+                f"of the kernels; shard its tables over more devices"
+            )
+        first = placed[0].table
+        name = f"{kind}_{base}"
+        stacks[name] = ShardedStack(
+            name, kind, tuple(placed), first.dim, first.dtype, first.optimizer, shards, max(rows, 1)
+        )
+    return stacks
+
+
+class ShardedTableStore:
+    """Tables placed on a ("data", "model") mesh by their `placement`; implements
+    `TableStore`. The batch must be split per device (`shard_batch`; the `Trainer` does
+    it): each device looks up and updates for its `B / N` examples.
+
+    Args:
+      tables, features: the specs; each table's `placement` is one of
+        `sparsejax.sharding.PLACEMENTS` ("device" counts as "replicated").
+      mesh: a mesh with axes ("data", "model") (default: `make_mesh()`).
+      implementation: kernel choice for the sparse ops (None: the platform's best).
+    """
+
+    shards_batch = True
+    """The batch must be split per device (`shard_batch`) before the lookup."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        features: Sequence[FeatureSpec],
+        *,
+        mesh: Mesh | None = None,
+        implementation: str | None = None,
+    ):
+        tables, features = tuple(tables), tuple(features)
+        check_specs(tables, features)
+        self.mesh = pl.make_mesh() if mesh is None else mesh
+        if tuple(self.mesh.axis_names) != ALL:
+            raise ValueError(
+                f"ShardedTableStore: the mesh's axes are {tuple(self.mesh.axis_names)}; it "
+                f"needs {ALL} (sparsejax.sharding.make_mesh)"
+            )
+        self._specs = (tables, features)
+        self.tables = {t.name: t for t in tables}
+        self.features = {f.name: f for f in features}
+        self.implementation = implementation
+        self.tiered_tables = {t.name: t for t in tables if t.is_tiered}
+        self.device_tables = {t.name: t.device_view() for t in tables}
+        shape = dict(self.mesh.shape)
+        self.num_devices = int(self.mesh.size)
+        self.stacks = _stacks(tables, shape)
+        pieces = {}
+        for s in self.stacks.values():
+            for p in s.pieces:
+                pieces.setdefault(p.source, []).append((s.name, p))
+        self._pieces = {k: sorted(v, key=lambda sp: sp[1].column or 0) for k, v in pieces.items()}
+        groups: dict[tuple[str, str], list[Entry]] = {}
+        for f in features:
+            kind = "max" if f.combiner == "max" else "sum"
+            for stack, piece in self._pieces[f.table]:
+                if kind == "max" and self.stacks[stack].placement in ("row_wise", "table_row_wise"):
+                    raise ValueError(
+                        f"feature {f.name!r}: max pooling over table {f.table!r} placed "
+                        f"{self.stacks[stack].placement} would need every shard's winner; "
+                        f"place the table table_wise, column_wise or replicated"
+                    )
+                groups.setdefault((stack, kind), []).append(Entry(f, piece))
+        self.groups = {
+            f"{stack}_{kind}": ShardedGroup(f"{stack}_{kind}", stack, tuple(es), kind)
+            for (stack, kind), es in sorted(groups.items())
+        }
+
+    def _key(self):
+        return (type(self), self._specs, self.mesh, self.implementation)
+
+    def __eq__(self, other):
+        return isinstance(other, ShardedTableStore) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        placed = {s.name: s.placement for s in self.stacks.values()}
+        return f"ShardedTableStore(stacks={placed}, mesh={dict(self.mesh.shape)})"
+
+    def with_mesh(self, mesh: Mesh) -> ShardedTableStore:
+        tables, features = self._specs
+        return ShardedTableStore(tables, features, mesh=mesh, implementation=self.implementation)
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(self.stacks)
+
+    def _sharding(self, stack: ShardedStack, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, stack.spec(ndim))
+
+    def abstract_state(self) -> dict:
+        out = {}
+        for name, st in self.stacks.items():
+            rows = st.shards * st.rows_per_shard
+            slots = {
+                s.name: jax.ShapeDtypeStruct(
+                    (rows,) if s.per_row else (rows, st.dim),
+                    jnp.dtype(s.dtype),
+                    sharding=self._sharding(st, 1 if s.per_row else 2),
+                )
+                for s in st.optimizer.slots()
+            }
+            out[name] = {
+                "weights": jax.ShapeDtypeStruct(
+                    (rows, st.dim), jnp.dtype(st.dtype), sharding=self._sharding(st, 2)
+                ),
+                "slots": slots,
+            }
+        return out
+
+    def state_shardings(self) -> dict:
+        return jax.tree.map(lambda s: s.sharding, self.abstract_state())
+
+    def abstract_tables(self) -> dict:
+        return jax.eval_shape(self.export_tables, self.abstract_state())
+
+    def device_bytes(self, name: str) -> int:
+        """Bytes of stack `name` on one device (weights and slots of one shard)."""
+        st = self.stacks[name]
+        return st.rows_per_shard * pl.row_bytes(st.pieces[0].table)
+
+    def check_memory(self, name: str) -> None:
+        """Refuse, before allocating, a stack whose shard does not fit on a device."""
+        need = self.device_bytes(name)
+        avail = available_memory(list(self.mesh.devices.flat))
+        if avail is not None and need > avail[0]:
+            st = self.stacks[name]
+            raise MemoryError(
+                f"ShardedTableStore.init: stack {name!r} (tables "
+                f"{sorted({p.source for p in st.pieces})}, {st.placement}) needs "
+                f"{format_bytes(need)} per device but {format_bytes(avail[0])} is "
+                f"available ({avail[1]}); use more devices or a row placement"
+            )
+
+    def init_part(self, key: jax.Array, name: str) -> dict:
+        """Weights and slots of stack `name`: every table's values are the ones the
+        single-device store draws (a function of `key` and the table's name)."""
+        st = self.stacks[name]
+        if isinstance(key, jax.core.Tracer):
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract_state()[name])
+        self.check_memory(name)
+        tables = {}
+        for src in sorted({p.source for p in st.pieces}):
+            spec = self.device_tables[src]
+            rows = np.empty((spec.vocab_size, spec.dim), jnp.dtype(spec.dtype))
+            fill_table(key, spec, rows)
+            tables[src] = {
+                "weights": rows,
+                "slots": {
+                    s.name: np.full(
+                        (spec.vocab_size,) if s.per_row else rows.shape, s.init, s.dtype
+                    )
+                    for s in spec.optimizer.slots()
+                },
+            }
+        return self._import_stack(name, tables)
+
+    def init(self, key: jax.Array) -> dict:
+        return {name: self.init_part(key, name) for name in self.stacks}
+
+    # ---- per-table form -------------------------------------------------------------
+    def _piece_rows(self, st: ShardedStack, piece: Piece, a: jax.Array) -> jax.Array:
+        """The piece's logical rows `[V, ...]` from a stack array `[S * rows, ...]`."""
+        blocks = a.reshape(st.shards, st.rows_per_shard, *a.shape[1:])
+        if piece.stride == 1:
+            return blocks[piece.shard, piece.offset : piece.offset + piece.table.vocab_size]
+        rows = blocks[:, piece.offset : piece.offset + piece.local_rows]
+        rows = jnp.swapaxes(rows, 0, 1).reshape(-1, *a.shape[1:])
+        return rows[: piece.table.vocab_size]
+
+    def _set_piece_rows(self, st, piece, a, rows):
+        blocks = a.reshape(st.shards, st.rows_per_shard, *a.shape[1:])
+        if piece.stride == 1:
+            blocks = blocks.at[piece.shard, piece.offset : piece.offset + rows.shape[0]].set(rows)
+        else:
+            pad = piece.local_rows * st.shards - rows.shape[0]
+            rows = jnp.pad(rows, [(0, pad)] + [(0, 0)] * (rows.ndim - 1))
+            rows = jnp.swapaxes(rows.reshape(piece.local_rows, st.shards, *rows.shape[1:]), 0, 1)
+            blocks = blocks.at[:, piece.offset : piece.offset + piece.local_rows].set(rows)
+        return blocks.reshape(a.shape)
+
+    def export_tables(self, state: Mapping) -> dict:
+        """`{table: {"weights": [V, D], "slots": {...}}}`, the layout-free form (tiered
+        tables left out: their state is on the host)."""
+        out = {}
+        for src, pieces in self._pieces.items():
+            if src in self.tiered_tables:
+                continue
+            parts = [
+                jax.tree.map(
+                    lambda a, st=self.stacks[sn], p=p: self._piece_rows(st, p, a), state[sn]
+                )
+                for sn, p in pieces
+            ]
+            if len(parts) == 1:
+                out[src] = parts[0]
+            else:  # column pieces side by side
+                out[src] = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)
+        return out
+
+    def _import_stack(self, name: str, tables: Mapping) -> dict:
+        st = self.stacks[name]
+        abstract = self.abstract_state()[name]
+
+        def build(tables):
+            state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+            for p in st.pieces:
+                tab = tables[p.source]
+                w = p.table.dim
+                cols = slice(None) if p.column is None else slice(p.column * w, (p.column + 1) * w)
+                state["weights"] = self._set_piece_rows(
+                    st, p, state["weights"], jnp.asarray(tab["weights"])[:, cols].astype(st.dtype)
+                )
+                for s in st.optimizer.slots():
+                    v = jnp.asarray(tab["slots"][s.name])
+                    v = v if s.per_row else v[:, cols]
+                    state["slots"][s.name] = self._set_piece_rows(
+                        st, p, state["slots"][s.name], v.astype(s.dtype)
+                    )
+            return state
+
+        shardings = jax.tree.map(lambda s: s.sharding, abstract)
+        return jax.jit(build, out_shardings=shardings)(tables)
+
+    def import_tables(self, tables: Mapping) -> dict:
+        """Inverse of `export_tables`, placed on this store's mesh (any mesh saved them);
+        names a missing table or a mismatched shape or slot set. Tiered tables get an
+        empty device cache."""
+        full = {}
+        for src, spec in self.device_tables.items():
+            if src in self.tiered_tables:
+                full[src] = {
+                    "weights": np.zeros((spec.vocab_size, spec.dim), jnp.dtype(spec.dtype)),
+                    "slots": spec.optimizer.init_slots(spec.vocab_size, spec.dim),
+                }
+                continue
+            if src not in tables:
+                raise KeyError(f"no saved state for table {src!r} (saved: {sorted(tables)})")
+            tab = tables[src]
+            if tuple(tab["weights"].shape) != (spec.vocab_size, spec.dim):
+                raise ValueError(
+                    f"table {src!r}: saved weights have shape {tuple(tab['weights'].shape)}, "
+                    f"the spec says {(spec.vocab_size, spec.dim)}"
+                )
+            want = sorted(s.name for s in spec.optimizer.slots())
+            if sorted(tab["slots"]) != want:
+                raise ValueError(
+                    f"table {src!r}: saved optimizer slots {sorted(tab['slots'])}, "
+                    f"{type(spec.optimizer).__name__} needs {want}"
+                )
+            full[src] = tab
+        out = {}
+        for name, st in self.stacks.items():
+            out[name] = self._import_stack(name, {p.source: full[p.source] for p in st.pieces})
+        return out
+
+    def tables_by_name(self, state: Mapping) -> dict:
+        return self.export_tables(state)
+
+    def state_from_tables(self, tables: Mapping) -> dict:
+        return self.import_tables(tables)
+
+    # ---- lookup and update ------------------------------------------------------------
+    def _local_batch(self, batch_size: int) -> int:
+        if batch_size % self.num_devices:
+            raise ValueError(
+                f"ShardedTableStore: batch size {batch_size} does not divide over the "
+                f"{self.num_devices} devices of the mesh"
+            )
+        return batch_size // self.num_devices
+
+    def _specs_of(self, features: Mapping) -> dict:
+        missing = set(self.features) - set(features)
+        if missing:
+            raise KeyError(f"batch lacks features {sorted(missing)}")
+        out = {}
+        for name, f in self.features.items():
+            jag = features[name]
+            if f.table in self.tiered_tables:
+                jag = features.get(f"{name}@{f.table}", jag)
+            if jag.ids.shape[0] % self.num_devices:
+                raise ValueError(
+                    f"feature {name!r}: {jag.ids.shape[0]} ids do not split over "
+                    f"{self.num_devices} devices; pass the batch through "
+                    f"Trainer.put_batch or sparsejax.sharding.shard_batch"
+                )
+            out[name] = jag
+        return out
+
+    def lookup(self, state: Mapping, features: Mapping, batch_size: int):
+        """Pooled rows per group (`[N x local bags, D]`, device-major) and what each
+        owner received (the update's residuals)."""
+        b_local = self._local_batch(batch_size)
+        feats = self._specs_of(features)
+        state_specs = jax.tree.map(lambda s: s.spec, self.state_shardings())
+        feat_specs = jax.tree.map(lambda _: P(ALL), feats)
+
+        def local(state, feats):
+            outputs, residuals = {}, {}
+            for gname, group in self.groups.items():
+                st = self.stacks[group.stack]
+                outputs[gname], residuals[gname] = _lookup_group(
+                    group, st, state[st.name]["weights"], feats, b_local, self.implementation
+                )
+            return outputs, residuals
+
+        out_specs = (
+            {g: P(ALL) for g in self.groups},
+            {
+                g: (P(ALL), P(ALL), None if not grp.needs_coefficients else P(ALL))
+                for g, grp in self.groups.items()
+            },
+        )
+        fn = jax.shard_map(
+            local, mesh=self.mesh, in_specs=(state_specs, feat_specs), out_specs=out_specs
+        )
+        return fn({k: state[k] for k in self.stacks}, feats)
+
+    def split(self, outputs: Mapping[str, jax.Array], batch_size: int) -> dict[str, jax.Array]:
+        """Per feature `[B, D]` (or `[B, max_ids, D]`); column pieces side by side."""
+        n = self.num_devices
+        b_local = self._local_batch(batch_size)
+        parts: dict[str, list] = {}
+        for gname, group in self.groups.items():
+            out = outputs[gname]
+            out = out.reshape(n, out.shape[0] // n, out.shape[1])
+            start = 0
+            for e in group.entries:
+                bags = b_local * e.feature.bags_per_example()
+                rows = out[:, start : start + bags].reshape(n * bags, out.shape[2])
+                parts.setdefault(e.feature.name, []).append((e.piece.column or 0, rows))
+                start += bags
+        result = {}
+        for name, f in self.features.items():
+            pieces = [r for _, r in sorted(parts[name], key=lambda cr: cr[0])]
+            rows = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+            result[name] = rows.reshape(batch_size, f.max_ids, -1) if f.is_sequence else rows
+        return result
+
+    def apply_gradients(
+        self,
+        state: Mapping,
+        residuals: Mapping,
+        grads: Mapping[str, jax.Array],
+        *,
+        step: jax.Array | int,
+        learning_rate: jax.Array | float | None = None,
+        learning_rate_scale: jax.Array | float | None = None,
+        l2: float = 0.0,
+        implementation: str | None = None,
+    ) -> dict:
+        """Each shard's sparse optimizer step on its own rows, with the lookups and pooled
+        gradients of the whole batch that touched them (see the module docstring)."""
+        impl = self.implementation if implementation is None else implementation
+        mesh_shape = dict(self.mesh.shape)
+        state_specs = jax.tree.map(lambda s: s.spec, self.state_shardings())
+        scalars = {
+            "step": jnp.asarray(step, jnp.int32),
+            "lr": None if learning_rate is None else jnp.asarray(learning_rate, jnp.float32),
+            "scale": None
+            if learning_rate_scale is None
+            else jnp.asarray(learning_rate_scale, jnp.float32),
+        }
+
+        def local(state, residuals, grads, scalars):
+            lookups, g_all = {}, {}
+            for gname, group in self.groups.items():
+                st = self.stacks[group.stack]
+                lookups[gname], g_all[gname] = _gather_update(
+                    group, st, residuals[gname], grads[gname], mesh_shape
+                )
+            return apply_group_gradients(
+                state,
+                lookups,
+                g_all,
+                step=scalars["step"],
+                learning_rate=scalars["lr"],
+                learning_rate_scale=scalars["scale"],
+                l2=l2,
+                implementation=impl,
+            )
+
+        res_specs = {
+            g: (P(ALL), P(ALL), None if not grp.needs_coefficients else P(ALL))
+            for g, grp in self.groups.items()
+        }
+        fn = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(
+                state_specs,
+                res_specs,
+                {g: P(ALL) for g in self.groups},
+                jax.tree.map(lambda _: P(), scalars),
+            ),
+            out_specs=state_specs,
+        )
+        new = fn(
+            {k: state[k] for k in self.stacks},
+            {g: residuals[g] for g in self.groups},
+            {g: grads[g] for g in self.groups},
+            scalars,
+        )
+        return {**state, **new}
+
+
+def _piece_owner(piece: Piece, ids: jax.Array, shards: int) -> tuple[jax.Array, jax.Array]:
+    """Owner shard and local row of a piece's (valid) ids."""
+    if piece.stride == 1:
+        return jnp.full_like(ids, piece.shard), piece.offset + ids
+    return ids % shards, piece.offset + ids // shards
+
+
+def _lookup_group(group, st, weights, feats, b_local, implementation):
+    """One device's part of a group's lookup: partial bags from the owners, summed."""
+    me = jax.lax.axis_index(ALL)
+    owners, rows, segs, coefs = [], [], [], []
+    bags = 0
+    for e in group.entries:
+        f, piece = e.feature, e.piece
+        jag = feats[f.name]
+        fb = b_local * f.bags_per_example()
+        i = jnp.asarray(jag.ids, jnp.int32)
+        s = jnp.asarray(jag.segments, jnp.int32) - me * fb
+        w = None if jag.weights is None else jnp.asarray(jag.weights, jnp.float32)
+        vocab = piece.table.vocab_size
+        valid = (i >= 0) & (i < vocab) & (s >= 0) & (s < fb)
+        if group.needs_coefficients and group.combiner == "sum":
+            coefs.append(ops.pooling_coefficients(i, s, fb, vocab, w, f.combiner or "sum"))
+        elif group.needs_coefficients:
+            coefs.append(jnp.ones(i.shape, jnp.float32) if w is None else w)
+        owner, local = _piece_owner(piece, jnp.where(valid, i, 0), st.shards)
+        owners.append(jnp.where(valid, owner, st.shards))
+        rows.append(local)
+        segs.append(jnp.clip(s, 0, fb - 1) + bags)
+        bags += fb
+    owner, row, seg = (jnp.concatenate(x) for x in (owners, rows, segs))
+    coef = jnp.concatenate(coefs) if coefs else None
+    row, seg, coef = _route(owner, row, seg, coef, st, bags)
+    pooled = ops.embedding_bag(
+        weights,
+        row,
+        seg,
+        st.shards * bags,
+        weights=coef,
+        combiner=group.combiner,
+        implementation=implementation,
+        name=st.name,
+    )
+    if st.shards == 1:
+        return pooled, (row, seg, coef)
+    if group.combiner == "max":  # bags an owner has no id of: no candidate
+        count = jax.ops.segment_sum((row >= 0).astype(jnp.int32), seg, st.shards * bags)
+        pooled = jnp.where((count > 0)[:, None], pooled, -jnp.inf)
+    back = jax.lax.all_to_all(
+        pooled.reshape(st.shards, bags, -1), st.axes, 0, 0, tiled=True
+    ).astype(jnp.float32)
+    if group.combiner == "max":
+        best = back.max(0)
+        out = jnp.where(jnp.isneginf(best), 0.0, best)
+    else:
+        out = back.sum(0)
+    return out.astype(pooled.dtype), (row, seg, coef)
+
+
+def _route(owner, row, seg, coef, st, bags):
+    """Bucket a device's lookups by owner (`n` slots per owner: never overflows) and
+    swap the buckets over the shard axes. Returns what this device owns, from every
+    peer: rows, bags (peer q's bag k is `q * bags + k`) and coefficients."""
+    if st.shards == 1:
+        return jnp.where(owner < 1, row, -1), seg, coef
+    s, n = st.shards, owner.shape[0]
+    order = jnp.argsort(owner, stable=True)
+    so = owner[order]
+    counts = jnp.zeros((s + 1,), jnp.int32).at[so].add(1)
+    start = jnp.cumsum(counts) - counts
+    dest = jnp.where(so < s, so * n + jnp.arange(n, dtype=jnp.int32) - start[so], s * n)
+
+    def send(values, fill):
+        buf = jnp.full((s * n,), fill, values.dtype).at[dest].set(values[order], mode="drop")
+        return jax.lax.all_to_all(buf.reshape(s, n), st.axes, 0, 0, tiled=True)
+
+    recv_row = send(row, -1).reshape(-1)
+    recv_seg = (send(seg, bags - 1) + (jnp.arange(s, dtype=jnp.int32) * bags)[:, None]).reshape(-1)
+    recv_coef = None if coef is None else send(coef, 0.0).reshape(-1)
+    return recv_row, recv_seg, recv_coef
+
+
+def _gather_update(group, st, residual, grad, mesh_shape):
+    """The update's lookups and gradients on one device: its shard's received lookups
+    with every peer's bag gradients, from every replica of the shard."""
+    row, seg, coef = residual
+    bags = grad.shape[0]
+    g = grad if st.shards == 1 else jax.lax.all_gather(grad, st.axes, axis=0, tiled=True)
+    replicas = st.replicas
+    r = pl.axis_size(mesh_shape, replicas)
+    if r > 1:
+        span = st.shards * bags
+
+        def gather(x):
+            return jax.lax.all_gather(x, replicas, axis=0, tiled=False)
+
+        seg = (gather(seg) + (jnp.arange(r, dtype=jnp.int32) * span)[:, None]).reshape(-1)
+        row = gather(row).reshape(-1)
+        coef = None if coef is None else gather(coef).reshape(-1)
+        g = gather(g).reshape(r * span, -1)
+    return GroupLookups(row, seg, coef, st.name, group.combiner, st.optimizer), g
