@@ -21,6 +21,7 @@ from ..checkpoint import Checkpointer
 from ..train import EarlyStopping, Hook, Trainer
 from ._build import DataBundle, build_model
 from ._config import ConfigError
+from ._plan import shard_model
 from ._schema import EmbeddingInitConfig, RunConfig, dense_optimizer
 
 BEST_DIR = "checkpoints_best"
@@ -57,11 +58,20 @@ def _schedule(cfg: RunConfig, total: int | None):
         ) from e
 
 
-def build_trainer(cfg: RunConfig, data: DataBundle, **trainer_kw) -> tuple[Any, Trainer]:
+def build_trainer(
+    cfg: RunConfig, data: DataBundle, *, log: Callable[[str], None] = print, **trainer_kw
+) -> tuple[Any, Trainer]:
     """The configured model over `data`'s specs and its `Trainer`: dense optimizer with
     the schedule and weight decay, tables' learning rates following the schedule, L2 on
-    touched rows (`trainer_kw`, e.g. `mesh`, go to the trainer)."""
+    touched rows (`trainer_kw` go to the trainer). With more than one device or a pinned
+    table (`sharding`, `tables.<name>.placement`), the trainer gets the run's mesh and
+    the model's tables their planned placements, the plan printed through `log`
+    (`runner._plan.shard_model`); a `mesh` given in `trainer_kw` is used as is."""
     model = configure_model(cfg, build_model(cfg, data.tables, data.features))
+    if "mesh" not in trainer_kw:
+        model, mesh = shard_model(cfg, model, log=log)
+        if mesh is not None:
+            trainer_kw["mesh"] = mesh
     opt, total = cfg.optimizer, total_steps(cfg, data)
     sched = None if opt.schedule.is_constant else _schedule(cfg, total)
     trainer = Trainer(

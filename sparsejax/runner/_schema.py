@@ -418,6 +418,53 @@ class TableConfig:
     """Directory of the disk tier (beyond `ram_bytes`), relative to the run directory
     unless absolute; each table's files go to a subdirectory of its own (null:
     `host_rows` in the run directory)."""
+    placement: (
+        Literal["auto", "replicated", "table_wise", "column_wise", "table_row_wise", "row_wise"]
+        | None
+    ) = None
+    """Where the table lives on the run's devices (`sharding`): "auto" (null) lets the
+    planner choose; the others pin it: "replicated" (a copy on every device),
+    "table_wise" (whole on one device of each host, i.e. one index of the "model" axis),
+    "column_wise" (its columns split over "model"; the dim must divide), "table_row_wise"
+    (its rows split over "model"), "row_wise" (its rows split over every device). A run
+    with a pinned table shards even on one device. `sparsejax plan CONFIG` prints the
+    plan."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingConfig:
+    """How the run's tables are placed on its devices (`sharding`): a mesh of a "data"
+    and a "model" axis, and a planner choosing each table's placement from its memory
+    (rows, optimizer slots, cache) and the bytes it moves per step (see
+    `sparsejax.sharding._planner`; `tables.<name>.placement` pins one). The run shards
+    when it has more than one device or a pinned table; the plan is printed at the start
+    of the run, and by `sparsejax plan CONFIG [--devices N | --hosts H
+    --devices-per-host D] [--device-memory 80GB]` without training."""
+
+    devices: int | None = None
+    """Devices the run trains on, all processes together (the same number from each).
+    null: every device; on CPU, one device per process (several CPU devices of one
+    process, e.g. from XLA_FLAGS=--xla_force_host_platform_device_count, share one
+    memory and one set of cores, so they are used only when asked for)."""
+    model: int | None = None
+    """Size of the mesh's "model" axis, the devices a table-wise, column-wise or
+    table-row-wise table is spread over ("data" is the rest); null: the run's devices
+    of one process (one host)."""
+    device_memory: int | str | None = None
+    """Memory of one device, in bytes or as "80GB" / "16GiB"; the tables may fill 90% of
+    it (10% is left to the dense parameters, activations and buffers). null: measured,
+    the least free memory of the run's devices (CPU: the host's available memory shared
+    among them)."""
+
+    def __post_init__(self):
+        for f in ("devices", "model"):
+            v = getattr(self, f)
+            if v is not None and v < 1:
+                raise ValueError(f"`{f}` must be >= 1, got {v}")
+        if self.device_memory is not None:
+            from ._build import parse_bytes
+
+            parse_bytes(self.device_memory, "sharding.device_memory")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -466,8 +513,11 @@ class RunConfig:
     """Per embedding table options, by table name, or `"*"` for every table (see
     `TableConfig`): dim, vocab_size, dynamic (raw 64-bit IDs, rows created while training),
     cache_rows (a device cache over a host store), max_rows, admission, eviction, when_full,
-    default_row, cache_policy, ram_bytes, disk_dir. E.g. `{"*": {dynamic: true, cache_rows:
-    0.1, admission: {min_count: 2}}}`."""
+    default_row, cache_policy, ram_bytes, disk_dir, placement (pinned on the devices). E.g.
+    `{"*": {dynamic: true, cache_rows: 0.1, admission: {min_count: 2}}}`."""
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    """The run's devices, the mesh's "model" axis and the memory per device the table
+    planner fills (see `ShardingConfig`), e.g. `{model: 8, device_memory: 80GB}`."""
     early_stopping: EarlyStoppingConfig | None = None
     """Early stopping and keep-best on an eval metric (null: off), e.g.
     `{metric: auc, patience: 3}`."""

@@ -1,0 +1,237 @@
+"""The run's table plan: the devices a run trains on, its ("data", "model") mesh, and
+each table's placement on it (`sparsejax.sharding._planner`), for `build_trainer` (at
+the start of a run, printed through the run's log) and `sparsejax plan CONFIG` (without
+training, for this machine or for a mesh described by its size).
+
+A run shards its tables when it has more than one device (`sharding.devices`; on CPU,
+one device per process unless set) or a table is pinned (`tables.<name>.placement`);
+otherwise every table keeps the single-device store (placement "device").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+
+from ..embedding import FeatureSpec
+from ..embedding._memory import available_memory
+from ..nn._models import DeepFM, WideAndDeep, linear_specs
+from ..sharding._placement import make_mesh
+from ..sharding._planner import Plan, TableShape, plan_tables
+from ._build import _with_dim, apply_tables, build_data, build_model, parse_bytes, resolve_table
+from ._config import ConfigError
+from ._schema import RunConfig, load_config, sparse_optimizer
+
+_INT32_ROWS = 2**31 - 2
+"""Rows of the static stand-in of a dynamic table of synthetic raw ids (as
+`SyntheticCriteo.specs`)."""
+
+
+def run_devices(cfg: RunConfig) -> list[jax.Device]:
+    """The devices a run of `cfg` trains on, in process order: `sharding.devices` of
+    them (the same number from each process), else every device, except on CPU one per
+    process (CPU devices of one process share its memory and cores)."""
+    by_process: dict[int, list] = {}
+    for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+        by_process.setdefault(d.process_index, []).append(d)
+    procs = len(by_process)
+    want = cfg.sharding.devices
+    if want is None:
+        cpu = jax.devices()[0].platform == "cpu"
+        return [d for ds in by_process.values() for d in (ds[:1] if cpu else ds)]
+    have = min(len(ds) for ds in by_process.values())
+    if want % procs or want // procs > have:
+        raise ConfigError(
+            f"sharding.devices={want}: the {procs} process{'es' * (procs != 1)} have "
+            f"{have} device{'s' * (have != 1)} each; give a multiple of {procs} up to "
+            f"{have * procs}"
+        )
+    return [d for ds in by_process.values() for d in ds[: want // procs]]
+
+
+def pinned_placements(cfg: RunConfig, names: Sequence[str]) -> dict[str, str]:
+    """`{table: placement}` of the tables `tables.<name>.placement` (or `"*"`) pins."""
+    if not cfg.tables:
+        return {}
+    out = {}
+    for name in names:
+        p = resolve_table(cfg.tables, name).placement
+        if p not in (None, "auto"):
+            out[name] = p
+    return out
+
+
+def model_tables(model) -> tuple[list, list, dict[str, str]]:
+    """Every embedding layer's tables and features of `model`, and `{table: leader}` of
+    the tables placed with another: DeepFM's and Wide & Deep's 1-dim first-order
+    tables (`linear_specs`) take their table's placement."""
+    tables, features = list(model.tables), list(model.features)
+    follow: dict[str, str] = {}
+    if isinstance(model, (DeepFM, WideAndDeep)):
+        lin_tables, lin_features = linear_specs(model.tables, model.features)
+        by_name = {f"{t.name}_linear": t.name for t in model.tables}
+        follow = {t.name: by_name[t.name] for t in lin_tables}
+        tables += lin_tables
+        features += lin_features
+    return tables, features, follow
+
+
+def memory_per_device(cfg: RunConfig, devices: Sequence[jax.Device], given=None) -> int:
+    """Bytes of one device for the plan: `given` (e.g. "80GB", from `--device-memory`),
+    else `sharding.device_memory`, else measured on `devices` (their least free memory;
+    CPU: the host's available memory shared among them)."""
+    if given is not None:
+        return parse_bytes(given, "--device-memory")
+    if cfg.sharding.device_memory is not None:
+        return parse_bytes(cfg.sharding.device_memory, "sharding.device_memory")
+    measured = available_memory(list(devices))
+    if measured is None:
+        raise ConfigError(
+            "sharding.device_memory: the devices do not report their memory; set it, "
+            "e.g. sharding.device_memory=80GB"
+        )
+    return int(measured[0])
+
+
+def plan_model(
+    cfg: RunConfig, model, *, mesh_shape: dict[str, int], hosts: int, device_memory: int
+) -> Plan:
+    """The plan of `model`'s tables (every embedding layer's) on a mesh of `mesh_shape`
+    over `hosts` hosts, for the config's batch and pinned placements."""
+    tables, features, follow = model_tables(model)
+    return plan_tables(
+        tables,
+        features,
+        batch_size=cfg.data.batch_size,
+        mesh_shape=mesh_shape,
+        device_memory=device_memory,
+        hosts=hosts,
+        pinned=pinned_placements(cfg, [t.name for t in model.tables]),
+        follow=follow,
+    )
+
+
+def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
+    """`(model, mesh)` for a run: with more than one device or a pinned table, the mesh
+    of the run's devices ("model" of `sharding.model`, default the devices of one
+    process) and `model` with its tables placed as planned (the plan logged); else
+    `(model, None)`, unchanged."""
+    devices = run_devices(cfg)
+    pinned = pinned_placements(cfg, [t.name for t in model.tables])
+    if len(devices) <= 1 and not pinned:
+        return model, None
+    procs = jax.process_count()
+    size = cfg.sharding.model or len(devices) // procs
+    if len(devices) % size:
+        raise ConfigError(f"sharding.model={size} does not divide the run's {len(devices)} devices")
+    mesh = make_mesh(model=size, devices=devices)
+    plan = plan_model(
+        cfg,
+        model,
+        mesh_shape=dict(mesh.shape),
+        hosts=procs,
+        device_memory=memory_per_device(cfg, devices),
+    )
+    log(plan.table())
+    return model.clone(tables=plan.apply(model.tables)), mesh
+
+
+def _specs(cfg: RunConfig) -> tuple[list, list]:
+    """The run's table and feature specs, without any table or batch: synthetic data's
+    from its generator (as `build_data`, tables as `TableShape`s so a plan may hold
+    tables of more than 2**31 rows), other data's from `build_data` (file data is read
+    for its vocabularies)."""
+    d = cfg.data
+    if d.kind != "synthetic":
+        data = build_data(cfg)
+        return list(data.tables), list(data.features)
+    from ..data import SyntheticCriteo
+
+    gen = SyntheticCriteo(
+        max_vocab=d.max_vocab, zipf_exponent=d.zipf, seed=cfg.seed, **d.synthetic_options
+    )
+    kw = dict(dtype=cfg.model.table_dtype, optimizer=sparse_optimizer(cfg.optimizer))
+    dim = cfg.model.embedding_dim
+    tables, features = [], []
+    for name, rows in gen.vocab.items():
+        rows = min(rows, _INT32_ROWS) if gen.id_space is not None else rows
+        tables.append(_with_dim(cfg, TableShape(name=name, vocab_size=int(rows), dim=dim, **kw)))
+        features.append(FeatureSpec(name=name, table=name, combiner="sum"))
+    tables, _ = apply_tables(cfg, tables, features, vocab_rows=gen.vocab)
+    return tables, features
+
+
+def plan_config(
+    cfg: RunConfig,
+    *,
+    devices: int | None = None,
+    hosts: int | None = None,
+    devices_per_host: int | None = None,
+    device_memory: int | str | None = None,
+) -> Plan:
+    """The plan of `cfg`'s model on a mesh: `devices` devices of one host, or `hosts` x
+    `devices_per_host`, or (neither) the devices a run of `cfg` takes on this machine;
+    "model" of `sharding.model`, default the devices of one host. `device_memory`
+    (bytes or "80GB") overrides `sharding.device_memory`; unset, the memory is measured
+    on this machine's devices. Builds the specs and the model only: no table is
+    allocated, no batch made (file data is read for its vocabularies)."""
+    from ._knobs import configure_model
+
+    if devices is not None and (hosts is not None or devices_per_host is not None):
+        raise ConfigError("plan: give devices, or hosts with devices_per_host, not both")
+    if (hosts is None) != (devices_per_host is None):
+        raise ConfigError("plan: hosts and devices_per_host go together")
+    local = run_devices(cfg)
+    if devices is not None:
+        hosts, per_host = 1, devices
+    elif hosts is not None:
+        per_host = devices_per_host
+    else:
+        hosts = jax.process_count()
+        per_host = len(local) // hosts
+    n = hosts * per_host
+    model_size = cfg.sharding.model or per_host
+    if n % model_size:
+        raise ConfigError(f"sharding.model={model_size} does not divide the {n} devices")
+    memory = memory_per_device(cfg, local, device_memory)
+    tables, features = _specs(cfg)
+    model = configure_model(cfg, build_model(cfg, tables, features))
+    return plan_model(
+        cfg,
+        model,
+        mesh_shape={"data": n // model_size, "model": model_size},
+        hosts=hosts,
+        device_memory=memory,
+    )
+
+
+def plan_command(
+    config_paths: list[str],
+    overrides: list[str],
+    *,
+    devices: int | None = None,
+    hosts: int | None = None,
+    devices_per_host: int | None = None,
+    device_memory: int | str | None = None,
+) -> int:
+    """`sparsejax plan CONFIG [key=value ...] [--devices N | --hosts H --devices-per-host
+    D] [--device-memory 80GB]`: print the plan table of the config's model; 0. A plan
+    that cannot fit raises `PlanError` (a user error: one line, exit 2)."""
+    cfg = load_config(config_paths, overrides)
+    plan = plan_config(
+        cfg,
+        devices=devices,
+        hosts=hosts,
+        devices_per_host=devices_per_host,
+        device_memory=device_memory,
+    )
+    print(plan.table())
+    if devices is None and hosts is None and plan.devices == 1:
+        pinned = pinned_placements(cfg, list(plan.placements))
+        if not pinned:
+            print(
+                "note: a run of this config here has one device and no pinned table: its "
+                'tables stay whole on the device (placement "device"), not planned'
+            )
+    return 0
