@@ -10,6 +10,13 @@
         print the resolved config, or (--schema) the reference of every key
     sparsejax info
         versions, devices, kernels
+    sparsejax launch -n N [--devices-per-process K] [--timeout S] [--restart]
+                     [CONFIG.yaml ...] [key=value ...]
+        train in N local processes (jax.distributed on loopback, one run directory);
+        process 0's output here, the others' in RUN/launch/p<i>.log
+    sparsejax plan [CONFIG.yaml ...] [key=value ...] [--devices N | --hosts H
+                   --devices-per-host D] [--device-memory 80GB]
+        print each table's placement, memory per device and bytes per step
 
 Configs layer left to right, then the overrides, e.g.
     sparsejax train configs/dlrm_criteo.yaml steps=500 optimizer.dense_learning_rate=3e-4
@@ -34,6 +41,9 @@ def _split(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .sharding._distributed import initialize_from_env
+
+    initialize_from_env()  # one of several processes: join them before any JAX work
     from . import runner
 
     files, overrides = _split(args.config)
@@ -124,6 +134,66 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from . import runner
+    from .sharding._launch import LOG_DIR, launch
+
+    files, overrides = _split(args.config)
+    cfg = runner.load_config(files, overrides)  # a config error before any process starts
+    return launch(
+        args.n,
+        [*args.config, *(["--restart"] if args.restart else [])],
+        log_dir=os.path.join(cfg.run_dir, LOG_DIR),
+        devices_per_process=args.devices_per_process,
+        timeout=args.timeout,
+    )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .runner import ConfigError
+
+    if args.devices is not None and (args.hosts is not None or args.devices_per_host is not None):
+        raise ConfigError(
+            "plan: give --devices N, or --hosts H with --devices-per-host D, not both"
+        )
+    if (args.hosts is None) != (args.devices_per_host is None):
+        raise ConfigError("plan: --hosts and --devices-per-host go together")
+    from .runner._plan import plan_command  # noqa: PLC0415 - only when asked
+
+    files, overrides = _split(args.config)
+    out = plan_command(
+        files,
+        overrides,
+        devices=args.devices,
+        hosts=args.hosts,
+        devices_per_host=args.devices_per_host,
+        device_memory=args.device_memory,
+    )
+    if isinstance(out, str):
+        print(out, end="" if out.endswith("\n") else "\n")
+    return out if isinstance(out, int) and not isinstance(out, bool) else 0
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        s = 0.0
+    if not s > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return s
+
+
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="sparsejax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -173,6 +243,56 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     cf.set_defaults(fn=_config)
     info = sub.add_parser("info", help="versions, devices and kernel availability")
     info.set_defaults(fn=_info)
+    la = sub.add_parser(
+        "launch",
+        help="train in N local processes (jax.distributed on loopback), one run directory",
+        description="Start N processes of `sparsejax train` on this machine, joined by "
+        "jax.distributed (CPU collectives through gloo). data.batch_size stays the global "
+        "batch; each process feeds its share. Process 0 writes the run directory and its "
+        "output is shown here; the output of process i > 0 goes to RUN/launch/p<i>.log. "
+        "When a process fails, the others are stopped and the launcher exits non-zero "
+        "naming it.",
+    )
+    la.add_argument("-n", "--processes", dest="n", type=_positive, required=True)
+    la.add_argument(
+        "config",
+        nargs="*",
+        metavar="CONFIG.yaml | key=value",
+        help="as for sparsejax train",
+    )
+    la.add_argument(
+        "--devices-per-process",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="CPU devices per process (jax_num_cpu_devices), e.g. -n 2 with 4: a 2x4 mesh",
+    )
+    la.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="stop every process after S seconds (exit 124); default: no limit",
+    )
+    la.add_argument("--restart", action="store_true", help="as for sparsejax train")
+    la.set_defaults(fn=_launch)
+    pl = sub.add_parser(
+        "plan",
+        help="print the sharding plan: placement, memory per device, bytes per step",
+    )
+    pl.add_argument("config", nargs="*", metavar="CONFIG.yaml | key=value")
+    pl.add_argument("--devices", type=_positive, default=None, metavar="N", help="N devices")
+    pl.add_argument("--hosts", type=_positive, default=None, metavar="H", help="H hosts")
+    pl.add_argument(
+        "--devices-per-host", type=_positive, default=None, metavar="D", help="D devices per host"
+    )
+    pl.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="BYTES",
+        help="memory per device, e.g. 80GB or 16GiB (default: the devices' own)",
+    )
+    pl.set_defaults(fn=_plan)
     return parser, sub.choices
 
 
@@ -211,17 +331,44 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except KeyboardInterrupt:
         print("sparsejax: interrupted", file=sys.stderr)
-        return 130
+        return _exit_now_if_many(130)
     except Exception as e:
         if not _is_user_error(e) or os.environ.get("SPARSEJAX_TRACEBACK") == "1":
-            raise
+            if _process_of_many() is None:
+                raise
+            traceback.print_exc()
+            return _exit_now_if_many(1)
         from .runner import ConfigError
 
         kind = "config error" if type(e) is ConfigError else "error"
         where = _log_traceback(e, getattr(args, "run_dir", None))
         detail = f" (traceback in {where})" if where else ""
-        print(f"sparsejax: {kind}: {' '.join(str(e).split())}{detail}", file=sys.stderr)
-        return 2
+        who = _process_of_many()
+        who = "" if who is None else f"process {who}: "
+        print(f"sparsejax: {who}{kind}: {' '.join(str(e).split())}{detail}", file=sys.stderr)
+        return _exit_now_if_many(2)
+
+
+def _process_of_many() -> int | None:
+    """This process's number when it is one of several (`jax.distributed`), else None."""
+    if "sparsejax.sharding._distributed" not in sys.modules:
+        return None
+    from .sharding._distributed import process_of_many
+
+    return process_of_many()
+
+
+def _exit_now_if_many(status: int) -> int:
+    """One of several processes that fails exits now, skipping `jax.distributed`'s
+    shutdown barrier at exit: the others may be waiting for it in a collective, and the
+    barrier would hold it (and them) until its timeout. `sparsejax launch` (or the
+    cluster's launcher) stops the others; without one they fail within the heartbeat
+    timeout (sparsejax/sharding/_distributed.py)."""
+    if _process_of_many() is None:
+        return status
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

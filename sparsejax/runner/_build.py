@@ -22,6 +22,7 @@ data is read): every problem is one line naming the key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import glob
@@ -1125,6 +1126,99 @@ def _key_text(d: DataConfig, schema, key: str, raw: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# Many processes: each packs its share of every global batch
+
+
+def _rows(col, lo: int, hi: int):
+    """Rows [lo, hi) of one feature of a host batch (`JaggedIds` or ids[B] / ids[B, k])."""
+    if not isinstance(col, sd.JaggedIds):
+        return np.asarray(col)[lo:hi]
+    lengths = np.asarray(col.lengths)
+    off = np.zeros(lengths.shape[0] + 1, np.int64)
+    np.cumsum(lengths, out=off[1:])
+    a, b = int(off[lo]), int(off[hi])
+    weights = None if col.weights is None else np.asarray(col.weights)[a:b]
+    return sd.JaggedIds(lengths=lengths[lo:hi], values=np.asarray(col.values)[a:b], weights=weights)
+
+
+class ProcessSharePacker:
+    """A `BatchPacker` of the global batch that packs process `rank`'s share of it.
+
+    `batch_size` is the global batch size B, so a `Loader` (or `pack_examples`) reads
+    exactly the examples one process would; `pack` keeps rows `[rank * B / P,
+    (rank + 1) * B / P)` of them and packs those into a batch of B / P. Put side by
+    side in process order, the P shares are the single-process batch, padding included
+    (a short last batch leaves the high processes' rows padded). Every other attribute
+    is the global packer's.
+    """
+
+    def __init__(self, packer: BatchPacker, rank: int, num_processes: int):
+        if packer.batch_size % num_processes:
+            raise ValueError(
+                f"a batch of {packer.batch_size} does not split over {num_processes} processes"
+            )
+        self.whole = packer
+        self.rank, self.num_processes = rank, num_processes
+        self.local = copy.copy(packer)
+        self.local.batch_size = packer.batch_size // num_processes
+
+    @property
+    def batch_size(self) -> int:
+        return self.whole.batch_size
+
+    def __getattr__(self, name: str):
+        return getattr(self.whole, name)
+
+    def pack(self, sparse, *, labels, dense=None, mask=None, first_example: int = 0):
+        b = self.local.batch_size
+        n = int(np.shape(labels)[0])
+        lo, hi = min(self.rank * b, n), min((self.rank + 1) * b, n)
+        return self.local.pack(
+            {k: _rows(v, lo, hi) for k, v in sparse.items()},
+            labels=np.asarray(labels)[lo:hi],
+            dense=None if dense is None else np.asarray(dense)[lo:hi],
+            mask=None if mask is None else np.asarray(mask)[lo:hi],
+            first_example=first_example + lo,
+        )
+
+
+def process_share() -> tuple[int, int, int]:
+    """(this process's index, processes, local devices) of the job (1 process: (0, 1, n))."""
+    import jax
+
+    return jax.process_index(), jax.process_count(), jax.local_device_count()
+
+
+def _packers(
+    d: DataConfig, tables, features, *, num_dense: int = 0, sharded_source: bool = False
+) -> tuple[Any, Any]:
+    """(train packer, eval packer). In many processes they pack this process's share of
+    each global batch (`ProcessSharePacker`); `data.batch_size` and
+    `data.eval_batch_size` stay global and must divide by processes x local devices.
+    `sharded_source`: the train source already gives each process its own examples
+    (`FileSource(rank=...)`): its packer takes B / P of them."""
+    eval_b = d.eval_batch_size or d.batch_size
+    rank, count, local = process_share()
+    if count > 1:
+        for key, b in (("data.batch_size", d.batch_size), ("data.eval_batch_size", eval_b)):
+            if b % (count * local):
+                raise ConfigError(
+                    f"{key}={b} (the global batch) does not divide over {count} processes x "
+                    f"{local} devices = {count * local}; use a multiple of {count * local}"
+                )
+    packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
+    eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
+    if count == 1:
+        return packer, eval_packer
+    eval_packer = ProcessSharePacker(eval_packer, rank, count)
+    if sharded_source:
+        packer = ProcessSharePacker(packer, rank, count).local
+    else:
+        packer = ProcessSharePacker(packer, rank, count)
+    return packer, eval_packer
+
+
+# ---------------------------------------------------------------------------------------
 # The data bundle
 
 
@@ -1180,12 +1274,11 @@ def build_data(cfg: RunConfig) -> DataBundle:
         tables, features = gen.specs(dim=dim, **table_kw)
         tables = [_with_dim(cfg, t) for t in tables]
         tables, note = apply_tables(cfg, tables, features, vocab_rows=getattr(gen, "vocab", None))
-        eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
+        packer, eval_packer = _packers(d, tables, features, num_dense=num_dense)
         eval_batches = []
         for i in range(d.eval_batches):  # numbered from 2**31 - 1 down: never trained on
             sparse, labels, dense = gen.batch(0x7FFFFFFF - i, eval_b)
             eval_batches.append(eval_packer.pack(sparse, labels=labels, dense=dense))
-        packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
         return DataBundle(tuple(tables), tuple(features), packer, gen, eval_batches, report=note)
     if d.kind == "events":
         return _build_events(cfg, table_kw)
@@ -1212,9 +1305,7 @@ def _build_events(cfg: RunConfig, table_kw: dict) -> DataBundle:
     tables, features = seq.specs(dim=cfg.model.embedding_dim, **table_kw)
     tables = [_with_dim(cfg, t, dims.get(t.name, {}).get("dim")) for t in tables]
     _table_names_check(cfg, tables)
-    eval_b = d.eval_batch_size or d.batch_size
-    eval_packer = BatchPacker(tables, features, batch_size=eval_b)
-    packer = BatchPacker(tables, features, batch_size=d.batch_size)
+    packer, eval_packer = _packers(d, tables, features)
     sets = {"eval": seq.valid, "test": seq.test}
     examples = {k: None if v is None else v.to_examples() for k, v in sets.items()}
     if examples["eval"] is None or len(examples["eval"]) == 0:
@@ -1277,9 +1368,7 @@ def _build_file_data(cfg: RunConfig, table_kw: dict) -> DataBundle:
     present = [v for v in mapped.values() if v is not None]
     tables, features, note = _file_specs(cfg, mapped["train"], present, mappings, table_kw)
     num_dense = mapped["train"].num_dense
-    eval_b = d.eval_batch_size or d.batch_size
-    eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
-    packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
+    packer, eval_packer = _packers(d, tables, features, num_dense=num_dense)
     reports = [r.summary() for r in (*splits.reports, *side_reports)]
     if transform.report.summary():
         reports.append(transform.report.summary())
@@ -1358,9 +1447,7 @@ def _build_stream(cfg: RunConfig, table_kw: dict, schema, drop, joins, side_repo
         cfg, parts[0], parts, mappings, table_kw, max_ids=caps, train_known=False
     )
     num_dense = parts[0].num_dense
-    eval_b = d.eval_batch_size or d.batch_size
-    eval_packer = BatchPacker(tables, features, batch_size=eval_b, num_dense=num_dense)
-    packer = BatchPacker(tables, features, batch_size=d.batch_size, num_dense=num_dense)
+    packer, eval_packer = _packers(d, tables, features, num_dense=num_dense, sharded_source=True)
     summaries = [r.summary() for r in (*reports, *side_reports)]
     summaries.append(f"train: streaming {train_source!r}")
     if note:

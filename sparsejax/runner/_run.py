@@ -32,7 +32,7 @@ from ..train import Trainer, TrainState, fit
 from ._build import DataBundle, absolute_data_paths, build_data, first_train_batch
 from ._config import ConfigError, schema_reference, to_dict
 from ._knobs import build_trainer, run_knobs
-from ._lock import LOCK_NAME, RunLock
+from ._lock import LOCK_NAME, RunLock, RunLockedError
 from ._report import (
     Console,
     MetricsLog,
@@ -197,8 +197,13 @@ def _saved_config(run_dir: str) -> dict | None:
     return to_dict(old)
 
 
+_KEPT = (LOCK_NAME, "launch")
+"""What a restart leaves in the run directory: the lock, and `launch/` (the output of
+`sparsejax launch`'s processes 1.., being written by the launch that restarts)."""
+
+
 def _set_aside_run(run_dir: str) -> str:
-    """Move everything in `run_dir` but its lock to `<run_dir>.replaced-<time>`."""
+    """Move everything in `run_dir` but `_KEPT` to `<run_dir>.replaced-<time>`."""
     dest = f"{run_dir.rstrip(os.sep)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
     n = 1
     while os.path.exists(dest):
@@ -206,7 +211,7 @@ def _set_aside_run(run_dir: str) -> str:
         dest = f"{run_dir.rstrip(os.sep)}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
     os.makedirs(dest)
     for entry in os.listdir(run_dir):
-        if entry != LOCK_NAME:
+        if entry not in _KEPT:
             shutil.move(os.path.join(run_dir, entry), os.path.join(dest, entry))
     return dest
 
@@ -217,7 +222,7 @@ def _prepare_run_dir(cfg: RunConfig, *, restart: bool) -> tuple[list[str], dict]
     run_dir, notes = cfg.run_dir, []
     steps = _checkpoint_steps(run_dir)
     entry: dict = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid()}
-    if restart and any(e != LOCK_NAME for e in os.listdir(run_dir)):
+    if restart and any(e not in _KEPT for e in os.listdir(run_dir)):
         dest = _set_aside_run(run_dir)
         notes.append(f"--restart: moved the previous run of {run_dir} to {dest}")
         return notes, {**entry, "event": "restart", "previous_run": dest}
@@ -320,12 +325,52 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     position: dict = {"epoch": 0, "batch": 0}
     if cfg.resume and ckpt.latest_step() is not None:
         state, meta, skipped = ckpt.restore_readable(state, warn=lambda m: log(f"warning: {m}"))
-        for s in skipped:  # out of the way of this run's next save of that step
-            log(f"warning: moved unreadable checkpoint {s} to {ckpt.set_aside(s)}")
+        if jax.process_index() == 0:  # the run directory is process 0's
+            for s in skipped:  # out of the way of this run's next save of that step
+                log(f"warning: moved unreadable checkpoint {s} to {ckpt.set_aside(s)}")
+        if skipped and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("sparsejax: unreadable checkpoints set aside")
         state = trainer.put_state(state)
-        position = meta["data_position"]
+        position = _own_position(meta["data_position"])
         log(f"resumed from {ckpt.directory}/{int(state.step)} (data position {position})")
     return Run(cfg, data, model, trainer, state, ckpt, position)
+
+
+def _own_position(position: dict | None) -> dict | None:
+    """This process's data position from a checkpoint's: per process when the train
+    source is split by process (streamed files; `_data_position`), else shared."""
+    if isinstance(position, Mapping) and "processes" in position:
+        mine = position["processes"]
+        if len(mine) != jax.process_count():
+            raise ConfigError(
+                f"the checkpoint was saved by {len(mine)} processes streaming their own share"
+                f" of the train files; resume it with {len(mine)} processes (now "
+                f"{jax.process_count()})"
+            )
+        return mine[jax.process_index()]
+    return position
+
+
+def _data_position(loader: Loader) -> Callable[[], dict]:
+    """What a checkpoint records of the data: the loader's position; with many
+    processes streaming their own files, every process's (a collective: all call it)."""
+    if jax.process_count() == 1 or not loader.streaming:
+        return lambda: loader.position.to_dict()
+    from jax.experimental import multihost_utils
+
+    def gathered() -> dict:
+        text = json.dumps(loader.position.to_dict()).encode()
+        n = multihost_utils.process_allgather(np.array(len(text), np.int32))
+        buf = np.zeros(int(np.max(n)), np.uint8)
+        buf[: len(text)] = np.frombuffer(text, np.uint8)
+        rows = np.asarray(multihost_utils.process_allgather(buf))
+        return {
+            "processes": [json.loads(bytes(r[:k]).decode()) for r, k in zip(rows, n, strict=True)]
+        }
+
+    return gathered
 
 
 def _host_kw(trainer: Trainer, **kw) -> dict:
@@ -386,24 +431,68 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
     trains in the run directory; `ConfigError` for the config problems above.
     """
     cfg = resolved_config(cfg)
-    with RunLock(cfg.run_dir, log=log):
-        notes, entry = _prepare_run_dir(cfg, restart=restart)
-        run_log = _RunLogFile(os.path.join(cfg.run_dir, "run.log"))
-        log = run_log.tee(log)
+    primary = jax.process_index() == 0
+    lock = RunLock(cfg.run_dir, log=log) if primary else None
+    notes, entry, failure = [], {}, None
+    if lock is not None:  # process 0 owns the run directory
         try:
-            log(f"sparsejax train: pid {os.getpid()}, config sha256 {config_hash(cfg)[:12]}")
-            for line in notes:
-                log(line)
-            _record_start(cfg, entry)
-            run = build_run(cfg, log=log)
-            try:
-                return train_run(run, log=log)
-            finally:
-                run.checkpointer.close()
-        except BaseException as e:
+            lock.acquire()
+            notes, entry = _prepare_run_dir(cfg, restart=restart)
+        except Exception as e:
+            lock.release()
+            failure = e
+    _agree_on_start(failure)  # the others learn process 0's outcome (and raise its error)
+    if failure is not None:
+        raise failure
+    run_log = _RunLogFile(os.path.join(cfg.run_dir, "run.log")) if primary else None
+    try:
+        if run_log is not None:
+            log = run_log.tee(log)
+        many = jax.process_count()
+        log(
+            f"sparsejax train: pid {os.getpid()}, config sha256 {config_hash(cfg)[:12]}"
+            + (f", process {jax.process_index()} of {many}" if many > 1 else "")
+        )
+        for line in notes:
+            log(line)
+        if primary:
+            _record_start(cfg, {**entry, "processes": many} if many > 1 else entry)
+        run = build_run(cfg, log=log)
+        try:
+            return train_run(run, log=log)
+        finally:
+            run.checkpointer.close()
+    except BaseException as e:
+        if run_log is not None:
             run_log.write("".join(traceback.format_exception(e)))
             e.run_log = run_log.path  # type: ignore[attr-defined]
-            raise
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _agree_on_start(failure: BaseException | None) -> None:
+    """Many processes: process 0 (which locks and checks the run directory) tells the
+    others whether the run starts; when it does not, they raise the same error (a
+    `RunLockedError` or `ConfigError` with process 0's message), so no process waits
+    for a run that never comes. One process: nothing."""
+    if jax.process_count() == 1:
+        return
+    from ..sharding._distributed import broadcast_text
+
+    text = None
+    if failure is not None:
+        text = f"{type(failure).__name__}\n{' '.join(str(failure).split())}"
+    got = broadcast_text(text)
+    if got is None or jax.process_index() == 0:
+        return
+    kind, _, message = got.partition("\n")
+    if kind == "RunLockedError":
+        raise RunLockedError(message)
+    if kind in ("ConfigError", "ValueError"):
+        raise ConfigError(message)
+    raise RuntimeError(f"process 0 could not start the run: {kind}: {message}")
 
 
 def run_evaluator(run: Run) -> Callable[[TrainState], dict]:
@@ -433,13 +522,21 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     total, start = run.total_steps, int(run.state.step)
     metrics_path = os.path.join(cfg.run_dir, "metrics.jsonl")
     tiered = sum(t.is_tiered for t in run.data.tables)
+    primary, many = jax.process_index() == 0, jax.process_count()
     log(
         f"training {cfg.model.name} for {total} steps (from step {start}), batch "
-        f"{run.data.packer.batch_size}, {len(run.data.features)} sparse features, "
+        f"{cfg.data.batch_size}"
+        + (f" ({cfg.data.batch_size // many} per process)" if many > 1 else "")
+        + f", {len(run.data.features)} sparse features, "
         f"{sum(t.device_rows for t in run.data.tables):,} device table rows"
         + (f" ({tiered} tiered tables)" if tiered else "")
         + f", run dir {cfg.run_dir}"
     )
+    metrics_log = MetricsLog(metrics_path, start) if primary else None  # past `start` dropped
+    if many > 1:  # the others read metrics.jsonl (early stopping's replay) once it is cut
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("sparsejax: metrics.jsonl ready")
     knobs = run_knobs(run, log)  # training knobs (runner/_knobs.py): eval_every, early stop
     epochs = (
         None
@@ -454,11 +551,14 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         epochs=epochs,
         prefetch=cfg.data.prefetch,
         shuffle_buffer=cfg.data.shuffle_buffer,
-        # tiered tables: the host maps the raw int64 ids to cache slots first
-        device_put=getattr(run.trainer, "host_tables", None) is None,
+        # tiered tables: the host maps the raw int64 ids to cache slots first; many
+        # processes: the trainer makes global arrays of the host shares
+        device_put=getattr(run.trainer, "host_tables", None) is None and many == 1,
         position=run.position,
     )
-    console = Console(log, progress=cfg.progress, total=total, start=start)
+    # the run directory's files and the terminal are process 0's
+    console = Console(log, progress=cfg.progress and primary, total=total, start=start)
+    reports = [metrics_log, console] if primary else []
     try:
         result = fit(
             run.trainer,
@@ -469,10 +569,10 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             eval_every=knobs.eval_every,
             checkpointer=run.checkpointer,
             checkpoint_every=cfg.checkpoint_every,
-            data_position=lambda: loader.position.to_dict(),
+            data_position=_data_position(loader),
             checkpoint_extra={"config": to_dict(cfg), "config_sha256": config_hash(cfg)},
             log_every=cfg.log_every,
-            hooks=[MetricsLog(metrics_path, start), console, knobs],
+            hooks=[*reports, knobs],
             evaluate=run_evaluator(run),
         )
     finally:
@@ -491,8 +591,9 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     if stats is not None:
         summary["tables"] = stats
         log(_tables_line(stats))
-    write_summary(os.path.join(cfg.run_dir, "summary.json"), summary)
-    plot_curves(metrics_path, os.path.join(cfg.run_dir, "curves.png"))
+    if primary:
+        write_summary(os.path.join(cfg.run_dir, "summary.json"), summary)
+        plot_curves(metrics_path, os.path.join(cfg.run_dir, "curves.png"))
     log(
         f"done: step {summary['step']}, run dir {cfg.run_dir} (metrics.jsonl, curves.png, "
         f"checkpoints/)"

@@ -1,0 +1,276 @@
+"""`sparsejax launch -n N CONFIG ...`: N local training processes on loopback.
+
+The launcher starts `python -m sparsejax train ARGS` N times, with the variables
+`sparsejax.sharding._distributed.initialize_from_env` reads (`SPARSEJAX_COORDINATOR`
+= 127.0.0.1:PORT, the port taken from a socket bound and released just before;
+`SPARSEJAX_NUM_PROCESSES`, `SPARSEJAX_PROCESS_ID`; `SPARSEJAX_LOCAL_DEVICES` with
+`--devices-per-process`). Process 0 writes the run directory and its output is the
+launcher's (the progress bar, the final line); the output of process i > 0 is appended
+to `RUN/launch/p<i>.log` (a header line per launch, with its pid).
+
+The launcher watches its children. When one exits with a non-zero status or is killed,
+it stops the others (SIGTERM, then SIGKILL after `grace` seconds) and returns a
+non-zero status with one line naming the process, how it ended and where its output
+is. With `timeout`, it does the same when the processes run longer. Ctrl-C (or SIGTERM
+to the launcher) stops them all. Children also get SIGTERM if the launcher itself dies
+(Linux `PR_SET_PDEATHSIG`), so no process outlives it. Status 0 only when every
+process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from ._distributed import (
+    ENV_COORDINATOR,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+LOG_DIR = "launch"
+"""Where, inside the run directory, the output of processes 1.. goes."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (bound, then released for the coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Linux: SIGTERM this child when the launcher dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001, S110 - best effort, other platforms
+        pass
+
+
+def _without_forced_devices(flags: str) -> str:
+    """XLA_FLAGS less `--xla_force_host_platform_device_count` (the launcher's
+    `--devices-per-process` sets the count instead)."""
+    return " ".join(
+        f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+    )
+
+
+def child_env(
+    process_id: int,
+    num_processes: int,
+    coordinator: str,
+    *,
+    devices_per_process: int | None = None,
+    base: dict | None = None,
+) -> dict:
+    """The environment of process `process_id` of a launch."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            ENV_COORDINATOR: coordinator,
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(process_id),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if devices_per_process is not None:
+        env[ENV_LOCAL_DEVICES] = str(devices_per_process)
+        flags = _without_forced_devices(env.get("XLA_FLAGS", ""))
+        if flags:
+            env["XLA_FLAGS"] = flags
+        else:
+            env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
+def _last_line(path: str, limit: int = 200) -> str | None:
+    """The last non-empty line of a log file (shortened), if any."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return None
+    lines = [ln for ln in lines if ln and not ln.startswith("=== sparsejax launch")]
+    if not lines:
+        return None
+    text = " ".join(lines[-1].split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Stop(Exception):
+    """SIGTERM to the launcher."""
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every running child, SIGKILL those still running after `grace` s."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+    for p in procs:
+        p.wait()
+
+
+def launch(
+    num_processes: int,
+    train_args: Sequence[str],
+    *,
+    log_dir: str,
+    devices_per_process: int | None = None,
+    timeout: float | None = None,
+    grace: float = 10.0,
+    python: str = sys.executable,
+    say: Callable[[str], None] | None = None,
+    poll: float = 0.1,
+) -> int:
+    """Run `python -m sparsejax train *train_args` in `num_processes` local processes.
+
+    Args:
+      num_processes: N >= 1.
+      train_args: what follows `sparsejax train` (configs, overrides, `--restart`).
+      log_dir: where the output of processes 1.. goes (`p<i>.log`, appended).
+      devices_per_process: CPU devices per process (`SPARSEJAX_LOCAL_DEVICES`).
+      timeout: seconds after which every process is stopped (None: no limit).
+      grace: seconds between SIGTERM and SIGKILL when stopping them.
+      say: where the launcher's own lines go (default: stderr).
+
+    Returns:
+      0 when all exit 0; else the failed process's status (128 + signal when killed),
+      124 on timeout, 130 on Ctrl-C.
+    """
+    if num_processes < 1:
+        raise ValueError(f"launch: -n must be >= 1, got {num_processes}")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ValueError(f"launch: --devices-per-process must be >= 1, got {devices_per_process}")
+    if say is None:
+
+        def say(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    cmd = [python, "-m", "sparsejax", "train", *train_args]
+    os.makedirs(log_dir, exist_ok=True)
+    logs: dict[int, str] = {}
+    procs: list[subprocess.Popen] = []
+    files = []
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        raise _Stop
+
+    in_main = _in_main_thread()
+    if in_main:
+        signal.signal(signal.SIGTERM, on_term)
+    try:
+        for i in range(num_processes):
+            env = child_env(i, num_processes, coordinator, devices_per_process=devices_per_process)
+            out = None
+            if i > 0:
+                logs[i] = os.path.join(log_dir, f"p{i}.log")
+                out = open(logs[i], "ab")  # noqa: SIM115 - closed below
+                files.append(out)
+                out.write(
+                    f"=== sparsejax launch {time.strftime('%Y-%m-%dT%H:%M:%S')}: process {i} "
+                    f"of {num_processes}, launcher pid {os.getpid()}, {coordinator}\n".encode()
+                )
+                out.flush()
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out is not None else None,
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+                )
+            )
+            if out is not None:
+                out.write(f"=== pid {procs[-1].pid}\n".encode())
+                out.flush()
+        return _watch(procs, logs, timeout=timeout, grace=grace, say=say, poll=poll)
+    except (KeyboardInterrupt, _Stop) as e:
+        _stop(procs, grace)
+        say(
+            "sparsejax launch: "
+            + ("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated")
+            + f"; stopped all {len(procs)} processes"
+        )
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
+    finally:
+        _stop(procs, grace)
+        for f in files:
+            f.close()
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _watch(procs, logs, *, timeout, grace, say, poll) -> int:
+    n = len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i = failed[0]
+            code = codes[i]
+            break
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            _stop(procs, grace)
+            say(
+                f"sparsejax launch: the {n} processes ran past --timeout {timeout:g} s; "
+                f"stopped them all"
+            )
+            return 124
+        time.sleep(poll)
+    running = [j for j, p in enumerate(procs) if p.poll() is None]
+    _stop(procs, grace)
+    if i == 0:
+        where = "its output is above"
+    else:
+        where = f"log {logs[i]}"
+        last = _last_line(logs[i])
+        if last:
+            where += f": {last}"
+    stopped = (
+        f"; stopped process{'es' if len(running) > 1 else ''} {', '.join(map(str, running))}"
+        if running
+        else ""
+    )
+    say(f"sparsejax launch: process {i} of {n} {_ended(code)} ({where}){stopped}")
+    return code if code > 0 else 128 - code
