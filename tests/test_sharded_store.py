@@ -183,3 +183,57 @@ def test_bad_placements_and_batches_are_refused_by_name():
     small = FeatureSpec(name="clicks", table="item", max_ids=5, capacity=8)  # 1 id a device
     with pytest.raises(ValueError, match="feature 'clicks': device \\d+ gets \\d+ ids"):
         shard_batch(batch, {"clicks": small}, 8)
+
+
+# ---- the trainer on a mesh --------------------------------------------------------------
+
+
+def _placed(model, placement):
+    """`model` with every table of every layer placed `placement`."""
+    import dataclasses
+
+    return model.clone(
+        tables=tuple(dataclasses.replace(t, placement=placement) for t in model.tables)
+    )
+
+
+def test_trainer_on_a_2x4_mesh_matches_one_device(tmp_path, placement="row_wise"):
+    """A DLRM trained with placed tables on 8 devices: the loss, the dense parameters,
+    the tables and slots and the eval metrics of the single-device run, step by step."""
+    from sparsejax import runner, train
+
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp_path}",
+            "data.batch_size=64",
+            "data.eval_batches=2",
+            "data.synthetic_options={vocab_sizes: [300, 50, 7, 120], num_dense: 3}",
+            "model.embedding_dim=8",
+            "model.options={bottom: [16, 8], top: [16, 1]}",
+        ],
+    )
+    data = runner.build_data(cfg)
+    model = runner.build_model(cfg, data.tables, data.features)
+    b = data.packer.batch_size
+    batches = [
+        data.packer.pack(s, labels=y, dense=d)
+        for s, y, d in (data.train_source.batch(i, b) for i in range(3))
+    ]
+    tx = runner.dense_optimizer(cfg.optimizer)
+    one = train.Trainer(model, tx)
+    eight = train.Trainer(_placed(model, placement), tx, mesh=_mesh(2, 4))
+    s1, s8 = one.init(jax.random.key(0), batches[0]), eight.init(jax.random.key(0), batches[0])
+    assert eight.shards_batch
+    for batch in batches:
+        s1, m1 = one.train_step(s1, batch)
+        s8, m8 = eight.train_step(s8, batch)
+        np.testing.assert_allclose(float(m8["loss"]), float(m1["loss"]), rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+        (s8.params, eight.tables_by_name(s8)),
+        (s1.params, one.tables_by_name(s1)),
+    )
+    e1, e8 = one.evaluate(s1, data.eval_batches), eight.evaluate(s8, data.eval_batches)
+    assert e8["auc"] == pytest.approx(e1["auc"], abs=1e-6)
+    assert e8["loss"] == pytest.approx(e1["loss"], abs=1e-6)

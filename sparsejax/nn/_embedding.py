@@ -19,8 +19,10 @@ turns it into sparse row updates using what the layer recorded in `"embedding_lo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -39,6 +41,19 @@ gradient."""
 EMBEDDING_LOOKUPS = "embedding_lookups"
 """Collection where each layer records its lookups for the sparse update."""
 _LOOKUPS = "lookups"
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("sparsejax_mesh", default=None)
+
+
+@contextlib.contextmanager
+def tables_on(mesh: Mesh | None) -> Iterator[None]:
+    """Inside, every `EmbeddingBagCollection` without a mesh of its own places its tables
+    on `mesh` (the `Trainer` wraps its traces in it, so a model's layers need no mesh
+    argument)."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +86,14 @@ class EmbeddingBagCollection(nn.Module):
     implementation: str | None = None
     """Kernel choice for the sparse ops (None: the platform's best)."""
     mesh: Mesh | None = None
-    """Devices the tables live on (None: one device); see `DeviceTableStore`."""
+    """Devices the tables live on (None: the mesh of `tables_on`, e.g. the `Trainer`'s;
+    outside one, one device)."""
 
     @property
     def store(self) -> TableStore:
         """The table store behind this layer (a pure function of the fields)."""
-        return make_store(
-            self.tables, self.features, mesh=self.mesh, implementation=self.implementation
-        )
+        mesh = self.mesh if self.mesh is not None else _MESH.get()
+        return make_store(self.tables, self.features, mesh=mesh, implementation=self.implementation)
 
     @property
     def collection(self) -> TableStore:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import yaml
 
-from ..checkpoint import Checkpointer, embedding_layouts
+from ..checkpoint import Checkpointer
 from ..data import Loader
 from ..train import Trainer, TrainState, fit
 from ._build import DataBundle, absolute_data_paths, build_data, first_train_batch
@@ -318,7 +318,7 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     state = trainer.init(jax.random.key(cfg.seed), first)  # makes trainer.host_tables
     ckpt = Checkpointer(
         os.path.join(cfg.run_dir, "checkpoints"),
-        embedding_layouts(model, first),
+        trainer.layouts,  # each layer's store on the trainer's mesh
         max_to_keep=cfg.keep_checkpoints,
         **_host_kw(trainer, full_every=cfg.checkpoint_full_every),
     )
@@ -551,9 +551,10 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         epochs=epochs,
         prefetch=cfg.data.prefetch,
         shuffle_buffer=cfg.data.shuffle_buffer,
-        # tiered tables: the host maps the raw int64 ids to cache slots first; many
-        # processes: the trainer makes global arrays of the host shares
-        device_put=getattr(run.trainer, "host_tables", None) is None and many == 1,
+        # tiered tables: the host maps the raw int64 ids to cache slots first; tables
+        # placed on a mesh: the trainer splits the host batch per device
+        device_put=getattr(run.trainer, "host_tables", None) is None
+        and not run.trainer.shards_batch,
         position=run.position,
     )
     # the run directory's files and the terminal are process 0's
@@ -659,7 +660,7 @@ def evaluate_run(
     example = batches[0]
     template = trainer.init(jax.random.key(cfg.seed), example)
     where = best_dir if step == "best" else os.path.join(run_dir, "checkpoints")
-    ckpt = Checkpointer(where, embedding_layouts(model, example), **_host_kw(trainer))
+    ckpt = Checkpointer(where, trainer.layouts, **_host_kw(trainer))
     try:
         if step in (None, "last", "best"):
             state, _, _ = ckpt.restore_readable(template, warn=lambda m: log(f"warning: {m}"))

@@ -130,17 +130,15 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
                     f"but {type(t.optimizer).__name__} keeps one value per whole row; use "
                     f"Adagrad, Adam, FTRL or SGD, or a row placement"
                 )
-            if t.is_tiered:
-                raise ValueError(f"table {t.name!r}: a tiered table cannot be column_wise")
             width = t.dim // model
             for k in range(model):
                 piece_spec = dataclasses.replace(view, dim=width, placement="table_wise")
                 out.append(("table_wise", Piece(piece_spec, t.name, k, k, 0, 1)))
             continue
-        if t.is_tiered and p in ("row_wise", "table_row_wise"):
+        if t.is_tiered:
             raise ValueError(
-                f"table {t.name!r}: a tiered (dynamic or host-cached) table can be "
-                f"replicated or table_wise, not {p}"
+                f"table {t.name!r}: a dynamic or host-cached table is not placed on a mesh "
+                f"yet; give it placement 'device' (one device) or make it static"
             )
         out.append((p, Piece(view, t.name, None, 0, 0, 1)))
     return out

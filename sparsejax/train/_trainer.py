@@ -23,7 +23,10 @@ from ..nn._embedding import (
     EMBEDDING_GRADS,
     EMBEDDING_LOOKUPS,
     apply_embedding_gradients,
+    tables_on,
 )
+from ..sharding._batch import padding_batch
+from ..sharding._placement import AXES
 from . import _metrics
 
 
@@ -52,6 +55,15 @@ def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
 
 
 LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
+
+
+def _host(x):
+    """`x` as a host array, gathered from every process when it spans several."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def shape_batch(batch):
@@ -138,22 +150,79 @@ class Trainer:
         )
         return TrainState(step=r, params=r, opt_state=r, tables=tables, rng=r)
 
-    def batch_sharding(self, batch_size: int):
-        """The `NamedSharding`s of a `SparseBatch` of `batch_size` rows (a prefix tree):
-        dense features, labels and mask split along "data" when it divides the batch;
-        the ids replicated (the lookup reads whole tables on every device)."""
-        r = self._replicated()
-        n = dict(self.mesh.shape).get("data", 1)
-        d = NamedSharding(self.mesh, PartitionSpec("data")) if batch_size % n == 0 else r
-        return SparseBatch(features=r, dense=d, labels=d, mask=d)
-
     def put_state(self, state: TrainState) -> TrainState:
         """`state` placed with `state_sharding()` (e.g. after a restore)."""
         return jax.device_put(state, self.state_sharding())
 
+    @property
+    def shards_batch(self) -> bool:
+        """Whether a layer's tables are placed on the mesh (`sparsejax.sharding`): then
+        every device takes its own `B / N` examples, ids included (after `init`)."""
+        return self._layouts is not None and any(
+            getattr(store, "shards_batch", False) for store in self._layouts.values()
+        )
+
+    def batch_sharding(self, batch_size: int):
+        """The `NamedSharding`s of a `SparseBatch` of `batch_size` rows (a prefix tree).
+        Placed tables: everything split over all devices. Otherwise dense features,
+        labels and mask split along "data" when it divides the batch, and the ids
+        replicated (the lookup reads whole tables on every device)."""
+        r = self._replicated()
+        if self.shards_batch:
+            every = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+            return SparseBatch(features=every, dense=every, labels=every, mask=every)
+        n = dict(self.mesh.shape).get("data", 1)
+        d = NamedSharding(self.mesh, PartitionSpec("data")) if batch_size % n == 0 else r
+        return SparseBatch(features=r, dense=d, labels=d, mask=d)
+
     def put_batch(self, batch):
-        """`batch` placed with `batch_sharding()` (a no-op if it already is)."""
-        return jax.device_put(batch, self._batch_prefix(batch))
+        """`batch` placed with `batch_sharding()` (a no-op if it already is). With placed
+        tables, `batch` is this process's share of the global batch (all of it in one
+        process): each feature is split per device (`shard_batch`) and the processes'
+        shares become one global batch."""
+        if not (self.shards_batch and isinstance(batch, SparseBatch)):
+            return jax.device_put(batch, self._batch_prefix(batch))
+        if isinstance(batch.mask, jax.Array) and batch.mask.sharding == self._every():
+            return batch  # already placed
+        from ..sharding import shard_batch
+
+        batch = jax.tree.map(np.asarray, batch)
+        local, first = self._local_devices()
+        specs = {}
+        for store in self._layouts.values():
+            specs.update(getattr(store, "features", {}))
+        batch = shard_batch(
+            batch,
+            specs,
+            local,
+            global_batch=batch.batch_size * jax.process_count(),
+            first_device=first,
+        )
+        return self._global(batch)
+
+    def _every(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+
+    def _local_devices(self) -> tuple[int, int]:
+        """This process's devices on the mesh: how many, and the mesh index of the first
+        (they must be consecutive in the mesh's order, as `make_mesh` orders them)."""
+        flat = list(self.mesh.devices.flat)
+        mine = [i for i, d in enumerate(flat) if d.process_index == jax.process_index()]
+        if not mine or mine != list(range(mine[0], mine[0] + len(mine))):
+            raise ValueError(
+                "Trainer: this process's devices are not consecutive on the mesh; build it "
+                "with sparsejax.sharding.make_mesh"
+            )
+        return len(mine), mine[0]
+
+    def _global(self, batch: SparseBatch) -> SparseBatch:
+        """One global array per leaf from every process's share (split over all devices)."""
+        every = self._every()
+        if jax.process_count() == 1:
+            return jax.device_put(batch, every)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(every, np.asarray(x)), batch
+        )
 
     def _batch_prefix(self, batch):
         if isinstance(batch, SparseBatch):
@@ -185,6 +254,8 @@ class Trainer:
         if self.host_tables is not None:
             tables, batch = self.host_tables.prepare_train(state.tables, batch)
             state = state.replace(tables=tables)
+        if self.shards_batch:
+            batch = self.put_batch(batch)
         return self._jitted("train", batch)(state, batch)
 
     def eval_step(self, state: TrainState, batch) -> jax.Array:
@@ -192,6 +263,8 @@ class Trainer:
         if self.host_tables is not None:
             tables, batch = self.host_tables.prepare_eval(state.tables, batch)
             state = state.replace(tables=tables)
+        if self.shards_batch:
+            batch = self.put_batch(batch)
         return self._jitted("eval", batch)(state, batch)
 
     @property
@@ -216,7 +289,19 @@ class Trainer:
         """
         k_init, k_tables, k_rng = jax.random.split(key, 3)
         batch = shape_batch(batch)
-        layouts, shapes = trace_layouts(self.model, batch)
+        self._layouts = None
+        if (
+            self.mesh.size > 1
+            and tuple(self.mesh.axis_names) == AXES
+            and isinstance(batch, SparseBatch)
+        ):
+            # the shapes of a batch split per device, in case the layers' tables are
+            # placed on the mesh (only the shapes count here)
+            batch = self._global(
+                padding_batch(jax.tree.map(np.asarray, batch), self._local_devices()[0])
+            )
+        with tables_on(self.mesh):
+            layouts, shapes = trace_layouts(self.model, batch)
         unknown = set(shapes) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
         if unknown:
             raise ValueError(
@@ -225,7 +310,7 @@ class Trainer:
             )
         self._layouts, self._steps = layouts, {}
         # tables are dropped inside the jit, so XLA never compiles their initializers
-        params = jax.jit(lambda k: self.model.init(k, batch).get("params", {}))(k_init)
+        params = jax.jit(self._init_params)(k_init, batch)
         layer_keys = {
             path: jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode()))
             for path in layouts
@@ -249,6 +334,14 @@ class Trainer:
             )
         )
 
+    def _init_params_all(self, batch):
+        with tables_on(self.mesh):
+            return self.model.init(jax.random.key(0), batch)
+
+    def _init_params(self, key, batch):
+        with tables_on(self.mesh):
+            return self.model.init(key, batch).get("params", {})
+
     def tables_by_name(self, state: TrainState) -> dict:
         """`{layer path: {table: {"weights", "slots"}}}`, unstacked (e.g. to inspect)."""
         return tables_by_name(self.layouts, state.tables)
@@ -257,18 +350,19 @@ class Trainer:
         variables = {"params": params, EMBEDDING: state.tables}
         if probe is not None:
             variables[EMBEDDING_GRADS] = probe
-        out, aux = self.model.apply(
-            variables,
-            batch,
-            train=train,
-            mutable=[EMBEDDING_LOOKUPS],
-            rngs=None if rng is None else {"dropout": rng},
-        )
+        with tables_on(self.mesh):
+            out, aux = self.model.apply(
+                variables,
+                batch,
+                train=train,
+                mutable=[EMBEDDING_LOOKUPS],
+                rngs=None if rng is None else {"dropout": rng},
+            )
         return out, aux.get(EMBEDDING_LOOKUPS, {})
 
     def _zeros_probe(self, batch):
         """Zeros shaped like the pooled rows of every embedding layer at this batch size."""
-        shapes = jax.eval_shape(lambda: self.model.init(jax.random.key(0), batch))
+        shapes = jax.eval_shape(self._init_params_all, batch)
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get(EMBEDDING_GRADS, {}))
 
     def _train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -308,16 +402,19 @@ class Trainer:
         calibration for "binary", recall@k for "retrieval" (in-batch)."""
         outs, labels, masks, losses, recalls = [], [], [], [], {k: [] for k in recall_k}
         for batch in batches:
-            out = self.eval_step(state, batch)
+            if self.shards_batch:  # this process's share -> the global batch
+                batch = self.put_batch(batch)
+            out = _host(self.eval_step(state, batch))
+            batch = jax.tree.map(_host, batch)
             mask = np.asarray(batch.mask)
             losses.append((float(self.loss_fn(out, batch)), mask.sum()))
             if self.task == "binary":
-                outs.append(np.asarray(out))
+                outs.append(out)
                 labels.append(np.asarray(batch.labels))
                 masks.append(mask)
             else:
                 for k in recall_k:
-                    recalls[k].append((_metrics.recall_at_k(np.asarray(out), k, mask), mask.sum()))
+                    recalls[k].append((_metrics.recall_at_k(out, k, mask), mask.sum()))
         if not losses:
             raise ValueError("evaluate: no eval batches")
         total = sum(n for _, n in losses)
