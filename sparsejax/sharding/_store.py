@@ -117,7 +117,6 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
     model = int(mesh_shape.get("model", 1))
     for t in tables:
         p = "replicated" if t.placement == "device" else t.placement
-        view = t.device_view()
         if p == "column_wise":
             if t.dim % model:
                 raise ValueError(
@@ -132,7 +131,7 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
                 )
             width = t.dim // model
             for k in range(model):
-                piece_spec = dataclasses.replace(view, dim=width, placement="table_wise")
+                piece_spec = dataclasses.replace(t, dim=width, placement="table_wise")
                 out.append(("table_wise", Piece(piece_spec, t.name, k, k, 0, 1)))
             continue
         if t.is_tiered:
@@ -140,7 +139,7 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
                 f"table {t.name!r}: a dynamic or host-cached table is not placed on a mesh "
                 f"yet; give it placement 'device' (one device) or make it static"
             )
-        out.append((p, Piece(view, t.name, None, 0, 0, 1)))
+        out.append((p, Piece(t, t.name, None, 0, 0, 1)))
     return out
 
 
@@ -221,8 +220,6 @@ class ShardedTableStore:
         self.tables = {t.name: t for t in tables}
         self.features = {f.name: f for f in features}
         self.implementation = implementation
-        self.tiered_tables = {t.name: t for t in tables if t.is_tiered}
-        self.device_tables = {t.name: t.device_view() for t in tables}
         shape = dict(self.mesh.shape)
         self.num_devices = int(self.mesh.size)
         self.stacks = _stacks(tables, shape)
@@ -325,7 +322,7 @@ class ShardedTableStore:
         self.check_memory(name)
         tables = {}
         for src in sorted({p.source for p in st.pieces}):
-            spec = self.device_tables[src]
+            spec = self.tables[src]
             rows = np.empty((spec.vocab_size, spec.dim), jnp.dtype(spec.dtype))
             fill_table(key, spec, rows)
             tables[src] = {
@@ -364,12 +361,9 @@ class ShardedTableStore:
         return blocks.reshape(a.shape)
 
     def export_tables(self, state: Mapping) -> dict:
-        """`{table: {"weights": [V, D], "slots": {...}}}`, the layout-free form (tiered
-        tables left out: their state is on the host)."""
+        """`{table: {"weights": [V, D], "slots": {...}}}`, the layout-free form."""
         out = {}
         for src, pieces in self._pieces.items():
-            if src in self.tiered_tables:
-                continue
             parts = [
                 jax.tree.map(
                     lambda a, st=self.stacks[sn], p=p: self._piece_rows(st, p, a), state[sn]
@@ -408,16 +402,9 @@ class ShardedTableStore:
 
     def import_tables(self, tables: Mapping) -> dict:
         """Inverse of `export_tables`, placed on this store's mesh (any mesh saved them);
-        names a missing table or a mismatched shape or slot set. Tiered tables get an
-        empty device cache."""
+        names a missing table or a mismatched shape or slot set."""
         full = {}
-        for src, spec in self.device_tables.items():
-            if src in self.tiered_tables:
-                full[src] = {
-                    "weights": np.zeros((spec.vocab_size, spec.dim), jnp.dtype(spec.dtype)),
-                    "slots": spec.optimizer.init_slots(spec.vocab_size, spec.dim),
-                }
-                continue
+        for src, spec in self.tables.items():
             if src not in tables:
                 raise KeyError(f"no saved state for table {src!r} (saved: {sorted(tables)})")
             tab = tables[src]
@@ -453,15 +440,13 @@ class ShardedTableStore:
             )
         return batch_size // self.num_devices
 
-    def _specs_of(self, features: Mapping) -> dict:
+    def _split_features(self, features: Mapping) -> dict:
         missing = set(self.features) - set(features)
         if missing:
             raise KeyError(f"batch lacks features {sorted(missing)}")
         out = {}
-        for name, f in self.features.items():
+        for name in self.features:
             jag = features[name]
-            if f.table in self.tiered_tables:
-                jag = features.get(f"{name}@{f.table}", jag)
             if jag.ids.shape[0] % self.num_devices:
                 raise ValueError(
                     f"feature {name!r}: {jag.ids.shape[0]} ids do not split over "
@@ -475,7 +460,7 @@ class ShardedTableStore:
         """Pooled rows per group (`[N x local bags, D]`, device-major) and what each
         owner received (the update's residuals)."""
         b_local = self._local_batch(batch_size)
-        feats = self._specs_of(features)
+        feats = self._split_features(features)
         state_specs = jax.tree.map(lambda s: s.spec, self.state_shardings())
         feat_specs = jax.tree.map(lambda _: P(ALL), feats)
 
