@@ -43,9 +43,10 @@ def run_devices(cfg: RunConfig) -> list[jax.Device]:
     have = min(len(ds) for ds in by_process.values())
     if want % procs or want // procs > have:
         raise ConfigError(
-            f"sharding.devices={want}: the {procs} process{'es' * (procs != 1)} have "
-            f"{have} device{'s' * (have != 1)} each; give a multiple of {procs} up to "
-            f"{have * procs}"
+            f"sharding.devices={want}: "
+            + (f"{procs} processes have" if procs > 1 else "the process has")
+            + f" {have} device{'s' * (have != 1)}"
+            + (f" each; give a multiple of {procs} up to {have * procs}" if procs > 1 else "")
         )
     return [d for ds in by_process.values() for d in ds[: want // procs]]
 
@@ -120,6 +121,14 @@ def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
     devices = run_devices(cfg)
     pinned = pinned_placements(cfg, [t.name for t in model.tables])
     if len(devices) <= 1 and not pinned:
+        return model, None
+    tiered = sorted(t.name for t in model.tables if t.is_tiered)
+    if tiered and not pinned and cfg.sharding.devices is None:
+        # until the sharded store places them: a tiered run keeps its one device
+        log(
+            f"sharding: one device of {len(devices)}: tables {tiered} are dynamic or "
+            f"host-cached, which are not placed on a mesh yet"
+        )
         return model, None
     procs = jax.process_count()
     size = cfg.sharding.model or len(devices) // procs

@@ -10,34 +10,39 @@ Cost model, per table (with the tables that follow it, see `follow`), per device
 - communication: `comm_bytes`, the bytes one device moves per step through the sharded
   store's collectives for the table's ids and bags local to it (the step's `batch_size`
   split over all N devices: `n` ids = sum over its features of min(capacity, B/N x
-  max_ids), `b` bags = sum of B/N x bags per example). Independent of the vocabulary.
+  max_ids), as `shard_batch` pads them, `b` bags = sum of B/N x bags per example).
+  Independent of the vocabulary.
 
 Choice rule (deterministic: the same specs and mesh give the same plan everywhere):
 
 1. A pinned table keeps its placement (`pinned`, or a spec whose `placement` is not
-   "device"), checked: column-wise needs a dim divisible by the "model" axis, split rows
-   (row-wise, table-row-wise) refuse "max" pooling (a bag's partial maxima do not add).
+   "device"), checked as the store checks it: column-wise needs a dim divisible by the
+   "model" axis and an optimizer without per-row slots (row-wise Adagrad's one value
+   per row cannot be split by columns); split rows (row-wise, table-row-wise) refuse
+   "max" pooling (a bag's partial maxima do not add).
 2. Every other table gets a ladder of placements, from keeping it whole to splitting it
    over every device, each rung holding less of it on the busiest device (or, at equal
    pieces, on all devices together) than the rung before, and keeping only those under
    which the table alone fits the budget: "replicated" (only when its copy takes at
    most `replicate_max` of the budget: small tables), "table_wise" (the whole table on
-   one index of "model"), then one of "column_wise" and "table_row_wise" (split over
-   the "model" devices, one host's by default: the one of fewer bytes per step,
-   column-wise when the dim divides, since it returns D/M columns instead of M partial
-   rows), then "row_wise" (split over all devices). A table starts on its first rung:
-   it is split only as far as memory requires. Bytes per step decide between
-   placements of equal memory; they are not minimized over all placements: by the
-   byte formulas alone, column-wise often moves fewer bytes than a replicated copy
-   (its rows travel in D/M columns, its update is synced over "data" only), but it
-   cuts every lookup into M narrow pieces, which bytes do not see.
+   one index of "model"), then one of "table_row_wise" and "column_wise" (split over
+   the "model" devices, one host's by default: the one of fewer bytes per step, which
+   is table-row-wise, as column-wise sends every id to all M column pieces; column-wise
+   where table-row-wise cannot serve: max pooling), then "row_wise" (split over all
+   devices). A table starts on its first rung: it is split only as far as memory
+   requires, since a whole table is looked up and updated in one place. Bytes per step
+   decide between placements of equal memory; they are not minimized over all
+   placements (e.g. a table-wise table moves more bytes than a replicated copy:
+   `comm_bytes`).
 3. Table-wise tables go to "model" indices by `assign_table_wise` (largest first onto
-   the least-loaded index, each embedding layer on its own, as the store assigns them).
-4. While the fullest device holds more than the budget, the largest table on it that is
-   not on its last rung (ties: by name) moves one rung down: every table's ids cost
-   about the same bytes per step whatever its size, so moving the largest frees the
-   most memory per byte added. Nothing left to move: a `PlanError` listing each
-   table's need under its best placement and the budget.
+   the least-loaded index), per embedding layer and stack (dim, dtype, optimizer), as
+   the store assigns them.
+4. While a device holds more than the budget, a table moves down its ladder: the
+   largest (its piece on a device; ties: by name) for which a lower rung brings the
+   bytes over budget (summed over the devices) down, to the first such rung. The ids
+   of a table cost about the same bytes per step whatever its size, so moving the
+   largest frees the most memory per byte added. No move helps: a `PlanError` listing
+   each table's need under its best placement and the budget.
 
 The budget of a device is `device_memory x (1 - reserve)`: `reserve` (10% by default)
 is kept for the dense parameters, their optimizer state, the activations and XLA's
@@ -55,6 +60,7 @@ from typing import Any
 
 from ..embedding._memory import format_bytes
 from ..embedding._spec import DynamicVocab, HostCache, uniform_init
+from ..embedding._stacking import stack_name
 from ..ops.optimizers import RowWiseAdagrad, SparseOptimizer
 from ._placement import (
     AXES,
@@ -122,33 +128,39 @@ def comm_bytes(
     dim: int,
     mesh_shape: Mapping[str, int],
     dtype_bytes: int = 4,
+    id_bytes: int = ID_BYTES,
 ) -> dict[str, int]:
     """Bytes one device moves per step for one table under `placement`: the sizes of the
-    sharded store's collective buffers (what the compiled HLO's collectives carry),
-    for `ids` ids and `bags` bags local to the device, with S shards (`num_shards`) and
-    R replicas (the size of the replica axes), D = `dim` (D / S for column-wise: each
-    shard holds and returns its own columns) and w = `dtype_bytes` per pooled value:
+    sharded store's collective buffers (what the compiled HLO's collectives carry), for
+    `ids` ids and `bags` bags local to the device, with S shards (`num_shards`) and R
+    replicas (the size of the replica axes), D = `dim`, w = `dtype_bytes` per pooled
+    value (the table's dtype) and `id_bytes` per id (12: row, bag and pooling
+    coefficient; 8 when no feature of the table's stack needs a coefficient):
 
-    - forward ids: 12 x S x ids. Each device buckets its ids by owner shard into an
-      `[S, ids]` send buffer (never overflowing: it holds every id the device has) of
-      (row, bag, coefficient), all-to-all over the shard axes.
+    - forward ids: id_bytes x S x ids. Each device buckets its ids by owner shard into
+      an `[S, ids]` send buffer (never overflowing: it holds every id the device has),
+      all-to-all over the shard axes.
     - forward rows: w x S x bags x D. The owners' partial pooled rows `[S, bags, D]`,
       all-to-all back and summed.
-    - backward grads: w x S x bags x D. The pooled rows' gradients, all-gathered over the
-      shard axes so each owner has the gradients of the bags it served.
-    - backward replica sync: R x (12 x S x ids + w x S x bags x D). The ids and gradients
-      an owner received, all-gathered over the replica axes, so every replica applies the
-      same sparse update to its copy of the rows.
+    - backward grads: w x S x bags x D. The pooled rows' gradients, all-gathered over
+      the shard axes so each owner has the gradients of the bags it served.
+    - backward replica sync: R x (id_bytes x S x ids + w x S x bags x D). The ids and
+      gradients an owner received, all-gathered over the replica axes, so every replica
+      applies the same sparse update to its copy of the rows.
 
-    Terms over the shard axes vanish when S = 1 (replicated: no forward traffic), the
-    replica sync when R = 1 (row-wise). Nothing depends on the vocabulary size.
+    Column-wise: the store keeps each of the M column pieces as a table of dim D/M on
+    its own index of "model", so each id is looked up M times (ids x M) and each bag
+    is M bags of D/M values: the row terms equal table-wise's, the id terms are M times
+    theirs. Terms over the shard axes vanish when S = 1 (replicated: no forward
+    traffic), the replica sync when R = 1 (row-wise). Nothing depends on the vocabulary.
 
     Returns `{"forward": bytes, "backward": bytes}`.
     """
     s = num_shards(placement, mesh_shape)
     r = axis_size(mesh_shape, replica_axes(placement))
-    d = dim // s if placement == "column_wise" else dim
-    id_buf, row_buf = ID_BYTES * s * ids, dtype_bytes * s * bags * d
+    if placement == "column_wise":  # M pieces of D/M columns, each reading every id
+        ids, bags, dim = ids * s, bags * s, dim // s
+    id_buf, row_buf = id_bytes * s * ids, dtype_bytes * s * bags * dim
     sharded = s > 1
     forward = (id_buf + row_buf) if sharded else 0
     backward = (row_buf if sharded else 0) + (r * (id_buf + row_buf) if r > 1 else 0)
@@ -284,63 +296,71 @@ class Plan:
         return "\n".join(lines)
 
 
+def _needs_coefficient(f) -> bool:
+    return f.weighted or f.combiner in ("mean", "sqrtn")
+
+
 @dataclasses.dataclass
 class _Group:
     """A table and the tables that follow it: placed together, costed together."""
 
     name: str
     specs: list
-    loads: list  # per spec: (ids, bags) local to one device
-    max_pooled: bool
+    feats: dict  # table name -> [(feature, ids, bags)] local to one device
     pinned: str | None = None
     ladder: list = dataclasses.field(default_factory=list)
     rung: int = 0
-
-    def memory(self, placement: str, mesh_shape) -> int:
-        return sum(table_device_bytes(s, placement, mesh_shape) for s in self.specs)
-
-    def comm(self, placement: str, mesh_shape) -> int:
-        total = 0
-        for s, (n, b) in zip(self.specs, self.loads, strict=True):
-            c = comm_bytes(
-                placement,
-                ids=n,
-                bags=b,
-                dim=s.dim,
-                mesh_shape=mesh_shape,
-                dtype_bytes=_weight_bytes(s),
-            )
-            total += c["forward"] + c["backward"]
-        return total
-
-    def invalid(self, placement: str, mesh_shape) -> str | None:
-        """Why the group cannot take `placement` (None: it can)."""
-        model = int(mesh_shape.get("model", 1))
-        if placement == "column_wise":
-            odd = [s for s in self.specs if s.dim % model]
-            if odd:
-                return (
-                    f"column_wise needs a dim divisible by the model axis ({model}); "
-                    f"table {odd[0].name!r} has dim {odd[0].dim}"
-                )
-        if placement in _SPLIT_ROWS and self.max_pooled:
-            return f"{placement} splits rows, and a feature of it pools by max"
-        return None
+    _comm: dict = dataclasses.field(default_factory=dict)
 
     @property
     def placement(self) -> str:
         return self.ladder[self.rung]
 
+    def memory(self, placement: str, mesh_shape) -> int:
+        return sum(table_device_bytes(s, placement, mesh_shape) for s in self.specs)
 
-def _local_loads(specs, features, batch_size: int, devices: int) -> list[tuple[int, int]]:
-    local = -(-batch_size // devices)
-    out = []
-    for s in specs:
-        feats = [f for f in features if f.table == s.name]
-        n = sum(min(f.capacity_for(batch_size), local * f.max_ids) for f in feats)
-        b = sum(local * f.bags_per_example() for f in feats)
-        out.append((n, b))
-    return out
+    def comm(self, placement: str, mesh_shape) -> int:
+        """Bytes per step per device (each feature's ids with a coefficient if it needs
+        one; `_table_comm` gives the final figures, with the stacks known)."""
+        if placement in self._comm:
+            return self._comm[placement]
+        total = 0
+        for s in self.specs:
+            for f, n, b in self.feats[s.name]:
+                c = comm_bytes(
+                    placement,
+                    ids=n,
+                    bags=b,
+                    dim=s.dim,
+                    mesh_shape=mesh_shape,
+                    dtype_bytes=_weight_bytes(s),
+                    id_bytes=12 if _needs_coefficient(f) else 8,
+                )
+                total += c["forward"] + c["backward"]
+        self._comm[placement] = total
+        return total
+
+    def invalid(self, placement: str, mesh_shape) -> str | None:
+        """Why the group cannot take `placement` (None: it can), as the store refuses."""
+        model = int(mesh_shape.get("model", 1))
+        if placement == "column_wise":
+            for s in self.specs:
+                if s.dim % model:
+                    return (
+                        f"column_wise splits dim {s.dim} of table {s.name!r} over the "
+                        f"{model} devices of 'model'; it must divide"
+                    )
+                if any(slot.per_row for slot in s.optimizer.slots()):
+                    return (
+                        f"column_wise splits each row over devices, but "
+                        f"{type(s.optimizer).__name__} keeps one value per whole row"
+                    )
+        if placement in _SPLIT_ROWS:
+            for s in self.specs:
+                for f, _, _ in self.feats[s.name]:
+                    if f.combiner == "max":
+                        return f"{placement} splits rows, and feature {f.name!r} pools by max"
+        return None
 
 
 def _check_args(mesh_shape, device_memory, hosts, batch_size, reserve, replicate_max) -> int:
@@ -360,6 +380,11 @@ def _check_args(mesh_shape, device_memory, hosts, batch_size, reserve, replicate
         raise ValueError(f"plan_tables: reserve must be in [0, 1), got {reserve!r}")
     if not 0 <= replicate_max <= 1:
         raise ValueError(f"plan_tables: replicate_max must be in [0, 1], got {replicate_max!r}")
+    if batch_size % n:
+        raise PlanError(
+            f"the global batch of {batch_size} does not split over the {n} devices (each "
+            f"device takes B / {n} examples); give a multiple of {n}"
+        )
     return n
 
 
@@ -386,20 +411,20 @@ def plan_tables(
       device_memory: bytes of one device.
       hosts: processes (hosts) the devices are in, for the bytes per host.
       pinned: `{table: placement}` kept as given (tables whose spec's `placement` is not
-        "device" are pinned to it too).
+        "device" are pinned to it too; `pinned` wins).
       reserve: share of `device_memory` left to everything but the tables.
       replicate_max: a table is replicated only if it takes at most this share of the
         budget.
-      follow: `{table: leader}`: tables placed with another one (e.g. DeepFM's 1-dim
-        first-order twins follow their table), counted with it.
+      follow: `{table: leader}`: tables placed with another one, counted with it, in an
+        embedding layer of their own (DeepFM's 1-dim first-order tables follow theirs).
 
     Returns:
       The `Plan`.
 
     Raises:
       PlanError: the tables do not fit, naming each table's need under its best
-        placement and the memory per device; or a pinned placement is invalid, naming
-        the table.
+        placement and the memory per device; a pinned placement is invalid, naming the
+        table; or the batch does not split over the devices.
     """
     mesh_shape = {a: int(mesh_shape.get(a, 1)) for a in AXES}
     pinned, follow = dict(pinned or {}), dict(follow or {})
@@ -414,66 +439,47 @@ def plan_tables(
             raise PlanError(f"placement pinned for table {name!r}, which the model does not have")
         if name in follow:
             raise PlanError(f"table {name!r} follows {follow[name]!r}; pin {follow[name]!r}")
+    local = batch_size // n_dev
+    feats: dict[str, list] = {name: [] for name in specs}
+    for f in features:
+        n = min(f.capacity_for(batch_size), local * f.max_ids)  # as shard_batch pads
+        feats[f.table].append((f, n, local * f.bags_per_example()))
     groups: dict[str, _Group] = {}
     for t in tables:
         leader = follow.get(t.name, t.name)
-        if leader not in groups:
-            groups[leader] = _Group(leader, [], [], False)
-        groups[leader].specs.append(t)
+        g = groups.setdefault(leader, _Group(leader, [], feats))
+        g.specs.append(t)
     for g in groups.values():
-        names = {s.name for s in g.specs}
         g.specs.sort(key=lambda s: s.name != g.name)  # the leader first
-        g.loads = _local_loads(g.specs, features, batch_size, n_dev)
-        g.max_pooled = any(f.combiner == "max" for f in features if f.table in names)
         lead = specs[g.name]
         p = pinned.get(g.name, lead.placement if lead.placement != "device" else None)
-        if p is not None:
-            if p not in PLACEMENTS:
-                raise PlanError(f"table {g.name!r}: placement {p!r} is not one of {PLACEMENTS}")
-            why = g.invalid(p, mesh_shape)
-            if why:
-                raise PlanError(f"table {g.name!r} pinned {p}: {why}")
-            g.pinned, g.ladder = p, [p]
-        else:
+        if p is None:
             g.ladder = _ladder(g, mesh_shape, budget, replicate_max)
-    order = sorted(groups, key=lambda n: n)
+            continue
+        if p not in PLACEMENTS:
+            raise PlanError(f"table {g.name!r}: placement {p!r} is not one of {PLACEMENTS}")
+        why = g.invalid(p, mesh_shape)
+        if why:
+            raise PlanError(f"table {g.name!r} pinned {p}: {why}")
+        g.pinned, g.ladder = p, [p]
+    order = sorted(groups)
     if any(not groups[n].ladder for n in order):
         raise _no_fit(groups, mesh_shape, budget, device_memory, reserve)
     while True:
-        assignment, loads, on = _loads(groups, follow, mesh_shape)
-        top = max(range(len(loads)), key=lambda i: (loads[i], -i))
-        if loads[top] <= budget:
+        assignment, loads = _loads(groups, follow, mesh_shape)
+        excess = _excess(loads, budget)
+        if not excess:
             break
-        movable = [
-            n
-            for n in order
-            if groups[n].pinned is None
-            and groups[n].rung + 1 < len(groups[n].ladder)
-            and top in on[n]
-        ]
-        if not movable:
+        move = _best_move(groups, follow, budget, excess, mesh_shape)
+        if move is None:
             raise _no_fit(groups, mesh_shape, budget, device_memory, reserve)
-        pick = min(movable, key=lambda n: (-groups[n].memory(groups[n].placement, mesh_shape), n))
-        groups[pick].rung += 1
-    placements, memory, comm = {}, {}, {}
-    for t in tables:
-        g = groups[follow.get(t.name, t.name)]
-        placements[t.name] = g.placement
-        memory[t.name] = table_device_bytes(t, g.placement, mesh_shape)
-        n, b = g.loads[[s.name for s in g.specs].index(t.name)]
-        comm[t.name] = comm_bytes(
-            g.placement,
-            ids=n,
-            bags=b,
-            dim=t.dim,
-            mesh_shape=mesh_shape,
-            dtype_bytes=_weight_bytes(t),
-        )
+        groups[move[0]].rung = move[1]
+    placements = {t.name: groups[follow.get(t.name, t.name)].placement for t in tables}
     return Plan(
         placements=placements,
         assignment=assignment,
-        memory=memory,
-        comm=comm,
+        memory={t.name: table_device_bytes(t, placements[t.name], mesh_shape) for t in tables},
+        comm=_table_comm(specs, feats, placements, follow, mesh_shape),
         device_bytes=tuple(loads),
         mesh_shape=mesh_shape,
         hosts=hosts,
@@ -485,19 +491,59 @@ def plan_tables(
     )
 
 
+def _stack_key(spec, placement: str, mesh_shape, follow) -> tuple:
+    """The store's stack of a table (its embedding layer, stack kind, dim, dtype and
+    optimizer): column pieces are table-wise tables of dim D / M."""
+    dim = spec.dim
+    if placement == "column_wise":
+        placement, dim = "table_wise", dim // mesh_shape["model"]
+    return (spec.name in follow, placement, stack_name(dim, spec.dtype, spec.optimizer))
+
+
+def _table_comm(specs, feats, placements, follow, mesh_shape) -> dict[str, dict[str, int]]:
+    """`comm_bytes` of every table, its features added, each feature's ids carrying a
+    coefficient when any feature of its lookup group (stack and pooling kind) needs one,
+    as the store sends them."""
+    coef: dict[tuple, bool] = {}
+
+    def group(t, f):
+        kind = "max" if f.combiner == "max" else "sum"
+        return (_stack_key(specs[t], placements[t], mesh_shape, follow), kind)
+
+    for t, entries in feats.items():
+        for f, _, _ in entries:
+            key = group(t, f)
+            coef[key] = coef.get(key, False) or _needs_coefficient(f)
+    out = {}
+    for t, entries in feats.items():
+        total = {"forward": 0, "backward": 0}
+        for f, n, b in entries:
+            c = comm_bytes(
+                placements[t],
+                ids=n,
+                bags=b,
+                dim=specs[t].dim,
+                mesh_shape=mesh_shape,
+                dtype_bytes=_weight_bytes(specs[t]),
+                id_bytes=12 if coef[group(t, f)] else 8,
+            )
+            total = {k: total[k] + c[k] for k in total}
+        out[t] = total
+    return out
+
+
 def _footprint(g: _Group, placement: str, mesh_shape) -> tuple[int, int]:
     """(bytes on the device holding the largest piece, bytes on all devices together)."""
     piece = g.memory(placement, mesh_shape)
-    model = mesh_shape["model"]
     n = axis_size(mesh_shape, AXES)
-    on = n // model if placement == "table_wise" else n
+    on = n // mesh_shape["model"] if placement == "table_wise" else n
     return piece, piece * on
 
 
 def _ladder(g: _Group, mesh_shape, budget: int, replicate_max: float) -> list[str]:
-    """The placements a table may take, cheapest in bytes per step first, each holding
-    less of it than the one before (on the busiest device, else on all together); only
-    those under which it fits alone."""
+    """The placements a table may take, from whole to split, each holding less of it
+    than the one before (on the busiest device, else on all together); only those under
+    which it fits alone."""
     rungs = []
     if g.memory("replicated", mesh_shape) <= replicate_max * budget:
         rungs.append("replicated")
@@ -519,29 +565,60 @@ def _ladder(g: _Group, mesh_shape, budget: int, replicate_max: float) -> list[st
     return out
 
 
-def _loads(groups, follow, mesh_shape):
-    """(table-wise assignment, bytes per index of "model", per group the indices it
-    occupies)."""
+def _loads(groups, follow, mesh_shape) -> tuple[dict[str, int], list[int]]:
+    """(table-wise assignment, bytes per index of "model"). Table-wise tables are
+    assigned per stack, as the store does."""
     model = mesh_shape["model"]
+    stacks: dict[tuple, dict[str, int]] = {}
+    for g in groups.values():
+        if g.placement == "table_wise":
+            for s in g.specs:
+                key = _stack_key(s, "table_wise", mesh_shape, follow)
+                stacks.setdefault(key, {})[s.name] = table_device_bytes(s, "table_wise", mesh_shape)
+    assignment: dict[str, int] = {}
+    for key in sorted(stacks):
+        assignment |= assign_table_wise(stacks[key], model)
     loads = [0] * model
-    on: dict[str, set[int]] = {}
-    layers: dict[bool, dict[str, int]] = {False: {}, True: {}}
     for g in groups.values():
         for s in g.specs:
-            if g.placement == "table_wise":
-                layers[s.name in follow][s.name] = table_device_bytes(s, "table_wise", mesh_shape)
-    assignment: dict[str, int] = {}
-    for sizes in layers.values():
-        assignment |= assign_table_wise(sizes, model)
-    for name, g in groups.items():
-        on[name] = set()
-        for s in g.specs:
-            b = table_device_bytes(s, g.placement, mesh_shape)
-            idx = [assignment[s.name]] if g.placement == "table_wise" else range(model)
-            for i in idx:
-                loads[i] += b
-                on[name].add(i)
-    return assignment, loads, on
+            _add(
+                loads,
+                table_device_bytes(s, g.placement, mesh_shape),
+                g.placement,
+                assignment.get(s.name),
+            )
+    return assignment, loads
+
+
+def _add(loads: list[int], piece: int, placement: str, index: int | None) -> None:
+    """Add a table's piece to the loads per index of "model" (a table-wise one at
+    `index`, every other placement on every index)."""
+    if placement == "table_wise":
+        loads[index] += piece
+    else:
+        for i in range(len(loads)):
+            loads[i] += piece
+
+
+def _excess(loads: Sequence[int], budget: int) -> int:
+    return sum(max(0, x - budget) for x in loads)
+
+
+def _best_move(groups, follow, budget, excess, mesh_shape):
+    """`(table, rung)`: the largest unpinned table (by its piece on a device; ties by
+    name) that some lower rung of its ladder brings the bytes over budget down for, and
+    the first such rung (the fewest bytes per step). None if no move helps."""
+    movable = [g for g in groups.values() if g.pinned is None and g.rung + 1 < len(g.ladder)]
+    movable.sort(key=lambda g: (-g.memory(g.placement, mesh_shape), g.name))
+    for g in movable:
+        now = g.rung
+        for rung in range(now + 1, len(g.ladder)):
+            g.rung = rung
+            after = _excess(_loads(groups, follow, mesh_shape)[1], budget)
+            g.rung = now
+            if after < excess:
+                return g.name, rung
+    return None
 
 
 def _no_fit(groups, mesh_shape, budget, device_memory, reserve) -> PlanError:
