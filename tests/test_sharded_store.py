@@ -237,3 +237,39 @@ def test_trainer_on_a_2x4_mesh_matches_one_device(tmp_path, placement="row_wise"
     e1, e8 = one.evaluate(s1, data.eval_batches), eight.evaluate(s8, data.eval_batches)
     assert e8["auc"] == pytest.approx(e1["auc"], abs=1e-6)
     assert e8["loss"] == pytest.approx(e1["loss"], abs=1e-6)
+
+
+def test_dynamic_and_cached_tables_train_on_a_mesh_as_on_one_device():
+    """Raw-id tables with a small device cache, the cache row-split (slot i on shard
+    i % 8) or table-wise: the same losses and host rows as on one device."""
+    import dataclasses
+
+    import optax
+    from test_tiered import DIM, ITEM_KEYS, _batches, _dynamic, _features, _tables
+
+    from sparsejax.embedding import HostCache
+    from sparsejax.nn import DLRM
+    from sparsejax.train import Trainer
+
+    opt = ops.RowWiseAdagrad(learning_rate=0.3)
+    tables = _tables(opt, user={"vocab_size": 500, "cache": HostCache(rows=24)}, item=_dynamic(48))
+    batches = _batches(12, user_keys=None, item_keys=ITEM_KEYS)
+    placed = [
+        dataclasses.replace(t, placement=p)
+        for t, p in zip(tables, ["table_wise", "row_wise", "row_wise"], strict=True)
+    ]
+    results = []
+    for specs, mesh in [(tables, None), (placed, _mesh(2, 4))]:
+        model = DLRM(tables=tuple(specs), features=tuple(_features()), bottom=(8, DIM), top=(8, 1))
+        trainer = Trainer(model, optax.sgd(0.05), mesh=mesh)
+        state = trainer.init(jax.random.key(0), batches[0])
+        losses = []
+        for b in batches:
+            state, m = trainer.train_step(state, b)
+            losses.append(float(m["loss"]))
+        results.append((np.array(losses), trainer.host_tables.tables_by_name(state.tables)))
+    (l1, h1), (l8, h8) = results
+    np.testing.assert_allclose(l8, l1, rtol=1e-6)
+    for key in h1:
+        np.testing.assert_array_equal(h8[key]["keys"], h1[key]["keys"])
+        np.testing.assert_allclose(h8[key]["weights"], h1[key]["weights"], rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -364,6 +364,13 @@ class DeviceTableStore:
                 },
             }
         return jax.device_put(state, self.state_shardings())
+
+    def cache_rows(self, table: str) -> tuple[str, Callable[[np.ndarray], np.ndarray], int]:
+        """Where tiered `table`'s device cache lives: its stack, the stack rows of cache
+        rows, and the stack's rows (an out-of-bounds index, for padding)."""
+        stack = self.stacks[self.stack_of[table]]
+        offset = stack.offset_of(table)
+        return stack.name, lambda slots: (offset + slots).astype(np.int32), stack.rows
 
     # Names of the first release, kept for one more (the trainer and checkpoints use them).
     def tables_by_name(self, state: Mapping) -> dict:

@@ -23,7 +23,7 @@ trains exactly as the same table fully on the device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -714,7 +714,7 @@ class _Placement:
     """Where a tiered table's cache lives in its layer's stacked state."""
 
     stack: str
-    offset: int
+    rows: Callable[[np.ndarray], np.ndarray]  # cache slots -> stack rows
     stack_rows: int  # an exchange's padding index (out of bounds: dropped)
     capacity: int
     zero_default: bool
@@ -727,11 +727,8 @@ class _Layer:
         self.path, self.tables = path, tables
         self.place = {}
         for name, ht in tables.items():
-            stack = store.stacks[store.stack_of[name]]
             self.place[name] = _Placement(
-                stack.name,
-                stack.offset_of(name),
-                stack.rows,
+                *store.cache_rows(name),
                 ht.capacity,
                 ht.spec.dynamic is None or ht.spec.dynamic.default_row == "zeros",
             )
@@ -926,7 +923,7 @@ class HostTables:
             for t in names:  # each table's loads
                 load_slots, load_rows, old_rows = moves[t]
                 ht, p, k = layer.tables[t], layer.place[t], load_slots.shape[0]
-                index[at : at + k] = p.offset + load_slots
+                index[at : at + k] = p.rows(load_slots)
                 w, sl = ht.rows.gather(load_rows)
                 weights[at : at + k] = w
                 for name, v in sl.items():
@@ -937,7 +934,7 @@ class HostTables:
                 if resets[t]:
                     ht, p = layer.tables[t], layer.place[t]
                     dw, ds = ht.default_row()
-                    index[at] = p.offset + p.capacity
+                    index[at] = p.rows(np.array(p.capacity))
                     weights[at] = dw
                     for name, v in ds.items():
                         slots[name][at] = v
@@ -981,8 +978,8 @@ class HostTables:
                 slots = np.nonzero(ht.slot_row >= 0)[0]
                 rows, n = ht.slot_row[slots].astype(np.int64), slots.shape[0]
                 idx = np.full(_bucket(n + 1), p.stack_rows, np.int32)
-                idx[:n] = p.offset + slots
-                idx[n] = p.offset + p.capacity  # the default row
+                idx[:n] = p.rows(slots)
+                idx[n] = p.rows(np.array(p.capacity))  # the default row
                 w, s = jax.device_get(layer.gather(sub, {p.stack: idx}))[p.stack]
                 ht.rows.scatter(rows, w[:n], {k: v[:n] for k, v in s.items()})
                 if not p.zero_default:

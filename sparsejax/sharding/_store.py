@@ -26,7 +26,7 @@ Bytes per step grow with the batch, the features and the dim, never with the voc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +117,11 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
     model = int(mesh_shape.get("model", 1))
     for t in tables:
         p = "replicated" if t.placement == "device" else t.placement
+        if t.is_tiered and p == "column_wise":
+            raise ValueError(
+                f"table {t.name!r}: a dynamic or host-cached table cannot be column_wise "
+                f"(its host side moves whole rows)"
+            )
         if p == "column_wise":
             if t.dim % model:
                 raise ValueError(
@@ -134,11 +139,7 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
                 piece_spec = dataclasses.replace(t, dim=width, placement="table_wise")
                 out.append(("table_wise", Piece(piece_spec, t.name, k, k, 0, 1)))
             continue
-        if t.is_tiered:
-            raise ValueError(
-                f"table {t.name!r}: a dynamic or host-cached table is not placed on a mesh "
-                f"yet; give it placement 'device' (one device) or make it static"
-            )
+        t = t.device_view()  # a tiered table: its device cache (the host side fills it)
         out.append((p, Piece(t, t.name, None, 0, 0, 1)))
     return out
 
@@ -218,6 +219,9 @@ class ShardedTableStore:
             )
         self._specs = (tables, features)
         self.tables = {t.name: t for t in tables}
+        self.tiered_tables = {t.name: t for t in tables if t.is_tiered}
+        """Dynamic and host-cached tables: the state holds their device caches, which
+        `sparsejax.embedding.HostTables` fills (`cache_rows`)."""
         self.features = {f.name: f for f in features}
         self.implementation = implementation
         shape = dict(self.mesh.shape)
@@ -322,7 +326,7 @@ class ShardedTableStore:
         self.check_memory(name)
         tables = {}
         for src in sorted({p.source for p in st.pieces}):
-            spec = self.tables[src]
+            spec = self.tables[src].device_view()
             rows = np.empty((spec.vocab_size, spec.dim), jnp.dtype(spec.dtype))
             fill_table(key, spec, rows)
             tables[src] = {
@@ -361,9 +365,12 @@ class ShardedTableStore:
         return blocks.reshape(a.shape)
 
     def export_tables(self, state: Mapping) -> dict:
-        """`{table: {"weights": [V, D], "slots": {...}}}`, the layout-free form."""
+        """`{table: {"weights": [V, D], "slots": {...}}}`, the layout-free form (tiered
+        tables left out: their state is on the host, `HostTables.snapshot`)."""
         out = {}
         for src, pieces in self._pieces.items():
+            if src in self.tiered_tables:
+                continue
             parts = [
                 jax.tree.map(
                     lambda a, st=self.stacks[sn], p=p: self._piece_rows(st, p, a), state[sn]
@@ -402,9 +409,17 @@ class ShardedTableStore:
 
     def import_tables(self, tables: Mapping) -> dict:
         """Inverse of `export_tables`, placed on this store's mesh (any mesh saved them);
-        names a missing table or a mismatched shape or slot set."""
+        names a missing table or a mismatched shape or slot set. Tiered tables get an
+        empty device cache."""
         full = {}
         for src, spec in self.tables.items():
+            if src in self.tiered_tables:
+                view = spec.device_view()
+                full[src] = {
+                    "weights": np.zeros((view.vocab_size, view.dim), jnp.dtype(view.dtype)),
+                    "slots": view.optimizer.init_slots(view.vocab_size, view.dim),
+                }
+                continue
             if src not in tables:
                 raise KeyError(f"no saved state for table {src!r} (saved: {sorted(tables)})")
             tab = tables[src]
@@ -424,6 +439,23 @@ class ShardedTableStore:
         for name, st in self.stacks.items():
             out[name] = self._import_stack(name, {p.source: full[p.source] for p in st.pieces})
         return out
+
+    def cache_rows(self, table: str) -> tuple[str, Callable[[np.ndarray], np.ndarray], int]:
+        """Where tiered `table`'s device cache lives: its stack, the stack rows of cache
+        rows (slot `i` of a row-split cache lives on shard `i % S`), and the stack's rows
+        (an out-of-bounds index, for padding)."""
+        ((name, piece),) = self._pieces[table]
+        st = self.stacks[name]
+
+        def rows(slots: np.ndarray) -> np.ndarray:
+            shard, local = (
+                (piece.shard, slots)
+                if piece.stride == 1
+                else (slots % st.shards, slots // st.shards)
+            )
+            return (shard * st.rows_per_shard + piece.offset + local).astype(np.int32)
+
+        return name, rows, st.shards * st.rows_per_shard
 
     def tables_by_name(self, state: Mapping) -> dict:
         return self.export_tables(state)
@@ -445,8 +477,10 @@ class ShardedTableStore:
         if missing:
             raise KeyError(f"batch lacks features {sorted(missing)}")
         out = {}
-        for name in self.features:
+        for name, f in self.features.items():
             jag = features[name]
+            if f.table in self.tiered_tables:  # its own slot ids, if the batch has them
+                jag = features.get(f"{name}@{f.table}", jag)
             if jag.ids.shape[0] % self.num_devices:
                 raise ValueError(
                     f"feature {name!r}: {jag.ids.shape[0]} ids do not split over "

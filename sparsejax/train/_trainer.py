@@ -190,7 +190,10 @@ class Trainer:
         local, first = self._local_devices()
         specs = {}
         for store in self._layouts.values():
-            specs.update(getattr(store, "features", {}))
+            for f in store.features.values():
+                specs[f.name] = f
+                if f.table in getattr(store, "tiered_tables", {}):  # its slot ids, per table
+                    specs[f"{f.name}@{f.table}"] = f
         batch = shard_batch(
             batch,
             specs,
@@ -322,7 +325,12 @@ class Trainer:
         if any(getattr(store, "tiered_tables", {}) for store in layouts.values()):
             from ..embedding._tiered import HostTables
 
-            self.host_tables = HostTables(layouts)
+            if jax.process_count() > 1:
+                raise ValueError(
+                    "dynamic or host-cached tables train in one process (each process "
+                    "would map raw ids to rows on its own); run them on one host's devices"
+                )
+            self.host_tables = HostTables(self._stores())
             self.host_tables.init(layer_keys)
         return self.put_state(
             TrainState(
