@@ -2,10 +2,11 @@
 
 An embedding layer (functional or Flax) never touches table arrays itself: it asks a
 `TableStore` for the rows of a batch's ids, hands back the gradient of what it got, and
-exports or imports tables by name for checkpoints. Today's store is
-`DeviceTableStore` (stacked tables, replicated on a mesh); a dynamic (hash-keyed),
-host-cached or sharded store implements the same protocol and stands behind the same
-layers, models and trainer.
+exports or imports tables by name for checkpoints. Two stores implement it:
+`DeviceTableStore` (stacked tables, whole on every device of a mesh) and
+`sparsejax.sharding.ShardedTableStore` (tables placed on a ("data", "model") mesh);
+both hold dynamic and host-cached tables as device caches that
+`sparsejax.embedding.HostTables` fills.
 """
 
 from __future__ import annotations
