@@ -445,7 +445,9 @@ class ShardingConfig:
     """Devices the run trains on, all processes together (the same number from each).
     null: every device; on CPU, one device per process (several CPU devices of one
     process, e.g. from XLA_FLAGS=--xla_force_host_platform_device_count, share one
-    memory and one set of cores, so they are used only when asked for)."""
+    memory and one set of cores, so they are used only when asked for), unless
+    `sparsejax launch --devices-per-process K` (SPARSEJAX_LOCAL_DEVICES) gives each
+    process K."""
     model: int | None = None
     """Size of the mesh's "model" axis, the devices a table-wise, column-wise or
     table-row-wise table is spread over ("data" is the rest); null: the run's devices
