@@ -368,9 +368,12 @@ def _model(cfg):
     return configure_model(cfg, runner.build_model(cfg, data.tables, data.features))
 
 
-def test_a_cpu_run_takes_one_device_unless_told_and_plans_when_it_has_more():
+def test_a_cpu_run_takes_one_device_unless_told_and_plans_when_it_has_more(monkeypatch):
     cfg = _cfg()
     assert len(run_devices(cfg)) == 1  # the 8 fake CPU devices share one memory
+    monkeypatch.setenv("SPARSEJAX_LOCAL_DEVICES", "8")  # launch --devices-per-process 8
+    assert len(run_devices(cfg)) == 8
+    monkeypatch.delenv("SPARSEJAX_LOCAL_DEVICES")
     model = _model(cfg)
     assert shard_model(cfg, model) == (model, None)  # unchanged: placement "device"
     logged = []

@@ -4,12 +4,14 @@ the start of a run, printed through the run's log) and `sparsejax plan CONFIG` (
 training, for this machine or for a mesh described by its size).
 
 A run shards its tables when it has more than one device (`sharding.devices`; on CPU,
-one device per process unless set) or a table is pinned (`tables.<name>.placement`);
-otherwise every table keeps the single-device store (placement "device").
+one device per process unless set or given by `sparsejax launch --devices-per-process`)
+or a table is pinned (`tables.<name>.placement`); otherwise every table keeps the
+single-device store (placement "device").
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -17,6 +19,7 @@ import jax
 from ..embedding import FeatureSpec
 from ..embedding._memory import available_memory
 from ..nn._models import DeepFM, WideAndDeep, linear_specs
+from ..sharding._distributed import ENV_LOCAL_DEVICES
 from ..sharding._placement import make_mesh
 from ..sharding._planner import Plan, TableShape, plan_tables
 from ._build import _with_dim, apply_tables, build_data, build_model, parse_bytes, resolve_table
@@ -31,15 +34,16 @@ _INT32_ROWS = 2**31 - 2
 def run_devices(cfg: RunConfig) -> list[jax.Device]:
     """The devices a run of `cfg` trains on, in process order: `sharding.devices` of
     them (the same number from each process), else every device, except on CPU one per
-    process (CPU devices of one process share its memory and cores)."""
+    process (CPU devices of one process share its memory and cores) unless
+    `SPARSEJAX_LOCAL_DEVICES` (`sparsejax launch --devices-per-process`) asked for them."""
     by_process: dict[int, list] = {}
     for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
         by_process.setdefault(d.process_index, []).append(d)
     procs = len(by_process)
     want = cfg.sharding.devices
     if want is None:
-        cpu = jax.devices()[0].platform == "cpu"
-        return [d for ds in by_process.values() for d in (ds[:1] if cpu else ds)]
+        one = jax.devices()[0].platform == "cpu" and not os.environ.get(ENV_LOCAL_DEVICES)
+        return [d for ds in by_process.values() for d in (ds[:1] if one else ds)]
     have = min(len(ds) for ds in by_process.values())
     if want % procs or want // procs > have:
         raise ConfigError(
