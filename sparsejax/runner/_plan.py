@@ -187,20 +187,22 @@ def plan_config(
     `devices_per_host`, or (neither) the devices a run of `cfg` takes on this machine;
     "model" of `sharding.model`, default the devices of one host. `device_memory`
     (bytes or "80GB") overrides `sharding.device_memory`; unset, the memory is measured
-    on this machine's devices. Builds the specs and the model only: no table is
-    allocated, no batch made (file data is read for its vocabularies)."""
+    on the run's devices here (a mesh given by its size: on one device of this
+    machine). Builds the specs and the model only: no table is allocated, no batch
+    made (file data is read for its vocabularies)."""
     from ._knobs import configure_model
 
     if devices is not None and (hosts is not None or devices_per_host is not None):
         raise ConfigError("plan: give devices, or hosts with devices_per_host, not both")
     if (hosts is None) != (devices_per_host is None):
         raise ConfigError("plan: hosts and devices_per_host go together")
-    local = run_devices(cfg)
+    local = jax.local_devices()[:1]  # a mesh described by its size: measured on one
     if devices is not None:
         hosts, per_host = 1, devices
     elif hosts is not None:
         per_host = devices_per_host
     else:
+        local = run_devices(cfg)
         hosts = jax.process_count()
         per_host = len(local) // hosts
     n = hosts * per_host
