@@ -47,8 +47,7 @@ def make_mesh(model: int | None = None, devices=None) -> Mesh:
         model = jax.local_device_count() if n % jax.local_device_count() == 0 else n
     if not isinstance(model, int) or model < 1 or n % model:
         raise ValueError(
-            f"make_mesh: the model axis ({model!r}) must be a positive divisor of the "
-            f"{n} devices"
+            f"make_mesh: the model axis ({model!r}) must be a positive divisor of the {n} devices"
         )
     devices.sort(key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(devices).reshape(n // model, model), AXES)
