@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from ..embedding import FeatureSpec
 from ..embedding._memory import available_memory
@@ -84,19 +85,28 @@ def model_tables(model) -> tuple[list, list, dict[str, str]]:
 
 def memory_per_device(cfg: RunConfig, devices: Sequence[jax.Device], given=None) -> int:
     """Bytes of one device for the plan: `given` (e.g. "80GB", from `--device-memory`),
-    else `sharding.device_memory`, else measured on `devices` (their least free memory;
-    CPU: the host's available memory shared among them)."""
+    else `sharding.device_memory`, else measured: the least free memory of this
+    process's `devices` (CPU: the host's available memory shared among them), the least
+    over all processes (every process must make the same plan)."""
     if given is not None:
         return parse_bytes(given, "--device-memory")
     if cfg.sharding.device_memory is not None:
         return parse_bytes(cfg.sharding.device_memory, "sharding.device_memory")
-    measured = available_memory(list(devices))
-    if measured is None:
+    mine = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    measured = available_memory(mine)
+    value = -1 if measured is None else int(measured[0])
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        kib = np.int32(-1 if value < 0 else min(value >> 10, 2**31 - 1))  # int32: no x64
+        values = np.asarray(multihost_utils.process_allgather(kib))
+        value = -1 if (values < 0).any() else int(values.min()) << 10
+    if value < 0:
         raise ConfigError(
             "sharding.device_memory: the devices do not report their memory; set it, "
             "e.g. sharding.device_memory=80GB"
         )
-    return int(measured[0])
+    return value
 
 
 def plan_model(
