@@ -136,15 +136,13 @@ def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
     pinned = pinned_placements(cfg, [t.name for t in model.tables])
     if len(devices) <= 1 and not pinned:
         return model, None
-    tiered = sorted(t.name for t in model.tables if t.is_tiered)
-    if tiered and not pinned and cfg.sharding.devices is None:
-        # until the sharded store places them: a tiered run keeps its one device
-        log(
-            f"sharding: one device of {len(devices)}: tables {tiered} are dynamic or "
-            f"host-cached, which are not placed on a mesh yet"
-        )
-        return model, None
     procs = jax.process_count()
+    tiered = sorted(t.name for t in model.tables if t.is_tiered)
+    if tiered and procs > 1:
+        raise ConfigError(
+            f"tables {tiered} are dynamic or host-cached: they train in one process (each "
+            f"process would map raw ids to rows on its own); run them on one host's devices"
+        )
     size = cfg.sharding.model or len(devices) // procs
     if len(devices) % size:
         raise ConfigError(f"sharding.model={size} does not divide the run's {len(devices)} devices")

@@ -345,6 +345,8 @@ class _Group:
         model = int(mesh_shape.get("model", 1))
         if placement == "column_wise":
             for s in self.specs:
+                if s.is_tiered:
+                    return f"table {s.name!r} is dynamic or host-cached: its rows move whole"
                 if s.dim % model:
                     return (
                         f"column_wise splits dim {s.dim} of table {s.name!r} over the "
