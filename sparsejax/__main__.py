@@ -333,8 +333,19 @@ def main(argv: list[str] | None = None) -> int:
         print("sparsejax: interrupted", file=sys.stderr)
         return _exit_now_if_many(130)
     except Exception as e:
+        who = _process_of_many()
+        if who is not None and _lost_peer(e) and os.environ.get("SPARSEJAX_TRACEBACK") != "1":
+            where = _log_traceback(e, getattr(args, "run_dir", None))
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            print(
+                f"sparsejax: process {who}: error: a collective with the other processes "
+                f"failed (one of them probably ended; see its output): {first.strip()}"
+                + (f" (traceback in {where})" if where else ""),
+                file=sys.stderr,
+            )
+            return _exit_now_if_many(1)
         if not _is_user_error(e) or os.environ.get("SPARSEJAX_TRACEBACK") == "1":
-            if _process_of_many() is None:
+            if who is None:
                 raise
             traceback.print_exc()
             return _exit_now_if_many(1)
@@ -343,10 +354,17 @@ def main(argv: list[str] | None = None) -> int:
         kind = "config error" if type(e) is ConfigError else "error"
         where = _log_traceback(e, getattr(args, "run_dir", None))
         detail = f" (traceback in {where})" if where else ""
-        who = _process_of_many()
         who = "" if who is None else f"process {who}: "
         print(f"sparsejax: {who}{kind}: {' '.join(str(e).split())}{detail}", file=sys.stderr)
         return _exit_now_if_many(2)
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """A JAX runtime error of a multi-process job: a collective or the coordination
+    service failed, usually because another process ended."""
+    import jax
+
+    return isinstance(e, jax.errors.JaxRuntimeError)
 
 
 def _process_of_many() -> int | None:

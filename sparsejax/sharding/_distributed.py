@@ -168,6 +168,9 @@ def initialize_from_env(env: dict | None = None) -> bool:
         _INITIALIZED = pe
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service catches SIGTERM (as a preemption notice); sparsejax does
+    # not use it, and a launcher's SIGTERM must end the process
+    jax.config.update("jax_enable_preemption_service", False)
     kw: dict = dict(
         initialization_timeout=_seconds(environ, "SPARSEJAX_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT),
         heartbeat_timeout_seconds=_seconds(

@@ -9,12 +9,13 @@ launcher's (the progress bar, the final line); the output of process i > 0 is ap
 to `RUN/launch/p<i>.log` (a header line per launch, with its pid).
 
 The launcher watches its children. When one exits with a non-zero status or is killed,
-it stops the others (SIGTERM, then SIGKILL after `grace` seconds) and returns a
-non-zero status with one line naming the process, how it ended and where its output
-is. With `timeout`, it does the same when the processes run longer. Ctrl-C (or SIGTERM
-to the launcher) stops them all. Children also get SIGTERM if the launcher itself dies
-(Linux `PR_SET_PDEATHSIG`), so no process outlives it. Status 0 only when every
-process exits 0.
+it gives the others `linger` seconds to end on their own, stops those still running
+(SIGTERM, then SIGKILL after `grace` seconds) and returns a non-zero status with one
+line naming the process, how it ended and where its output is (with the last line of
+that output when it exited with a status: its error). With `timeout`, it stops them all
+when they run longer. Ctrl-C (or SIGTERM to the launcher) stops them all. Children
+also get SIGTERM if the launcher itself dies (Linux `PR_SET_PDEATHSIG`), so no process
+outlives it. Status 0 only when every process exits 0.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def launch(
     devices_per_process: int | None = None,
     timeout: float | None = None,
     grace: float = 10.0,
+    linger: float = 5.0,
     python: str = sys.executable,
     say: Callable[[str], None] | None = None,
     poll: float = 0.1,
@@ -160,6 +162,8 @@ def launch(
       devices_per_process: CPU devices per process (`SPARSEJAX_LOCAL_DEVICES`).
       timeout: seconds after which every process is stopped (None: no limit).
       grace: seconds between SIGTERM and SIGKILL when stopping them.
+      linger: seconds the others get to end on their own after one fails (they
+        usually fail in the same collective and say why) before they are stopped.
       say: where the launcher's own lines go (default: stderr).
 
     Returns:
@@ -215,7 +219,7 @@ def launch(
             if out is not None:
                 out.write(f"=== pid {procs[-1].pid}\n".encode())
                 out.flush()
-        return _watch(procs, logs, timeout=timeout, grace=grace, say=say, poll=poll)
+        return _watch(procs, logs, timeout=timeout, grace=grace, linger=linger, say=say, poll=poll)
     except (KeyboardInterrupt, _Stop) as e:
         _stop(procs, grace)
         say(
@@ -238,7 +242,7 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _watch(procs, logs, *, timeout, grace, say, poll) -> int:
+def _watch(procs, logs, *, timeout, grace, linger, say, poll) -> int:
     n = len(procs)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -258,13 +262,16 @@ def _watch(procs, logs, *, timeout, grace, say, poll) -> int:
             )
             return 124
         time.sleep(poll)
+    end = time.monotonic() + linger  # the others often fail the same way: let them say so
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
+        time.sleep(poll)
     running = [j for j, p in enumerate(procs) if p.poll() is None]
     _stop(procs, grace)
     if i == 0:
         where = "its output is above"
     else:
         where = f"log {logs[i]}"
-        last = _last_line(logs[i])
+        last = _last_line(logs[i]) if code > 0 else None  # its error line
         if last:
             where += f": {last}"
     stopped = (
