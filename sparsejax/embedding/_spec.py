@@ -324,7 +324,8 @@ class TableSpec:
         if self.device_rows >= limit:
             raise ValueError(
                 f"{owner}: {self.device_rows} device rows exceed the int32 row "
-                f"ids of the kernels (< {limit}); use a host cache or shard the table"
+                f"ids of the batches and kernels (< {limit}); key it by raw 64-bit ids "
+                f"(dynamic=DynamicVocab(...)) with a device cache"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"{owner}: `dtype` must be one of {DTYPES}, got {self.dtype!r}")
