@@ -1290,6 +1290,12 @@ def _build_events(cfg: RunConfig, table_kw: dict) -> DataBundle:
     train examples (positives and sampled negatives with their histories), eval and test
     candidate sets; tables user and item, the history reading the item table."""
     d = cfg.data
+    _, count, _ = process_share()
+    if count > 1:  # score_candidates reads whole eval outputs on the host
+        raise ConfigError(
+            f"data.kind='events' (HR@k/NDCG@k over candidate sets) trains in one process, "
+            f"not {count}; use sparsejax train"
+        )
     key = "data.train" if d.train is not None else "data.path"
     source = d.train if d.train is not None else d.path
     if source is None:

@@ -425,6 +425,13 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
     with the traceback of an error that ends the run (its path in the exception's
     `run_log` attribute).
 
+    In many processes (`sparsejax launch`, `jax.distributed`) every process calls this
+    with the same config: process 0 locks and checks the run directory and writes its
+    files (run.json, config.yaml, run.log, metrics.jsonl, summary.json, curves.png, the
+    console), then tells the others whether the run starts (they raise its error when
+    it does not); every process builds the same run, feeds its share of each global
+    batch and takes part in every checkpoint save.
+
     Returns the summary (final eval metrics, steps, throughput). Raises
     `NonFiniteLossError` naming the step when the loss becomes NaN/inf; the run
     directory keeps the last good checkpoint. `RunLockedError` when another process
