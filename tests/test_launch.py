@@ -77,10 +77,18 @@ def _losses(run_dir) -> dict[int, float]:
 
 def test_two_processes_train_one_run_with_the_losses_of_one(tmp_path):
     config = _config(tmp_path)
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "sparsejax", "launch", "-n", "2", "--devices-per-process", "2"]
+        + [config, "name=two"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     one = tmp_path / "runs" / "one"
-    assert main(["train", config, "name=one"]) == 0  # in this process: the reference
-    out = _sparsejax("launch", "-n", "2", "--devices-per-process", "2", config, "name=two")
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert main(["train", config, "name=one"]) == 0  # the reference, in this process meanwhile
+    _, err = launch.communicate(timeout=120)
+    assert launch.returncode == 0, err[-3000:]
     two = tmp_path / "runs" / "two"
     # one run directory, written by process 0 alone
     assert {"config.yaml", "run.json", "metrics.jsonl", "summary.json", "checkpoints"} <= set(
