@@ -141,6 +141,15 @@ def test_a_dead_process_stops_the_launch_with_one_line(tmp_path):
     assert str(log) in last and "stopped process 0" in last
 
 
+def test_launch_timeout_stops_every_process(tmp_path):
+    t0 = time.monotonic()
+    out = _sparsejax("launch", "-n", "2", "--timeout", "1", _config(tmp_path, steps=100_000))
+    assert out.returncode == 124 and time.monotonic() - t0 < 60
+    assert out.stderr.strip().splitlines()[-1] == (
+        "sparsejax launch: the 2 processes ran past --timeout 1 s; stopped them all"
+    )
+
+
 def test_a_second_launch_on_a_running_run_directory_is_refused(tmp_path):
     """Process 0 finds the run directory locked and says so; process 1 learns it from
     process 0 and exits with the same message instead of waiting."""
