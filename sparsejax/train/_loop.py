@@ -165,7 +165,8 @@ def fit(
         if t_start is None:
             jax.block_until_ready(metrics["loss"])
             t_start = time.perf_counter()  # compilation excluded from throughput
-            batch_size = batch.batch_size
+            # many processes: each feeds its share (B / P), the rate is the job's
+            batch_size = batch.batch_size * jax.process_count()
         else:
             timed += 1
         stop = any([h.after_step(step, state, metrics) for h in hooks])  # every hook sees it
