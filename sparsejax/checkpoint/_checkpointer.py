@@ -11,6 +11,10 @@ unreadable one out of the way of the next save of its step. Every message is one
 `restore_tables` reads the tables alone, from the layouts alone: serving needs no
 trainer and no optimizer state.
 
+Resharding: a checkpoint restores on any mesh and any placements (8 devices to 2, to 1,
+and back). Each table is read whole, replicated on the layouts' mesh, and the layer's
+store places it (`import_tables`); the shardings it was saved with are not read.
+
 Tiered tables (dynamic keys or a host cache; `host_tables=`) are not in the orbax items
 (their store's `export_tables` leaves them out: their device state is a cache). Their
 rows, slots and metadata are the host side's `TableSnapshot`s, written beside the orbax
@@ -31,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from . import _host_tables
@@ -157,8 +162,24 @@ class Checkpointer:
             for p, store in self.layouts.items()
         }
 
-    def _split(self, state) -> tuple[dict, dict]:
-        """(tables by name, every other field) of `state`."""
+    def _table_shapes(self) -> dict:
+        """Every layer's tables by name as abstract arrays replicated on the layer's mesh:
+        what a restore reads (whichever mesh saved them: a checkpoint holds each table
+        whole) and `import_tables` then places as the layer's store places them."""
+
+        def on_mesh(store):
+            everywhere = NamedSharding(store.mesh, PartitionSpec())
+            return lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=everywhere)
+
+        return {
+            layer_key(p): jax.tree.map(
+                on_mesh(store), jax.eval_shape(store.export_tables, store.abstract_state())
+            )
+            for p, store in self.layouts.items()
+        }
+
+    def _rest(self, state) -> dict:
+        """Every field of `state` but its tables (which the layouts must cover)."""
         bad = uncovered_layer(self.layouts, state.tables)
         if bad is not None:
             raise CheckpointError(
@@ -166,10 +187,9 @@ class Checkpointer:
                 f"has no layout for (layouts: {sorted(map(layer_key, self.layouts))}); build "
                 f"it with embedding_layouts(model, batch)"
             )
-        rest = {
+        return {
             f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "tables"
         }
-        return tables_by_name(self.layouts, state.tables), rest
 
     def save(self, state, *, data_position: Any = None, extra: Mapping | None = None) -> int:
         """Write a checkpoint at `state.step` and wait until it is on disk.
@@ -185,7 +205,8 @@ class Checkpointer:
           StepAlreadyExistsError (a ValueError): a checkpoint of this step exists.
         """
         step = int(state.step)
-        tables, rest = self._split(state)
+        rest = self._rest(state)
+        tables = tables_by_name(self.layouts, state.tables)
         bad = _first_non_finite({"tables": tables, **rest})
         if bad is not None:
             raise NonFiniteStateError(
@@ -363,6 +384,12 @@ class Checkpointer:
     def restore(self, template, step: int | None = None) -> tuple[Any, dict]:
         """State at `step` (default: latest) shaped like `template`, and its JSON record.
 
+        The checkpoint may come from any mesh: its tables are stored whole, by name, and
+        are placed as this checkpointer's layouts place them (`import_tables`); the other
+        fields take `template`'s shardings. `template` may be abstract (e.g.
+        `jax.ShapeDtypeStruct`s with shardings): only its structure, shapes, dtypes and
+        shardings are read.
+
         With `host_tables`, the host tables' chain of `step` is read (checksums
         verified) and handed to `host_tables.restore` once everything else read.
 
@@ -371,8 +398,10 @@ class Checkpointer:
             save, or unreadable files (naming the step and the other checkpoints; a
             corrupt or missing host-table file names the file).
         """
-        tables, rest = self._split(template)
-        step, got, meta, chain = self._read(step, tables=_abstract(tables), state=_abstract(rest))
+        rest = self._rest(template)
+        step, got, meta, chain = self._read(
+            step, tables=self._table_shapes(), state=_abstract(rest)
+        )
         state = dataclasses.replace(
             template, tables=stack_tables(self.layouts, got["tables"]), **got["state"]
         )
@@ -444,11 +473,7 @@ class Checkpointer:
         Tiered tables: their device state comes back as an empty cache, and their rows
         go to `host_tables.restore` (the checkpointer needs `host_tables`: a serving
         process builds the host side too; `read_host_chain` reads the chain alone)."""
-        shapes = {
-            layer_key(p): jax.eval_shape(store.export_tables, store.abstract_state())
-            for p, store in self.layouts.items()
-        }
-        step, got, meta, chain = self._read(step, tables=shapes)
+        step, got, meta, chain = self._read(step, tables=self._table_shapes())
         tables = stack_tables(self.layouts, got["tables"])
         self._restore_host(step, chain)
         return tables, meta
@@ -478,3 +503,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

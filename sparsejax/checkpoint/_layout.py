@@ -10,6 +10,7 @@ a restore).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import flax.linen as nn
@@ -57,11 +58,17 @@ def _subtree(tables: Mapping, path: tuple[str, ...]):
     return node
 
 
+@functools.lru_cache(maxsize=64)
+def _export(store: TableStore):
+    """`store.export_tables`, jitted once per store (one compile instead of one per
+    slice and reshape of every table; the values are the same)."""
+    return jax.jit(store.export_tables)
+
+
 def tables_by_name(layouts: Layouts, tables: Mapping) -> dict:
     """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection."""
     return {
-        layer_key(path): store.export_tables(_subtree(tables, path))
-        for path, store in layouts.items()
+        layer_key(path): _export(store)(_subtree(tables, path)) for path, store in layouts.items()
     }
 
 

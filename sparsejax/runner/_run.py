@@ -53,16 +53,21 @@ RESUMABLE_KEYS = (
     "checkpoint_full_every",
     "progress",
     "data.prefetch",
+    "sharding.devices",
+    "sharding.model",
+    "sharding.device_memory",
 )
 """Keys that may change between runs of one run directory: the run resumes with the new
-values (and `run.json` records the change). Any other change is refused."""
+values (and `run.json` records the change). Any other change is refused. The `sharding`
+keys are among them: a checkpoint stores every table by name, whole, so it restores on
+any mesh (a resharding restore)."""
 
-RESUMABLE_TABLE_KEYS = ("cache_rows", "cache_policy", "ram_bytes", "disk_dir")
+RESUMABLE_TABLE_KEYS = ("cache_rows", "cache_policy", "ram_bytes", "disk_dir", "placement")
 """Keys of a `tables.<name>` entry that may change on resume too: how many rows of a
-tiered table the device caches and where its host rows live (the training math is the
-same; a checkpoint of a tiered table restores at any cache size). `cache_rows` only from
-one size to another: turning a table's cache on or off changes what its checkpoint
-holds."""
+tiered table the device caches and where its host rows live, and where a table's rows
+live on the mesh (the training math is the same; a checkpoint of a tiered table restores
+at any cache size, any table at any placement). `cache_rows` only from one size to
+another: turning a table's cache on or off changes what its checkpoint holds."""
 
 _WHERE_KEYS = ("name", "out_dir", "resume")  # where a run lives and whether to go on
 
@@ -776,7 +781,9 @@ def config_reference() -> str:
             "`tables.<name>` entry "
             + ", ".join(f"`{k}`" for k in RESUMABLE_TABLE_KEYS)
             + " (`cache_rows` from one size to another: the device cache of a tiered "
-            "table; its checkpoint restores at any cache size).",
+            "table; its checkpoint restores at any cache size). The `sharding` keys and "
+            "`placement` move a run to another mesh: a checkpoint holds every table whole, "
+            "by name, and restores on any mesh (a resharding restore).",
         ]
     )
     return schema_reference(RunConfig, intro=intro)

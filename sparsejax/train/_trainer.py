@@ -410,7 +410,9 @@ class Trainer:
         calibration for "binary", recall@k for "retrieval" (in-batch)."""
         outs, labels, masks, losses, recalls = [], [], [], [], {k: [] for k in recall_k}
         for batch in batches:
-            if self.shards_batch:  # this process's share -> the global batch
+            # this process's share -> the global batch (tiered tables: eval_step maps the
+            # raw ids to cache slots first, then places the batch; they run in one process)
+            if self.shards_batch and self.host_tables is None:
                 batch = self.put_batch(batch)
             out = _host(self.eval_step(state, batch))
             batch = jax.tree.map(_host, batch)
