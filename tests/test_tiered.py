@@ -243,6 +243,19 @@ def test_full_and_incremental_snapshots_continue_bit_identically_at_any_cache_si
                 np.testing.assert_array_equal(a[key]["slots"][k], b[key]["slots"][k])
 
 
+def test_a_cached_static_table_restores_and_continues_bit_identically():
+    opt = RowWiseAdagrad(learning_rate=0.3)
+    batches = _batches(60, seed=4)
+    tables = _tables(opt, user={"vocab_size": 500, "cache": HostCache(rows=24)})
+    t_ref, s_ref, l_ref = _train(tables, batches)
+    t, s, _ = _train(tables, batches[:30])
+    full = t.host_tables.snapshot(s.tables, incremental=False)
+    t2, s2, l2 = _restart(t, jax.device_get(s), tables, [full], batches[30:])
+    np.testing.assert_array_equal(l2, l_ref[30:])
+    a, b = _host(t_ref, s_ref)["embedding/user"], _host(t2, s2)["embedding/user"]
+    np.testing.assert_array_equal(a["weights"], b["weights"])
+
+
 def test_device_memory_stays_at_the_cache_while_the_vocabulary_grows_tenfold():
     opt = SGD(learning_rate=0.1)
     keys = np.arange(10_000, dtype=np.int64) * 7919 + 3

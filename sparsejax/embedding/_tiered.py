@@ -637,6 +637,8 @@ class HostTable:
     def restore(self, chain: list[TableSnapshot]) -> None:
         """Rebuild from a full snapshot and its deltas (in order); the cache starts empty."""
         self.__init__(self.spec, self.features, key=self.key)
+        if not self.dynamic:  # every row of a static table is in the full save
+            self.rows.ensure(self.spec.vocab_size)
         first = chain[0]
         if first.kind != "full":
             raise ValueError(f"table {self.spec.name!r}: a restore chain starts with a full save")
