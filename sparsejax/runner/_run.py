@@ -318,7 +318,7 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
             "the eval split is empty: every run evaluates (during training and at the end);"
             " give data.eval files or a split with eval rows"
         )
-    model, trainer = build_trainer(cfg, data)  # training knobs: runner/_knobs.py
+    model, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
     first = first_train_batch(data)
     state = trainer.init(jax.random.key(cfg.seed), first)  # makes trainer.host_tables
     ckpt = Checkpointer(
