@@ -668,7 +668,7 @@ def evaluate_run(
                 else ""
             )
         )
-    model, trainer = build_trainer(cfg, data)  # training knobs: runner/_knobs.py
+    model, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
     example = batches[0]
     template = trainer.init(jax.random.key(cfg.seed), example)
     where = best_dir if step == "best" else os.path.join(run_dir, "checkpoints")
