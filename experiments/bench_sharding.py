@@ -34,12 +34,14 @@ the same loss, the dense autodiff gradient and an SGD update: XLA's own partitio
 Check (the issue's Must reach): for row_wise and table_wise the HLO bytes are equal at
 every vocabulary size; exit status 1 otherwise.
 
+Each cell runs in a fresh process (memory freed by one cell is not always returned to
+the system, and no cell inherits another's caches); `--in-process` runs them all here.
 Cells whose compiled step would not fit in the free memory (XLA's own memory analysis,
 times 8 devices, against MemAvailable less --mem-reserve GiB) are compiled and counted but
 not timed ("skipped" with the need).
 
     PYTHONPATH=. python experiments/bench_sharding.py
-    PYTHONPATH=. python experiments/bench_sharding.py --quick      # smoke run, seconds
+    PYTHONPATH=. python experiments/bench_sharding.py --quick      # smoke run, < 1 min
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -253,6 +258,7 @@ def formula_bytes(store: ShardedTableStore, batch: int) -> int | None:
         from sparsejax.sharding._planner import comm_bytes
     except ImportError:
         return None
+    with_id_bytes = "id_bytes" in inspect.signature(comm_bytes).parameters  # else 12 B/id
     n = store.num_devices
     coef = {
         e.piece.source for g in store.groups.values() if g.needs_coefficients for e in g.entries
@@ -266,7 +272,7 @@ def formula_bytes(store: ShardedTableStore, batch: int) -> int | None:
             bags=sum(batch // n * f.bags_per_example() for f in feats),
             dim=t.dim,
             mesh_shape=dict(store.mesh.shape),
-            id_bytes=12 if t.name in coef else 8,
+            **({"id_bytes": 12 if t.name in coef else 8} if with_id_bytes else {}),
         )
         total += c["forward"] + c["backward"]
     return total
@@ -384,7 +390,7 @@ def finish(args, compiled, init, inputs, formula) -> dict:
     elif ok:
         ms = time_steps(compiled, init(), inputs, args.steps, args.reps, args.warmup)
     else:
-        note = f"not timed: needs {fmt_bytes(need)}"
+        note = f"not timed: needs {fmt_bytes(need)} of {fmt_bytes(mem_available())} free"
     gc.collect()
     return {"formula": formula, "hlo": hlo, "breakdown": breakdown, "ms": ms, "note": note}
 
@@ -410,6 +416,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-reserve", type=float, default=4.0, help="GiB left free when timing")
     p.add_argument("--no-time", action="store_true", help="bytes only (compile, no steps)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-process", action="store_true", help="all cells in this process")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     args = p.parse_args(argv)
     if args.quick:
@@ -418,42 +425,68 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def measure(args: argparse.Namespace, log=print) -> list[dict]:
-    """One row per (vocabulary, placement or baseline), in that order."""
+def run_cell(args: argparse.Namespace, name: str, vocab: int) -> dict:
+    """One (placement or baseline, vocabulary) cell in this process."""
     if len(jax.devices()) < 8:
         raise SystemExit(f"needs 8 devices, jax sees {len(jax.devices())} (set XLA_FLAGS={_FLAG})")
     mesh = make_mesh(model=4, devices=jax.devices()[:8])
-    log(
-        f"# mesh {dict(mesh.shape)}, batch {args.batch}, {args.tables} tables x dim {args.dim}, "
-        f"1-{MAX_IDS} ids/bag, vocabs {args.vocabs}, implementation {args.implementation}, "
-        f"jax {jax.__version__}, MemAvailable {fmt_bytes(mem_available())}, "
-        f"load average {load_average()}"
+    raws = make_batches(
+        np.random.default_rng(args.seed), args.batches, args.batch, args.tables, vocab
     )
+    if name in BASELINES:
+        r = baseline_cell(args, mesh, BASELINES[name], vocab, raws)
+    else:
+        r = store_cell(args, mesh, name, vocab, raws)
+    r.update(placement=name, vocab=vocab)
+    return r
+
+
+def cell_subprocess(args: argparse.Namespace, name: str, vocab: int) -> dict:
+    """`run_cell` in a fresh process: every cell starts with the memory and caches of a
+    new process, whatever the cells before it allocated."""
+    spec = json.dumps({"args": vars(args), "name": name, "vocab": vocab})
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--cell", spec],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def measure(args: argparse.Namespace, log=print) -> list[dict]:
+    """One row per (vocabulary, placement or baseline), in that order; each cell in its
+    own process unless `--in-process`."""
+    log(
+        f"# mesh data=2 x model=4 (8 CPU devices), batch {args.batch}, {args.tables} tables x "
+        f"dim {args.dim}, 1-{MAX_IDS} ids/bag, vocabs {args.vocabs}, implementation "
+        f"{args.implementation}, jax {jax.__version__}, MemAvailable "
+        f"{fmt_bytes(mem_available())}, load average {load_average()}"
+    )
+    names = list(args.placements) + ([] if args.no_baseline else list(BASELINES))
     rows = []
     for vocab in args.vocabs:
-        raws = make_batches(
-            np.random.default_rng(args.seed), args.batches, args.batch, args.tables, vocab
-        )
-        cells = [(pl, None) for pl in args.placements]
-        if not args.no_baseline:
-            cells += list(BASELINES.items())
-        for name, spec in cells:
+        for name in names:
             t = time.perf_counter()
-            if spec is None:
-                r = store_cell(args, mesh, name, vocab, raws)
-            else:
-                r = baseline_cell(args, mesh, spec, vocab, raws)
-            r.update(placement=name, vocab=vocab)
+            run = run_cell if args.in_process else cell_subprocess
+            r = run(args, name, vocab)
             rows.append(r)
             log(
                 f"# {name} V={vocab}: HLO {fmt_bytes(r['hlo'])} ({r['breakdown']}), "
                 f"formula {fmt_bytes(r['formula'])}, {ms_text(r)} "
-                f"[{time.perf_counter() - t:.0f} s, load {load_average()}]"
+                f"[{time.perf_counter() - t:.0f} s, load {load_average()}, "
+                f"MemAvailable {fmt_bytes(mem_available())}]"
             )
     return rows
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--cell"]:  # a child of `cell_subprocess`
+        spec = json.loads(argv[1])
+        r = run_cell(argparse.Namespace(**spec["args"]), spec["name"], spec["vocab"])
+        print(json.dumps(r))
+        return 0
     rows = measure(parse_args(argv), log=lambda s: print(s, flush=True))
     print(table(rows))
     return check(rows)

@@ -50,7 +50,15 @@ def test_hlo_parser_counts_each_collective_once_by_its_full_buffer(bench):
 
 def test_quick_run_matches_the_planner_and_does_not_depend_on_the_vocabulary(bench):
     args = bench.parse_args(
-        ["--quick", "--placements", "row_wise", "table_wise", "--no-baseline", "--no-time"]
+        [
+            "--quick",
+            "--in-process",
+            "--placements",
+            "row_wise",
+            "table_wise",
+            "--no-baseline",
+            "--no-time",
+        ]
     )
     rows = bench.measure(args, log=lambda s: None)
     assert [(r["placement"], r["vocab"]) for r in rows] == [
