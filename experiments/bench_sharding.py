@@ -23,7 +23,9 @@ table, 100x apart):
     operands of a tuple collective). The bytes a device sends to itself are included,
     as in the formula. Collectives inside loops would be counted once; the script fails
     if any is found outside the entry computation;
-(c) ms per step: median of --reps timed runs of --steps steps each, after warm-up;
+(c) ms per step: median of --reps timed runs of --steps steps each, after --warmup
+    steps; with --rounds R, every cell runs R times (round after round, each in its own
+    process) and the median over the rounds is shown, (min-max) beside it;
 (d) ratios vs "replicated" at the same vocabulary.
 
 Baselines: plain `jax.jit` of `jnp.take` on the same tables stacked into one
@@ -416,6 +418,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-reserve", type=float, default=4.0, help="GiB left free when timing")
     p.add_argument("--no-time", action="store_true", help="bytes only (compile, no steps)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="runs of every cell (ms: median)")
     p.add_argument("--in-process", action="store_true", help="all cells in this process")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     args = p.parse_args(argv)
@@ -464,19 +467,32 @@ def measure(args: argparse.Namespace, log=print) -> list[dict]:
         f"{fmt_bytes(mem_available())}, load average {load_average()}"
     )
     names = list(args.placements) + ([] if args.no_baseline else list(BASELINES))
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for k in range(args.rounds):
+        for vocab in args.vocabs:
+            for name in names:
+                t = time.perf_counter()
+                run = run_cell if args.in_process else cell_subprocess
+                r = run(args, name, vocab)
+                runs.setdefault((name, vocab), []).append(r)
+                log(
+                    f"# round {k + 1}: {name} V={vocab}: HLO {fmt_bytes(r['hlo'])} "
+                    f"({r['breakdown']}), formula {fmt_bytes(r['formula'])}, {ms_text(r)} "
+                    f"[{time.perf_counter() - t:.0f} s, load {load_average()}, "
+                    f"MemAvailable {fmt_bytes(mem_available())}]"
+                )
     rows = []
-    for vocab in args.vocabs:
-        for name in names:
-            t = time.perf_counter()
-            run = run_cell if args.in_process else cell_subprocess
-            r = run(args, name, vocab)
-            rows.append(r)
-            log(
-                f"# {name} V={vocab}: HLO {fmt_bytes(r['hlo'])} ({r['breakdown']}), "
-                f"formula {fmt_bytes(r['formula'])}, {ms_text(r)} "
-                f"[{time.perf_counter() - t:.0f} s, load {load_average()}, "
-                f"MemAvailable {fmt_bytes(mem_available())}]"
-            )
+    for rs in runs.values():
+        if len({r["hlo"] for r in rs}) != 1:
+            raise RuntimeError(f"HLO bytes differ between rounds: {rs}")
+        ms = [r["ms"] for r in rs if r["ms"] is not None]
+        rows.append(
+            {
+                **rs[0],
+                "ms": statistics.median(ms) if ms else None,
+                "ms_range": (min(ms), max(ms)) if len(ms) > 1 else None,
+            }
+        )
     return rows
 
 
@@ -508,6 +524,8 @@ def table(rows: list[dict]) -> str:
         rb = f"{r['hlo'] / base['hlo']:.2f}x" if base and base["hlo"] else "-"
         rt = f"{r['ms'] / base['ms']:.2f}x" if base and base["ms"] and r["ms"] else "-"
         ms = f"{r['ms']:.1f}" if r["ms"] is not None else r["note"]
+        if r.get("ms_range"):
+            ms += " ({:.1f}-{:.1f})".format(*r["ms_range"])
         diff = "-" if r["formula"] is None else f"{r['hlo'] - r['formula']:+,}"
         lines.append(
             f"| {r['placement']} | {vocab_text(r['vocab'])} | {fmt_bytes(r['formula'])} "
