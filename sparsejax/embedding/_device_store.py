@@ -29,7 +29,7 @@ from ..ops.optimizers import SparseOptimizer
 from ._memory import available_memory, format_bytes
 from ._spec import FeatureSpec, TableSpec, check_specs
 from ._stacking import MAX_STACK_ROWS, Stack, plan_stacks
-from ._store import default_mesh
+from ._store import StoreBase, check_saved_table, default_mesh, stack_shapes
 
 MESH_AXES = ("data", "model")
 """Mesh axes the device store accepts: "data" (any size; the batch may be split along
@@ -125,7 +125,7 @@ def check_mesh(mesh: Mesh, owner: str = "DeviceTableStore") -> None:
             )
 
 
-class DeviceTableStore:
+class DeviceTableStore(StoreBase):
     """Looks up and sparsely updates a set of features over a set of tables, held in
     device memory as stacked arrays replicated on `mesh`. Implements `TableStore`.
 
@@ -181,15 +181,6 @@ class DeviceTableStore:
             for (stack, kind), fs in sorted(groups.items())
         }
 
-    def _key(self):
-        return (type(self), self._specs, self.mesh, self.implementation)
-
-    def __eq__(self, other):
-        return isinstance(other, DeviceTableStore) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
     def __repr__(self):
         return (
             f"{type(self).__name__}(stacks={list(self.stacks)}, mesh={dict(self.mesh.shape)}, "
@@ -204,41 +195,16 @@ class DeviceTableStore:
         )
 
     # ---- state ----------------------------------------------------------------------
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return tuple(self.stacks)
-
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def abstract_state(self) -> dict:
         """Shapes, dtypes and shardings of the state, without allocating."""
         r = self._replicated()
-        out = {}
-        for name, stack in self.stacks.items():
-            slots = {
-                s.name: jax.ShapeDtypeStruct(
-                    (stack.rows,) if s.per_row else (stack.rows, stack.dim),
-                    jnp.dtype(s.dtype),
-                    sharding=r,
-                )
-                for s in stack.optimizer.slots()
-            }
-            out[name] = {
-                "weights": jax.ShapeDtypeStruct(
-                    (stack.rows, stack.dim), jnp.dtype(stack.dtype), sharding=r
-                ),
-                "slots": slots,
-            }
-        return out
-
-    def abstract_tables(self) -> dict:
-        """`export_tables`' shapes and dtypes, without allocating (restore targets)."""
-        return jax.eval_shape(self.export_tables, self.abstract_state())
-
-    def state_shardings(self) -> dict:
-        """The `NamedSharding` of every state leaf (all replicated on the mesh)."""
-        return jax.tree.map(lambda s: s.sharding, self.abstract_state())
+        return {
+            name: stack_shapes(stack.rows, stack.dim, stack.dtype, stack.optimizer, lambda _: r)
+            for name, stack in self.stacks.items()
+        }
 
     def part_bytes(self, name: str) -> tuple[int, int]:
         """`(weights, optimizer slots)` bytes of stack `name` (one replica)."""
@@ -305,10 +271,6 @@ class DeviceTableStore:
         }
         return {"weights": jax.device_put(weights, r, may_alias=True), "slots": slots}
 
-    def init(self, key: jax.Array) -> dict:
-        """Fresh weights (each table from its own initializer) and optimizer slots."""
-        return {name: self.init_part(key, name) for name in self.stacks}
-
     def export_tables(self, state: Mapping) -> dict:
         """`{table: {"weights": [V, D], "slots": {...}}}`: the stacking-free form. Tiered
         tables are not in it: their state is on the host (`HostTables.snapshot`)."""
@@ -339,23 +301,9 @@ class DeviceTableStore:
                         }
                     )
                     continue
-                if t.name not in tables:
-                    raise KeyError(f"no saved state for table {t.name!r} (saved: {sorted(tables)})")
+                check_saved_table(t, tables.get(t.name), tables)
                 parts.append(tables[t.name])
-                w = parts[-1]["weights"]
-                if tuple(w.shape) != (t.vocab_size, t.dim):
-                    raise ValueError(
-                        f"table {t.name!r}: saved weights have shape "
-                        f"{tuple(w.shape)}, the spec says {(t.vocab_size, t.dim)}"
-                    )
             slot_names = [s.name for s in stack.optimizer.slots()]
-            for t, p in zip(stack.tables, parts, strict=True):
-                if sorted(p["slots"]) != sorted(slot_names):
-                    raise ValueError(
-                        f"table {t.name!r}: saved optimizer slots "
-                        f"{sorted(p['slots'])}, {type(stack.optimizer).__name__} "
-                        f"needs {slot_names}"
-                    )
             state[name] = {
                 "weights": jnp.concatenate([jnp.asarray(p["weights"], stack.dtype) for p in parts]),
                 "slots": {
@@ -371,15 +319,6 @@ class DeviceTableStore:
         stack = self.stacks[self.stack_of[table]]
         offset = stack.offset_of(table)
         return stack.name, lambda slots: (offset + slots).astype(np.int32), stack.rows
-
-    # Names of the first release, kept for one more (the trainer and checkpoints use them).
-    def tables_by_name(self, state: Mapping) -> dict:
-        """Old name of `export_tables`."""
-        return self.export_tables(state)
-
-    def state_from_tables(self, tables: Mapping) -> dict:
-        """Old name of `import_tables`."""
-        return self.import_tables(tables)
 
     def init_stack(self, key: jax.Array, stack_name: str) -> dict:
         """Old name of `init_part`."""

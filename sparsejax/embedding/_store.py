@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -109,6 +110,81 @@ class TableStore(Protocol):
     def import_tables(self, tables: Mapping) -> State: ...
 
     def with_mesh(self, mesh: Mesh) -> TableStore: ...
+
+
+class StoreBase:
+    """What both table stores share: identity from their specs, mesh and kernels
+    (`_specs`, `mesh`, `implementation`), the state's names (`stacks`) and shardings
+    (from `abstract_state`), `init` from `init_part`, and the first release's names."""
+
+    def _key(self):
+        return (type(self), self._specs, self.mesh, self.implementation)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(self.stacks)
+
+    def state_shardings(self) -> dict:
+        """The `NamedSharding` of every state leaf."""
+        return jax.tree.map(lambda s: s.sharding, self.abstract_state())
+
+    def abstract_tables(self) -> dict:
+        """`export_tables`' shapes and dtypes, without allocating (restore targets)."""
+        return jax.eval_shape(self.export_tables, self.abstract_state())
+
+    def init(self, key: jax.Array) -> dict:
+        """Fresh weights (each table from its own initializer) and optimizer slots."""
+        return {name: self.init_part(key, name) for name in self.stacks}
+
+    # Names of the first release, kept for one more (the trainer and checkpoints use them).
+    def tables_by_name(self, state: Mapping) -> dict:
+        """Old name of `export_tables`."""
+        return self.export_tables(state)
+
+    def state_from_tables(self, tables: Mapping) -> dict:
+        """Old name of `import_tables`."""
+        return self.import_tables(tables)
+
+
+def stack_shapes(rows: int, dim: int, dtype: str, optimizer, sharding) -> dict:
+    """`{"weights", "slots"}` of a stack of `rows` rows as `jax.ShapeDtypeStruct`s;
+    `sharding(ndim)` is the `NamedSharding` of a leaf of that rank."""
+    return {
+        "weights": jax.ShapeDtypeStruct((rows, dim), jnp.dtype(dtype), sharding=sharding(2)),
+        "slots": {
+            s.name: jax.ShapeDtypeStruct(
+                (rows,) if s.per_row else (rows, dim),
+                jnp.dtype(s.dtype),
+                sharding=sharding(1 if s.per_row else 2),
+            )
+            for s in optimizer.slots()
+        },
+    }
+
+
+def check_saved_table(spec: TableSpec, saved: Mapping | None, saved_names) -> None:
+    """Refuse, naming the table, a saved table that is missing or does not fit `spec`
+    (its weights' shape, its optimizer's slots)."""
+    if saved is None:
+        raise KeyError(f"no saved state for table {spec.name!r} (saved: {sorted(saved_names)})")
+    shape = tuple(saved["weights"].shape)
+    if shape != (spec.vocab_size, spec.dim):
+        raise ValueError(
+            f"table {spec.name!r}: saved weights have shape {shape}, the spec says "
+            f"{(spec.vocab_size, spec.dim)}"
+        )
+    want = sorted(s.name for s in spec.optimizer.slots())
+    if sorted(saved["slots"]) != want:
+        raise ValueError(
+            f"table {spec.name!r}: saved optimizer slots {sorted(saved['slots'])}, "
+            f"{type(spec.optimizer).__name__} needs {want}"
+        )
 
 
 def make_store(

@@ -56,12 +56,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from ..embedding._memory import format_bytes
-from ..embedding._spec import DynamicVocab, HostCache, uniform_init
+from ..embedding._spec import TableSpec
 from ..embedding._stacking import stack_name
-from ..ops.optimizers import RowWiseAdagrad, SparseOptimizer
 from ._placement import (
     AXES,
     PLACEMENTS,
@@ -89,35 +87,13 @@ class PlanError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TableShape:
-    """A table as the planner sees it: `TableSpec`'s fields without its checks, for
-    plans of tables larger than one device's int32 row ids (`vocab_size` >= 2**31,
-    planned row-wise over many devices). `table_device_bytes` and `Plan.apply` treat it
-    like a `TableSpec`; it cannot be trained."""
+class TableShape(TableSpec):
+    """A table as the planner sees it: a `TableSpec` without its checks, for plans of
+    tables larger than the int32 row ids of batches and kernels (`vocab_size` >= 2**31,
+    planned row-wise over many devices). It cannot be trained."""
 
-    name: str
-    vocab_size: int | None = None
-    dim: int
-    dtype: str = "float32"
-    initializer: Any = dataclasses.field(default_factory=uniform_init)
-    optimizer: SparseOptimizer = dataclasses.field(
-        default_factory=lambda: RowWiseAdagrad(learning_rate=0.01)
-    )
-    placement: str = "device"
-    dynamic: DynamicVocab | None = None
-    cache: HostCache | None = None
-
-    @property
-    def is_tiered(self) -> bool:
-        return self.dynamic is not None or self.cache is not None
-
-    @property
-    def device_rows(self) -> int:
-        if self.cache is not None:
-            return self.cache.rows
-        if self.dynamic is not None:
-            return self.dynamic.max_rows
-        return self.vocab_size
+    def __post_init__(self):
+        pass
 
 
 def comm_bytes(

@@ -39,6 +39,7 @@ from ..embedding._device_store import GroupLookups, apply_group_gradients, fill_
 from ..embedding._memory import available_memory, format_bytes
 from ..embedding._spec import FeatureSpec, TableSpec, check_specs
 from ..embedding._stacking import stack_name
+from ..embedding._store import StoreBase, check_saved_table, stack_shapes
 from . import _placement as pl
 
 ALL = pl.AXES
@@ -186,7 +187,7 @@ def _stacks(tables, mesh_shape) -> dict[str, ShardedStack]:
     return stacks
 
 
-class ShardedTableStore:
+class ShardedTableStore(StoreBase):
     """Tables placed on a ("data", "model") mesh by their `placement`; implements
     `TableStore`. The batch must be split per device (`shard_batch`; the `Trainer` does
     it): each device looks up and updates for its `B / N` examples.
@@ -248,15 +249,6 @@ class ShardedTableStore:
             for (stack, kind), es in sorted(groups.items())
         }
 
-    def _key(self):
-        return (type(self), self._specs, self.mesh, self.implementation)
-
-    def __eq__(self, other):
-        return isinstance(other, ShardedTableStore) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
     def __repr__(self):
         placed = {s.name: s.placement for s in self.stacks.values()}
         return f"ShardedTableStore(stacks={placed}, mesh={dict(self.mesh.shape)})"
@@ -266,38 +258,22 @@ class ShardedTableStore:
         return ShardedTableStore(tables, features, mesh=mesh, implementation=self.implementation)
 
     # ---- state ----------------------------------------------------------------------
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return tuple(self.stacks)
-
     def _sharding(self, stack: ShardedStack, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, stack.spec(ndim))
 
     def abstract_state(self) -> dict:
-        out = {}
-        for name, st in self.stacks.items():
-            rows = st.shards * st.rows_per_shard
-            slots = {
-                s.name: jax.ShapeDtypeStruct(
-                    (rows,) if s.per_row else (rows, st.dim),
-                    jnp.dtype(s.dtype),
-                    sharding=self._sharding(st, 1 if s.per_row else 2),
-                )
-                for s in st.optimizer.slots()
-            }
-            out[name] = {
-                "weights": jax.ShapeDtypeStruct(
-                    (rows, st.dim), jnp.dtype(st.dtype), sharding=self._sharding(st, 2)
-                ),
-                "slots": slots,
-            }
-        return out
-
-    def state_shardings(self) -> dict:
-        return jax.tree.map(lambda s: s.sharding, self.abstract_state())
-
-    def abstract_tables(self) -> dict:
-        return jax.eval_shape(self.export_tables, self.abstract_state())
+        """Shapes, dtypes and shardings of the state (each stack split over its shard
+        axes), without allocating."""
+        return {
+            name: stack_shapes(
+                st.shards * st.rows_per_shard,
+                st.dim,
+                st.dtype,
+                st.optimizer,
+                lambda ndim, st=st: self._sharding(st, ndim),
+            )
+            for name, st in self.stacks.items()
+        }
 
     def device_bytes(self, name: str) -> int:
         """Bytes of stack `name` on one device (weights and slots of one shard)."""
@@ -339,9 +315,6 @@ class ShardedTableStore:
                 },
             }
         return self._import_stack(name, tables)
-
-    def init(self, key: jax.Array) -> dict:
-        return {name: self.init_part(key, name) for name in self.stacks}
 
     # ---- per-table form -------------------------------------------------------------
     def _piece_rows(self, st: ShardedStack, piece: Piece, a: jax.Array) -> jax.Array:
@@ -420,21 +393,8 @@ class ShardedTableStore:
                     "slots": view.optimizer.init_slots(view.vocab_size, view.dim),
                 }
                 continue
-            if src not in tables:
-                raise KeyError(f"no saved state for table {src!r} (saved: {sorted(tables)})")
-            tab = tables[src]
-            if tuple(tab["weights"].shape) != (spec.vocab_size, spec.dim):
-                raise ValueError(
-                    f"table {src!r}: saved weights have shape {tuple(tab['weights'].shape)}, "
-                    f"the spec says {(spec.vocab_size, spec.dim)}"
-                )
-            want = sorted(s.name for s in spec.optimizer.slots())
-            if sorted(tab["slots"]) != want:
-                raise ValueError(
-                    f"table {src!r}: saved optimizer slots {sorted(tab['slots'])}, "
-                    f"{type(spec.optimizer).__name__} needs {want}"
-                )
-            full[src] = tab
+            check_saved_table(spec, tables.get(src), tables)
+            full[src] = tables[src]
         out = {}
         for name, st in self.stacks.items():
             out[name] = self._import_stack(name, {p.source: full[p.source] for p in st.pieces})
@@ -456,12 +416,6 @@ class ShardedTableStore:
             return (shard * st.rows_per_shard + piece.offset + local).astype(np.int32)
 
         return name, rows, st.shards * st.rows_per_shard
-
-    def tables_by_name(self, state: Mapping) -> dict:
-        return self.export_tables(state)
-
-    def state_from_tables(self, tables: Mapping) -> dict:
-        return self.import_tables(tables)
 
     # ---- lookup and update ------------------------------------------------------------
     def _local_batch(self, batch_size: int) -> int:
