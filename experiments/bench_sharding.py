@@ -529,10 +529,10 @@ def table(rows: list[dict]) -> str:
         ms = f"{r['ms']:.1f}" if r["ms"] is not None else r["note"]
         if r.get("ms_range"):
             ms += " ({:.1f}-{:.1f})".format(*r["ms_range"])
-        diff = "-" if r["formula"] is None else f"{r['hlo'] - r['formula']:+,}"
+        diff = "-" if r["formula"] is None else f"{r['hlo'] - r['formula']:+,} B"
         lines.append(
             f"| {r['placement']} | {vocab_text(r['vocab'])} | {fmt_bytes(r['formula'])} "
-            f"| {fmt_bytes(r['hlo'])} | {diff} B | {ms} | {rb} | {rt} |"
+            f"| {fmt_bytes(r['hlo'])} | {diff} | {ms} | {rb} | {rt} |"
         )
     lines.append("")
     lines.append("HLO collectives per step (one device):")
