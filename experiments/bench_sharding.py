@@ -13,8 +13,9 @@ For each placement and each vocabulary size (--vocabs, default 1e4 and 1e6 rows 
 table, 100x apart):
 
 (a) formula: bytes per step per device from shapes, `comm_bytes` of the planner
-    (sparsejax/sharding/_planner.py) for the ids and bags local to one device
-    (12 bytes an id: row, bag, pooling coefficient);
+    (sparsejax/sharding/_planner.py) for the id slots and bags local to one device, an
+    id as the store sends it: 8 bytes (row, bag), 12 when its stack needs a pooling
+    coefficient (weighted, mean or sqrtn features; none here);
 (b) HLO: bytes per step per device from the compiled program
     (`jit(step).lower(...).compile().as_text()`, the per-device SPMD module): every
     all-to-all, all-gather, all-reduce, reduce-scatter and collective-permute, counted
@@ -26,7 +27,7 @@ table, 100x apart):
 (c) ms per step: median of --reps timed runs of --steps steps each, after --warmup
     steps; with --rounds R, every cell runs R times (round after round, each in its own
     process) and the median over the rounds is shown, (min-max) beside it;
-(d) ratios vs "replicated" at the same vocabulary.
+(d) ratios of HLO bytes and of ms vs "replicated" at the same vocabulary.
 
 Baselines: plain `jax.jit` of `jnp.take` on the same tables stacked into one
 [T x V, D] array, rows sharded over "model" (`P("model", None)`) and over every device
