@@ -63,6 +63,9 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedStack:
+    """Tables of one placement, dim, dtype and optimizer: one state array of `shards`
+    blocks of `rows_per_shard` rows, block `s` on the devices of shard `s`."""
+
     name: str
     placement: str
     pieces: tuple[Piece, ...]
@@ -81,6 +84,7 @@ class ShardedStack:
         return pl.replica_axes(self.placement)
 
     def spec(self, ndim: int) -> P:
+        """The `PartitionSpec` of a state leaf of rank `ndim` (rows split over `axes`)."""
         axes = self.axes
         first = None if not axes else axes[0] if len(axes) == 1 else axes
         return P(first, *([None] * (ndim - 1)))
@@ -96,6 +100,9 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedGroup:
+    """One lookup call: the entries of one stack pooled the same way ("sum" carries
+    sum/mean/sqrtn and sequences through per-id coefficients; "max" is its own)."""
+
     name: str
     stack: str
     entries: tuple[Entry, ...]
@@ -106,10 +113,6 @@ class ShardedGroup:
         return any(
             e.feature.weighted or e.feature.combiner in ("mean", "sqrtn") for e in self.entries
         )
-
-
-def _stack_kind(placement: str) -> str:
-    return "table_wise" if placement == "column_wise" else placement
 
 
 def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
