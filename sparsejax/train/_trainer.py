@@ -169,7 +169,7 @@ class Trainer:
         replicated (the lookup reads whole tables on every device)."""
         r = self._replicated()
         if self.shards_batch:
-            every = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+            every = self._every()
             return SparseBatch(features=every, dense=every, labels=every, mask=every)
         n = dict(self.mesh.shape).get("data", 1)
         d = NamedSharding(self.mesh, PartitionSpec("data")) if batch_size % n == 0 else r
@@ -204,6 +204,7 @@ class Trainer:
         return self._global(batch)
 
     def _every(self) -> NamedSharding:
+        """Split along every mesh axis: one slice of the batch per device."""
         return NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
 
     def _local_devices(self) -> tuple[int, int]:
@@ -313,7 +314,7 @@ class Trainer:
             )
         self._layouts, self._steps = layouts, {}
         # tables are dropped inside the jit, so XLA never compiles their initializers
-        params = jax.jit(self._init_params)(k_init, batch)
+        params = jax.jit(lambda k: self._init_variables(k, batch).get("params", {}))(k_init)
         layer_keys = {
             path: jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode()))
             for path in layouts
@@ -342,13 +343,10 @@ class Trainer:
             )
         )
 
-    def _init_params_all(self, batch):
+    def _init_variables(self, key, batch):
+        """The model's `init`, its embedding layers on the trainer's mesh."""
         with tables_on(self.mesh):
-            return self.model.init(jax.random.key(0), batch)
-
-    def _init_params(self, key, batch):
-        with tables_on(self.mesh):
-            return self.model.init(key, batch).get("params", {})
+            return self.model.init(key, batch)
 
     def tables_by_name(self, state: TrainState) -> dict:
         """`{layer path: {table: {"weights", "slots"}}}`, unstacked (e.g. to inspect)."""
@@ -370,7 +368,7 @@ class Trainer:
 
     def _zeros_probe(self, batch):
         """Zeros shaped like the pooled rows of every embedding layer at this batch size."""
-        shapes = jax.eval_shape(self._init_params_all, batch)
+        shapes = jax.eval_shape(self._init_variables, jax.random.key(0), batch)
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get(EMBEDDING_GRADS, {}))
 
     def _train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
