@@ -39,38 +39,17 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
+from _machine import cpu_name, mem_available  # experiments/: the script's directory
 
 from sparsejax.embedding import _id_map
 from sparsejax.embedding._id_map import EMPTY_KEY, IdMap, unique_keys
 
 # ------------------------------------------------------------------ shared helpers
-
-
-def mem_available() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def timed(fn, *args, **kwargs) -> tuple[float, object]:
