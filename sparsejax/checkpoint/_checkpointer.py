@@ -172,9 +172,7 @@ class Checkpointer:
             return lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=everywhere)
 
         return {
-            layer_key(p): jax.tree.map(
-                on_mesh(store), jax.eval_shape(store.export_tables, store.abstract_state())
-            )
+            layer_key(p): jax.tree.map(on_mesh(store), store.abstract_tables())
             for p, store in self.layouts.items()
         }
 

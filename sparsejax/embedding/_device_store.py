@@ -29,7 +29,7 @@ from ..ops.optimizers import SparseOptimizer
 from ._memory import available_memory, format_bytes
 from ._spec import FeatureSpec, TableSpec, check_specs
 from ._stacking import MAX_STACK_ROWS, Stack, plan_stacks
-from ._store import StoreBase, check_saved_table, default_mesh, stack_shapes
+from ._store import StoreBase, check_saved_table, default_mesh, empty_table, stack_shapes
 
 MESH_AXES = ("data", "model")
 """Mesh axes the device store accepts: "data" (any size; the batch may be split along
@@ -294,12 +294,7 @@ class DeviceTableStore(StoreBase):
             parts = []
             for t in stack.tables:
                 if t.name in self.tiered_tables:
-                    parts.append(
-                        {
-                            "weights": np.zeros((t.vocab_size, t.dim), jnp.dtype(t.dtype)),
-                            "slots": stack.optimizer.init_slots(t.vocab_size, t.dim),
-                        }
-                    )
+                    parts.append(empty_table(t))
                     continue
                 check_saved_table(t, tables.get(t.name), tables)
                 parts.append(tables[t.name])

@@ -168,6 +168,15 @@ def stack_shapes(rows: int, dim: int, dtype: str, optimizer, sharding) -> dict:
     }
 
 
+def empty_table(spec: TableSpec) -> dict:
+    """`{"weights", "slots"}` of `spec` at zeros and the slots' initial values: a tiered
+    table's device cache before the host side fills it."""
+    return {
+        "weights": np.zeros((spec.vocab_size, spec.dim), jnp.dtype(spec.dtype)),
+        "slots": spec.optimizer.init_slots(spec.vocab_size, spec.dim),
+    }
+
+
 def check_saved_table(spec: TableSpec, saved: Mapping | None, saved_names) -> None:
     """Refuse, naming the table, a saved table that is missing or does not fit `spec`
     (its weights' shape, its optimizer's slots)."""

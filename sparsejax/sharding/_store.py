@@ -39,7 +39,7 @@ from ..embedding._device_store import GroupLookups, apply_group_gradients, fill_
 from ..embedding._memory import available_memory, format_bytes
 from ..embedding._spec import FeatureSpec, TableSpec, check_specs
 from ..embedding._stacking import stack_name
-from ..embedding._store import StoreBase, check_saved_table, stack_shapes
+from ..embedding._store import StoreBase, check_saved_table, empty_table, stack_shapes
 from . import _placement as pl
 
 ALL = pl.AXES
@@ -310,12 +310,7 @@ class ShardedTableStore(StoreBase):
             fill_table(key, spec, rows)
             tables[src] = {
                 "weights": rows,
-                "slots": {
-                    s.name: np.full(
-                        (spec.vocab_size,) if s.per_row else rows.shape, s.init, s.dtype
-                    )
-                    for s in spec.optimizer.slots()
-                },
+                "slots": spec.optimizer.init_slots(spec.vocab_size, spec.dim),
             }
         return self._import_stack(name, tables)
 
@@ -390,11 +385,7 @@ class ShardedTableStore(StoreBase):
         full = {}
         for src, spec in self.tables.items():
             if src in self.tiered_tables:
-                view = spec.device_view()
-                full[src] = {
-                    "weights": np.zeros((view.vocab_size, view.dim), jnp.dtype(view.dtype)),
-                    "slots": view.optimizer.init_slots(view.vocab_size, view.dim),
-                }
+                full[src] = empty_table(spec.device_view())
                 continue
             check_saved_table(spec, tables.get(src), tables)
             full[src] = tables[src]
