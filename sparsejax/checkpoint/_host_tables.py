@@ -287,36 +287,36 @@ def chain_steps(directory: str | os.PathLike, step: int) -> list[int]:
     return steps[::-1]
 
 
-def _read_array(path: str, entry: dict) -> np.ndarray:
+def _read_array(
+    path: str, entry: dict, *, error=_unreadable, what: str = "host-table"
+) -> np.ndarray:
     """The array in `path`, after checking its size, crc32, shape and dtype against the
     manifest's `entry`; memory-mapped copy-on-write when large (writable, never written
-    back)."""
+    back). A failed check raises `error(one line)`."""
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:
-        raise _unreadable(f"host-table file {path} is missing") from None
+        raise error(f"{what} file {path} is missing") from None
     if size != entry["bytes"]:
-        raise _unreadable(
-            f"host-table file {path} has {size} bytes, the manifest says {entry['bytes']}"
-        )
+        raise error(f"{what} file {path} has {size} bytes, the manifest says {entry['bytes']}")
     crc, buf = 0, bytearray(min(_CHUNK, max(size, 1)))
     view = memoryview(buf)
     with open(path, "rb") as fh:
         while n := fh.readinto(buf):
             crc = zlib.crc32(view[:n], crc)
     if crc != entry["crc32"]:
-        raise _unreadable(f"host-table file {path} is corrupt (crc32 mismatch)")
+        raise error(f"{what} file {path} is corrupt (crc32 mismatch)")
     shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
     try:
         big = dtype.itemsize * int(np.prod(shape)) >= (1 << 20)
         a = np.load(path, mmap_mode="c" if big else None, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise _unreadable(f"host-table file {path} is unreadable ({type(e).__name__}: {e})") from e
+        raise error(f"{what} file {path} is unreadable ({type(e).__name__}: {e})") from e
     if a.dtype != dtype and a.dtype.itemsize == dtype.itemsize and a.dtype.kind == "V":
         a = a.view(dtype)  # bfloat16 and other ml_dtypes are saved as raw bytes
     if a.shape != shape or a.dtype != dtype:
-        raise _unreadable(
-            f"host-table file {path} holds {a.dtype}{list(a.shape)}, the manifest says "
+        raise error(
+            f"{what} file {path} holds {a.dtype}{list(a.shape)}, the manifest says "
             f"{dtype}{list(shape)}"
         )
     return a

@@ -375,18 +375,23 @@ class DeviceTableStore(StoreBase):
                 group.combiner,
                 stack.optimizer,
             )
-            outputs[gname] = ops.embedding_bag(
-                state[group.stack]["weights"],
-                lk.ids,
-                lk.segments,
-                offset,
-                weights=lk.coefficients,
-                combiner=group.combiner,
-                implementation=self.implementation,
-                name=group.stack,
-            )
+            outputs[gname] = self._bag(state[group.stack], lk, offset)
             lookups[gname] = lk
         return outputs, lookups
+
+    def _bag(self, stack_state: Mapping, lk: GroupLookups, num_bags: int) -> jax.Array:
+        """One group's pooled rows from its stack's state (the one place a store reads
+        its weights; `sparsejax.serving.InferenceTableStore` reads quantized rows)."""
+        return ops.embedding_bag(
+            stack_state["weights"],
+            lk.ids,
+            lk.segments,
+            num_bags,
+            weights=lk.coefficients,
+            combiner=lk.combiner,
+            implementation=self.implementation,
+            name=lk.stack,
+        )
 
     def split(self, outputs: Mapping[str, jax.Array], batch_size: int) -> dict[str, jax.Array]:
         """Per feature: `[B, D]` pooled, or `[B, max_ids, D]` for a sequence.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -42,6 +42,9 @@ EMBEDDING_LOOKUPS = "embedding_lookups"
 """Collection where each layer records its lookups for the sparse update."""
 _LOOKUPS = "lookups"
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("sparsejax_mesh", default=None)
+_STORE: contextvars.ContextVar[Callable[..., TableStore] | None] = contextvars.ContextVar(
+    "sparsejax_store", default=None
+)
 
 
 @contextlib.contextmanager
@@ -54,6 +57,19 @@ def tables_on(mesh: Mesh | None) -> Iterator[None]:
         yield
     finally:
         _MESH.reset(token)
+
+
+@contextlib.contextmanager
+def tables_stored_by(make: Callable[..., TableStore] | None) -> Iterator[None]:
+    """Inside, every `EmbeddingBagCollection` keeps its tables in
+    `make(tables, features, implementation=...)` instead of the store their placement
+    picks: how `sparsejax.serving` runs a trained model on read-only (e.g. quantized)
+    tables without the model knowing."""
+    token = _STORE.set(make)
+    try:
+        yield
+    finally:
+        _STORE.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +108,9 @@ class EmbeddingBagCollection(nn.Module):
     @property
     def store(self) -> TableStore:
         """The table store behind this layer (a pure function of the fields)."""
+        make = _STORE.get()
+        if make is not None:
+            return make(self.tables, self.features, implementation=self.implementation)
         mesh = self.mesh if self.mesh is not None else _MESH.get()
         return make_store(self.tables, self.features, mesh=mesh, implementation=self.implementation)
 

@@ -39,9 +39,12 @@ class DotInteraction(nn.Module):
     """DLRM's interaction: all pairwise dot products of the F input vectors (i < j, row
     major), `[B, F, D] -> [B, F(F-1)/2]`."""
 
+    implementation: str | None = None
+    """Kernel choice (None: the platform's best; "xla" for a portable export)."""
+
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return ops.pairwise_dots(x)
+        return ops.pairwise_dots(x, implementation=self.implementation)
 
 
 class CrossNetwork(nn.Module):

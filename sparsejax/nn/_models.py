@@ -119,7 +119,7 @@ class DLRM(_CTRModel):
                 )
             vecs = jnp.concatenate([x[:, None, :], vecs], axis=1)
             parts.append(x)
-        parts.append(DotInteraction()(vecs))
+        parts.append(DotInteraction(self.implementation)(vecs))
         return MLP(self.top, dropout=self.dropout, dtype=self.dtype, name="top")(
             jnp.concatenate(parts, axis=1), train=train
         )[:, 0].astype(jnp.float32)

@@ -643,21 +643,11 @@ def evaluate_run(
     Returns:
       `{"step", "split", metrics...}` (and `"predictions"`: the file written).
     """
-    cfg_path = os.path.join(run_dir, "config.yaml")
-    if not os.path.exists(cfg_path):
-        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
     if split not in ("eval", "test"):
         raise ConfigError(f"--split {split!r}: expected eval or test")
     if predictions is not None:
         _check_predictions_path(os.fspath(predictions))
-    best_dir = os.path.join(run_dir, _best_dir())
-    if step == "best" and not _checkpoint_steps_in(best_dir):
-        raise ConfigError(
-            f"--step best: {run_dir} has no best checkpoint ({best_dir} is empty or missing; "
-            f"it is kept by early_stopping with keep_best: true)"
-        )
-    cfg = load_config([cfg_path], [*overrides, "resume=false"])
-    data = build_data(cfg)
+    cfg, data, trainer, state = restore_run(run_dir, step=step, overrides=overrides, log=log)
     batches = data.eval_batches if split == "eval" else data.test_batches
     if not batches:
         raise ConfigError(
@@ -668,19 +658,6 @@ def evaluate_run(
                 else ""
             )
         )
-    model, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
-    example = batches[0]
-    template = trainer.init(jax.random.key(cfg.seed), example)
-    where = best_dir if step == "best" else os.path.join(run_dir, "checkpoints")
-    ckpt = Checkpointer(where, trainer.layouts, **_host_kw(trainer))
-    try:
-        if step in (None, "last", "best"):
-            state, _, _ = ckpt.restore_readable(template, warn=lambda m: log(f"warning: {m}"))
-        else:
-            state, _ = ckpt.restore(template, int(step))
-    finally:
-        ckpt.close()
-    state = trainer.put_state(state)
     result = trainer.evaluate(state, batches)
     sets = (getattr(data, "ranking", None) or {}).get(split)
     if sets is not None:  # candidate sets: HR@k, NDCG@k, MRR, GAUC
@@ -697,6 +674,44 @@ def evaluate_run(
         log(f"wrote {n:,} predictions to {predictions}")
         out["predictions"] = os.path.abspath(predictions)
     return out
+
+
+def restore_run(
+    run_dir: str,
+    *,
+    step: int | str | None = None,
+    overrides: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> tuple[RunConfig, DataBundle, Trainer, TrainState]:
+    """A run directory's config, data, trainer and a checkpoint's state (placed): what
+    `evaluate_run` and `sparsejax.serving.export_run` start from. `step`: a checkpoint
+    step, "last" / None (the newest readable one; an unreadable newer one is skipped
+    with a warning) or "best" (kept by `early_stopping`)."""
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(cfg_path):
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    best_dir = os.path.join(run_dir, _best_dir())
+    if step == "best" and not _checkpoint_steps_in(best_dir):
+        raise ConfigError(
+            f"--step best: {run_dir} has no best checkpoint ({best_dir} is empty or missing; "
+            f"it is kept by early_stopping with keep_best: true)"
+        )
+    where = best_dir if step == "best" else os.path.join(run_dir, "checkpoints")
+    if not _checkpoint_steps_in(where):
+        raise ConfigError(f"{run_dir} has no checkpoint yet ({where} is empty or missing)")
+    cfg = load_config([cfg_path], [*overrides, "resume=false"])
+    data = build_data(cfg)
+    _, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
+    template = trainer.init(jax.random.key(cfg.seed), data.eval_batches[0])
+    ckpt = Checkpointer(where, trainer.layouts, **_host_kw(trainer))
+    try:
+        if step in (None, "last", "best"):
+            state, _, _ = ckpt.restore_readable(template, warn=lambda m: log(f"warning: {m}"))
+        else:
+            state, _ = ckpt.restore(template, int(step))
+    finally:
+        ckpt.close()
+    return cfg, data, trainer, trainer.put_state(state)
 
 
 def _best_dir() -> str:

@@ -1,0 +1,515 @@
+"""`export_run`: a trained run directory -> a self-contained model dir (see `_format`).
+
+What is exported:
+- the model's inference computation, `(params, tables, batch) -> scores`, serialized
+  with `jax.export` once per batch bucket. `kernels="xla"` (the default) lowers every
+  sparse op to plain XLA, so the model runs on any platform jax has (exported for cpu
+  and cuda); `kernels="native"` keeps the platform's custom calls (the C++ CPU kernels),
+  exported for cpu only, and loading checks that those kernels are registered;
+- its arguments: dense parameters and the tables in their serving form (fp32, fp16,
+  bf16, or row-wise int8 / int4 that the lookup dequantizes), stacked as the exported
+  computation takes them. Dynamic tables become plain tables: every key the run holds
+  gets a row, and a last row is the default row for keys it never saw;
+- the preprocessing: the input format, column transforms and id mappings (hash buckets,
+  a vocabulary's kept ids, a dynamic table's keys), so raw feature values go in;
+- `example_request.json`, a valid /v1/predict body built from rows of the run's data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._version import __version__
+from ..checkpoint._layout import layer_key, tables_from_layers, trace_layouts
+from ..data import _criteo as criteo
+from ..data._batch import BatchPacker, JaggedIds, PaddedIds, SparseBatch
+from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding._tiered import layer_table_key
+from ..nn._embedding import EMBEDDING, tables_stored_by
+from ..runner._config import ConfigError
+from ._format import (
+    EXAMPLE_REQUEST,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    write_arrays,
+    write_json,
+)
+from ._store import InferenceTableStore, quantize_table, serving_spec, storage_kind
+
+DEFAULT_BUCKETS = (1, 4, 16, 64, 256)
+"""Padded batch sizes: one compiled computation each (a request of n examples runs in
+the smallest bucket >= n; larger ones in chunks of the largest)."""
+KERNELS = ("xla", "native")
+_FILE_KINDS = ("criteo", "delimited")
+_MAX_EXAMPLE_ROWS = 8
+
+
+# ---- the exported computation -------------------------------------------------------------
+def batch_arrays(batch: SparseBatch) -> dict[str, np.ndarray]:
+    """A `SparseBatch` as the flat dict the exported computation takes."""
+    out = {"dense": batch.dense, "mask": batch.mask}
+    for name, f in batch.features.items():
+        out[f"{name}.ids"] = f.ids
+        out[f"{name}.segments"] = f.segments
+        if f.weights is not None:
+            out[f"{name}.weights"] = f.weights
+    return out
+
+
+def _sparse_batch(arrays: Mapping, features: Sequence[FeatureSpec]) -> SparseBatch:
+    feats = {
+        f.name: PaddedIds(
+            arrays[f"{f.name}.ids"], arrays[f"{f.name}.segments"], arrays.get(f"{f.name}.weights")
+        )
+        for f in features
+    }
+    mask = arrays["mask"]
+    return SparseBatch(feats, arrays["dense"], jnp.zeros_like(mask), mask)
+
+
+def inference_fn(model, features: Sequence[FeatureSpec], make_store) -> Callable:
+    """`(params, tables, batch arrays) -> f32[B]`: probabilities of a binary model (the
+    sigmoid of its logits)."""
+
+    def forward(params, tables, arrays):
+        batch = _sparse_batch(arrays, features)
+        with tables_stored_by(make_store):
+            out = model.apply({"params": params, EMBEDDING: tables}, batch, train=False)
+        return jax.nn.sigmoid(out.reshape(-1).astype(jnp.float32))
+
+    return forward
+
+
+def _custom_call_targets() -> list[str]:
+    from ..ops import _cpu_ffi
+
+    return [v for k, v in vars(_cpu_ffi).items() if k.endswith("_TARGET") and isinstance(v, str)]
+
+
+def export_computation(fn, args, *, kernels: str) -> tuple[bytes, list[str]]:
+    """`fn(*args)` serialized with `jax.export` and the sparsejax custom calls it uses."""
+    if kernels == "native":
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _custom_call_targets()]
+        platforms = (jax.default_backend(),)
+    else:
+        checks, platforms = [], ("cpu", "cuda")
+    exp = jax.export.export(jax.jit(fn), platforms=platforms, disabled_checks=checks)(*args)
+    text = exp.mlir_module()
+    calls = sorted(set(re.findall(r"custom_call @(sparsejax_\w+)", text)))
+    return exp.serialize(), calls
+
+
+# ---- tables -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Tables:
+    """The run's tables in serving form: per top-level table its rows and mapping entry;
+    per layer and layer table the fp32 weights."""
+
+    rows: dict[str, int]
+    keys: dict[str, np.ndarray]  # dynamic tables: sorted keys (row i), default row last
+    layers: dict[tuple, dict[str, np.ndarray]]
+
+
+def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tables:
+    """Every table whole, by layer: static ones as they are, tiered ones from the host
+    (a dynamic table's keys unioned over the layers that read it, the default row last)."""
+    top_of_feature = {f.name: f.table for f in features}
+    by_layer = {}
+    for path, store in trainer.layouts.items():
+        exported = trainer.tables_by_name(state)[layer_key(path)]
+        by_layer[path] = (store, exported)
+    host = trainer.host_tables
+    host_rows = {} if host is None else host.tables_by_name(state.tables)
+    # which top-level table each layer table mirrors (DeepFM's "<t>_linear" reads t's ids)
+    mirror = {}
+    for path, (store, _) in by_layer.items():
+        for f in store.features.values():
+            mirror[(path, f.table)] = top_of_feature[f.name]
+    keys: dict[str, list] = {}
+    for path, (store, _) in by_layer.items():
+        for name, t in store.tables.items():
+            if t.dynamic is not None:
+                got = host_rows[layer_table_key(path, name)]["keys"]
+                keys.setdefault(mirror[(path, name)], []).append(got)
+    keys = {t: np.unique(np.concatenate(k)) for t, k in keys.items()}
+    rows = {
+        name: (keys[name].shape[0] + 1 if name in keys else t.vocab_size) for name, t in top.items()
+    }
+    layers = {}
+    for path, (store, exported) in by_layer.items():
+        out = {}
+        for name, t in store.tables.items():
+            if not t.is_tiered:
+                out[name] = np.asarray(exported[name]["weights"], np.float32)
+                continue
+            ht = host_rows[layer_table_key(path, name)]
+            got_keys, w = ht["keys"], np.asarray(ht["weights"], np.float32)
+            if t.dynamic is None:  # host-cached static table: keys are its rows
+                full = np.zeros((t.vocab_size, t.dim), np.float32)
+                full[got_keys] = w
+            else:
+                top_keys = keys[mirror[(path, name)]]
+                default = host.tables[layer_table_key(path, name)].default_row()[0]
+                full = np.tile(np.asarray(default, np.float32), (top_keys.shape[0] + 1, 1))
+                full[np.searchsorted(top_keys, got_keys)] = w
+            out[name] = full
+        layers[path] = out
+    return _Tables(rows, keys, layers)
+
+
+# ---- preprocessing ------------------------------------------------------------------------
+def _input_spec(cfg, data) -> dict:
+    """The manifest's "input": the raw fields and how they become `Examples`."""
+    d = cfg.data
+    if d.kind == "synthetic":
+        gen_dense = data.eval_batches[0].dense.shape[1]
+        return {
+            "kind": "ids",
+            "dense": [f"dense{i}" for i in range(gen_dense)],
+            "sparse": [f.name for f in data.features],
+        }
+    if d.kind not in _FILE_KINDS:
+        raise ConfigError(
+            f"export: data.kind={d.kind!r} is not exportable yet (criteo, delimited and "
+            f"synthetic data are)"
+        )
+    if d.joins:
+        raise ConfigError("export: data.joins (side tables) are not exportable yet")
+    t = data.transform
+    transform = {
+        "dense_names": list(t.dense_names),
+        "indicator_bags": {k: list(v) for k, v in t.indicator_bags.items()},
+        "drop": list(t.drop),
+        "max_ids": dict(t.max_ids),
+    }
+    if d.kind == "criteo":
+        return {
+            "kind": "criteo",
+            "dense": list(criteo.DENSE_NAMES),
+            "sparse": list(criteo.CATEGORICAL_NAMES),
+            "transform": transform,
+        }
+    from ..runner._build import _read_schema
+
+    schema, _ = _read_schema(d)
+    s = dataclasses.asdict(schema)
+    used = [*schema.dense, *schema.sparse_columns]
+    s.update(columns=used, label=None, header=False)
+    return {
+        "kind": "delimited",
+        "dense": list(schema.dense),
+        "sparse": list(schema.sparse_columns),
+        "schema": s,
+        "transform": transform,
+    }
+
+
+def _mapping_entry(mapping, table: str, keys: Mapping[str, np.ndarray], arrays: dict) -> dict:
+    """A feature's id mapping as a manifest entry (its arrays added to `arrays`)."""
+    if table in keys:
+        arrays[f"keys/{table}"] = keys[table]
+        return {
+            "kind": "keys",
+            "array": f"keys/{table}",
+            "default_row": int(keys[table].shape[0]),
+            "raw_keys": isinstance(mapping, criteo.RawIdMapping),
+        }
+    if isinstance(mapping, criteo.HashMapping):
+        return {"kind": "hash", "buckets": mapping.buckets}
+    if isinstance(mapping, criteo.VocabMapping):
+        arrays[f"vocab/{table}"] = mapping.values
+        return {"kind": "vocab", "array": f"vocab/{table}"}
+    return {"kind": "identity"}
+
+
+def _json_value(v):
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    return v
+
+
+def example_rows(cfg, data, spec: Mapping, n: int = _MAX_EXAMPLE_ROWS) -> list[dict]:
+    """Up to `n` raw examples from the run's data, as /v1/predict takes them."""
+    fields = (*spec["dense"], *spec["sparse"])
+    if spec["kind"] == "ids":
+        b = data.eval_batches[0]
+        rows = []
+        for i in range(min(n, b.batch_size)):
+            ex = {f"dense{j}": float(x) for j, x in enumerate(np.asarray(b.dense[i]))}
+            for name, f in b.features.items():
+                ids, segs = np.asarray(f.ids), np.asarray(f.segments)
+                mine = ids[(segs == i) & (ids >= 0)]
+                ex[name] = int(mine[0]) if mine.shape[0] == 1 else [int(x) for x in mine]
+            rows.append(ex)
+        return rows
+    from ..runner._build import resolve_files
+
+    d = cfg.data
+    source = d.eval if d.eval is not None else (d.path if d.path is not None else d.train)
+    files = resolve_files(source, "data.eval")
+    from ..data._csv import open_text
+
+    rows = []
+    with open_text(files[0], "rt") as fh:
+        if spec["kind"] == "criteo":
+            names = ("label", *criteo.DENSE_NAMES, *criteo.CATEGORICAL_NAMES)
+            delim = "\t"
+        else:
+            schema = cfg.data.schema or {}
+            delim = schema.get("delimiter", ",")
+            header = schema.get("header", True)
+            names = tuple(schema.get("columns") or ())
+            if header:
+                first = fh.readline().rstrip("\r\n").split(delim)
+                names = names or tuple(first)
+        for line in fh:
+            parts = line.rstrip("\r\n").split(delim)
+            if len(parts) != len(names):
+                continue
+            ex = {}
+            for k, v in zip(names, parts, strict=True):
+                if k not in fields or v == "":
+                    continue
+                if spec["kind"] == "criteo" and k in criteo.DENSE_NAMES:
+                    try:
+                        ex[k] = int(v)
+                    except ValueError:
+                        break
+                else:
+                    ex[k] = v
+            else:
+                rows.append(ex)
+            if len(rows) >= n:
+                break
+    return rows
+
+
+# ---- the export ---------------------------------------------------------------------------
+def _parse_buckets(buckets) -> tuple[int, ...]:
+    out = sorted({int(b) for b in buckets})
+    if not out or out[0] < 1:
+        raise ConfigError(f"--buckets {list(buckets)}: give batch sizes >= 1")
+    return tuple(out)
+
+
+def export_run(
+    run_dir: str,
+    out: str,
+    *,
+    step: int | str | None = None,
+    quantize: str | None = None,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    kernels: str = "xla",
+    overrides: Sequence[str] = (),
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Export a run directory's checkpoint as a model dir (see the module docstring).
+
+    Args:
+      run_dir: the run directory.
+      out: the model dir to write (refused if it exists, unless `overwrite`). A
+        numbered subfolder of a serving folder (`models/3`) is a new version for a
+        running `sparsejax serve models` to pick up.
+      step: the checkpoint step ("last" / None, "best", or a number).
+      quantize: table storage: fp32 (None), fp16, bf16, int8 or int4 (row-wise).
+      buckets: the padded batch sizes compiled at load.
+      kernels: "xla" (portable) or "native" (this platform's custom calls).
+      overrides: `key=value` config overrides for reading the run's data.
+
+    Returns:
+      The manifest written (also `out/model.json`), with "check": the exported model's
+      agreement with the run's own model on the eval split.
+    """
+    from ..runner._build import build_model
+    from ..runner._knobs import configure_model
+    from ..runner._run import restore_run
+
+    kind = storage_kind(quantize)
+    if kernels not in KERNELS:
+        raise ConfigError(f"--kernels {kernels!r}: expected one of {KERNELS}")
+    buckets = _parse_buckets(buckets)
+    if os.path.exists(out) and os.listdir(out) and not overwrite:
+        raise ConfigError(f"--out {out} exists and is not empty (give another, or --overwrite)")
+    t0 = time.perf_counter()
+    cfg, data, trainer, state = restore_run(run_dir, step=step, overrides=overrides, log=log)
+    if trainer.task != "binary":
+        raise ConfigError(
+            f"export: model.name={cfg.model.name!r} is a {trainer.task} model; export "
+            f"takes binary (CTR) models so far"
+        )
+    spec = _input_spec(cfg, data)
+    top = {t.name: t for t in data.tables}
+    tables = _full_tables(trainer, state, top, data.features)
+    serving_tables = [serving_spec(t, tables.rows[t.name]) for t in data.tables]
+    features = tuple(data.features)
+    impl = "xla" if kernels == "xla" else None
+    model = configure_model(cfg, build_model(cfg, serving_tables, features)).clone(
+        implementation=impl
+    )
+    make_store = InferenceTableStore.factory(kind, impl)
+    num_dense = data.eval_batches[0].dense.shape[1]
+    packers = {
+        b: BatchPacker(serving_tables, features, batch_size=b, num_dense=num_dense) for b in buckets
+    }
+    # the serving layout of every embedding layer, and its tables in serving form
+    arrays: dict[str, np.ndarray] = {}
+    example = _pad_batch(packers[buckets[0]])
+    with tables_stored_by(make_store):
+        layouts, _ = trace_layouts(model, example)
+    states, table_info = {}, {}
+    for path, store in layouts.items():
+        per_table = {}
+        for name, w in tables.layers[path].items():
+            per_table[name] = quantize_table(w, kind, name)
+            table_info[f"{layer_key(path)}/{name}"] = {
+                "rows": int(w.shape[0]),
+                "dim": int(w.shape[1]),
+                "fp32_bytes": int(w.nbytes),
+                "bytes": int(sum(a.nbytes for a in per_table[name].values())),
+            }
+        states[path] = store.import_tables(per_table)
+    serving_tables_state = tables_from_layers(layouts, states)
+    params = jax.device_get(state.params)
+    fn = inference_fn(model, features, make_store)
+    args = (params, jax.device_get(serving_tables_state))
+    flat, _ = jax.tree_util.tree_flatten_with_path(args)
+    arg_arrays = {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat}
+    # write
+    tmp = out.rstrip("/") + f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "exported"))
+    exported, custom_calls = {}, set()
+    for b in buckets:
+        blob, calls = export_computation(
+            fn, (*args, batch_arrays(_pad_batch(packers[b]))), kernels=kernels
+        )
+        custom_calls |= set(calls)
+        fname = f"exported/b{b}.jaxexport"
+        with open(os.path.join(tmp, fname), "wb") as fh:
+            fh.write(blob)
+        exported[str(b)] = fname
+    mappings = {}
+    for f in features:
+        if f.table not in mappings:
+            mappings[f.table] = _mapping_entry(
+                (data.mappings or {}).get(f.name), f.table, tables.keys, arrays
+            )
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "sparsejax_version": __version__,
+        "jax_version": jax.__version__,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "version": os.path.basename(os.path.abspath(out)),
+        "source": {"run_dir": os.path.abspath(run_dir), "step": int(state.step)},
+        "model": cfg.model.name,
+        "task": trainer.task,
+        "kernels": kernels,
+        "platforms": ["cpu", "cuda"] if kernels == "xla" else [jax.default_backend()],
+        "custom_calls": sorted(custom_calls),
+        "quantize": kind,
+        "buckets": list(buckets),
+        "exported": exported,
+        "input": spec,
+        "features": [
+            {
+                "name": f.name,
+                "table": f.table,
+                "combiner": f.combiner,
+                "max_ids": f.max_ids,
+                "weighted": f.weighted,
+            }
+            for f in features
+        ],
+        "tables": {t.name: {"rows": t.vocab_size, "dim": t.dim} for t in serving_tables},
+        "table_arrays": table_info,
+        "num_dense": int(num_dense),
+        "mappings": mappings,
+        "arguments": write_arrays(os.path.join(tmp, "arrays"), arg_arrays),
+        "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays),
+    }
+    manifest["memory"] = {
+        "tables_bytes": sum(v["bytes"] for v in table_info.values()),
+        "tables_fp32_bytes": sum(v["fp32_bytes"] for v in table_info.values()),
+    }
+    manifest["check"] = _check(trainer, state, data, fn, args, tables.keys)
+    write_json(os.path.join(tmp, MANIFEST), manifest)
+    rows = example_rows(cfg, data, spec)
+    write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    mem, check = manifest["memory"], manifest["check"]
+    share = mem["tables_bytes"] / max(mem["tables_fp32_bytes"], 1)
+    log(
+        f"exported {run_dir} @ step {int(state.step)} to {out} in "
+        f"{time.perf_counter() - t0:.1f} s: {kind} tables {mem['tables_bytes'] / 2**20:.2f} MiB "
+        f"({share:.1%} of fp32), kernels {kernels}, buckets {list(buckets)}; on "
+        f"{check['examples']:,} eval examples max |p - p_run| {check['max_abs_diff']:.2e}, "
+        f"AUC {check['auc']:.5f} (the run's model {check['auc_train_model']:.5f})"
+    )
+    return manifest
+
+
+def _pad_batch(packer: BatchPacker) -> SparseBatch:
+    """A batch of padding only: the shapes of `packer`'s batches."""
+    none = np.zeros(0, np.int64)
+    sparse = {
+        f.name: JaggedIds(none, none, np.zeros(0, np.float32) if f.weighted else None)
+        for f in packer.features
+    }
+    return packer.pack(
+        sparse, labels=np.zeros(0, np.float32), dense=np.zeros((0, packer.num_dense), np.float32)
+    )
+
+
+def _check(trainer, state, data, fn, args, keys: Mapping[str, np.ndarray]) -> dict:
+    """The exported computation against the run's own model on the eval split's batches:
+    max |p - p_train| and both AUCs (a dynamic table's keys mapped to serving rows)."""
+    from ..train._metrics import auc as auc_of
+    from ._preprocess import KeyMapping
+
+    key_maps = {
+        f.name: KeyMapping(keys[f.table], keys[f.table].shape[0])
+        for f in data.features
+        if f.table in keys
+    }
+    ours, theirs, labels = [], [], []
+    jitted = jax.jit(fn)
+    for batch in data.eval_batches:
+        mask = np.asarray(batch.mask) > 0
+        logits = np.asarray(trainer.eval_step(state, batch), np.float64).reshape(-1)
+        theirs.append(1.0 / (1.0 + np.exp(-logits[mask])))
+        labels.append(np.asarray(batch.labels, np.float64).reshape(-1)[mask])
+        arrays = batch_arrays(jax.tree.map(np.asarray, batch))
+        for name, m in key_maps.items():
+            ids = arrays[f"{name}.ids"]
+            arrays[f"{name}.ids"] = np.where(ids >= 0, m(ids), -1).astype(np.int32)
+        ours.append(np.asarray(jitted(*args, arrays), np.float64)[mask])
+    p, q, y = np.concatenate(ours), np.concatenate(theirs), np.concatenate(labels)
+    return {
+        "examples": int(y.shape[0]),
+        "max_abs_diff": float(np.max(np.abs(p - q), initial=0.0)),
+        "auc": float(auc_of(y, p)) if y.size else None,
+        "auc_train_model": float(auc_of(y, q)) if y.size else None,
+    }
+
+
+def read_json(path: str) -> dict:
+    with open(path) as fh:
+        return json.load(fh)

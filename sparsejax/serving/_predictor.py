@@ -1,0 +1,200 @@
+"""`Predictor`: a model dir loaded for serving; raw examples in, probabilities out.
+
+Loading checks the manifest's format version, the platform and (for models exported
+with native kernels) that this process has those kernels, verifies every array file's
+checksum, deserializes one `jax.export` computation per batch bucket and compiles them
+all (warm-up), so no request ever waits for a compile. `predict` parses examples with
+the run's own preprocessing (`_preprocess.Preprocessor`), pads them to the smallest
+bucket that holds them (larger requests run in chunks of the largest), and runs the
+exported computation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from .._version import __version__
+from ..data._batch import BatchPacker
+from ..data._loader import Examples
+from ..embedding._spec import FeatureSpec, TableSpec
+from ._export import _pad_batch, batch_arrays
+from ._format import EXAMPLE_REQUEST, ModelLoadError, read_array, read_manifest
+from ._preprocess import Preprocessor, RequestError, mapping_from_entry
+
+__all__ = ["ModelLoadError", "Predictor", "RequestError"]
+
+
+def _native_kernels_ok(m: Mapping, model_dir: str) -> None:
+    calls = m.get("custom_calls") or []
+    if not calls:
+        return
+    from ..ops import cpu_ffi_available
+
+    if not cpu_ffi_available():
+        raise ModelLoadError(
+            f"{model_dir} was exported with native kernels ({', '.join(calls)}) but this "
+            f"sparsejax has no C++ kernels built; reinstall with a C++ compiler or export "
+            f"with --kernels xla"
+        )
+    if m.get("sparsejax_version") != __version__:
+        raise ModelLoadError(
+            f"{model_dir} was exported with native kernels by sparsejax "
+            f"{m.get('sparsejax_version')}; this is {__version__}, whose kernels may differ: "
+            f"export it again, or with --kernels xla (portable)"
+        )
+
+
+class Predictor:
+    """A loaded model dir (use `Predictor.load`). Thread-safe: `parse` anywhere, `score`
+    and `predict` from any thread (one computation runs at a time per bucket)."""
+
+    def __init__(self, model_dir: str, manifest: dict, *, max_examples: int = 4096):
+        self.path = os.path.abspath(model_dir)
+        self.manifest = m = manifest
+        self.task = m["task"]
+        self.version = str(m.get("version") or os.path.basename(self.path))
+        platform = jax.default_backend()
+        if platform not in m["platforms"]:
+            raise ModelLoadError(
+                f"{model_dir} was exported for {'/'.join(m['platforms'])} "
+                f"(kernels {m['kernels']}); this process runs on {platform}: export with "
+                f"--kernels xla for a portable model"
+            )
+        _native_kernels_ok(m, model_dir)
+        self.buckets = tuple(int(b) for b in m["buckets"])
+        self.features = tuple(FeatureSpec(**f) for f in m["features"])
+        tables = [
+            TableSpec(name=k, vocab_size=v["rows"], dim=v["dim"]) for k, v in m["tables"].items()
+        ]
+        self._packers = {
+            b: BatchPacker(tables, self.features, batch_size=b, num_dense=m["num_dense"])
+            for b in self.buckets
+        }
+        arrays = {k: read_array(model_dir, e) for k, e in m["mapping_arrays"].items()}
+        maps = {t: mapping_from_entry(e, arrays) for t, e in m["mappings"].items()}
+        rows = {t.name: t.vocab_size for t in tables}
+        self.preprocessor = Preprocessor(
+            m["input"],
+            {f.name: maps[f.table] for f in self.features},
+            {
+                f.name: None if m["mappings"][f.table]["kind"] != "identity" else rows[f.table]
+                for f in self.features
+            },
+            {f.name: f.max_ids for f in self.features if not f.is_sequence},
+            max_examples=max_examples,
+        )
+        leaves = [read_array(model_dir, e) for e in m["arguments"].values()]
+        self._leaves = [jax.device_put(a) for a in leaves]
+        self._calls = {}
+        for b in self.buckets:
+            path = os.path.join(model_dir, m["exported"][str(b)])
+            try:
+                with open(path, "rb") as fh:
+                    exp = jax.export.deserialize(bytearray(fh.read()))
+            except Exception as e:  # noqa: BLE001 - any failure is a corrupt file here
+                raise ModelLoadError(
+                    f"{path} is not a readable exported computation ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''})"
+                ) from None
+            self._check_layout(exp, b, path)
+            self._calls[b] = (exp.in_tree, jax.jit(exp.call))
+        self._locks = {b: threading.Lock() for b in self.buckets}
+        path = os.path.join(model_dir, EXAMPLE_REQUEST)
+        self.example_request = {"examples": []}
+        if os.path.exists(path):
+            with open(path) as fh:
+                self.example_request = json.load(fh)
+
+    @classmethod
+    def load(cls, model_dir: str, *, warmup: bool = True, max_examples: int = 4096) -> Predictor:
+        """Load and check a model dir (a `ModelLoadError` names what is wrong); with
+        `warmup`, compile every bucket now."""
+        p = cls(model_dir, read_manifest(model_dir), max_examples=max_examples)
+        if warmup:
+            p.warmup()
+        return p
+
+    def _check_layout(self, exp, b: int, path: str) -> None:
+        """The exported computation takes this version's batch layout (same leaves,
+        shapes and dtypes as the packer's), or the load is refused."""
+        pad = jax.tree.leaves(batch_arrays(_pad_batch(self._packers[b])))
+        avals = exp.in_avals[len(self._leaves) :]
+        ours = [(tuple(a.shape), str(a.dtype)) for a in pad]
+        theirs = [(tuple(a.shape), str(a.dtype)) for a in avals]
+        if len(exp.in_avals) != len(self._leaves) + len(pad) or ours != theirs:
+            raise ModelLoadError(
+                f"{path}: the exported computation takes a batch laid out as "
+                f"{theirs[:3]}..., this sparsejax packs {ours[:3]}...: export the run again "
+                f"with this version"
+            )
+
+    def warmup(self) -> None:
+        """Compile (and run once) every bucket's computation."""
+        for b in self.buckets:
+            self._run(b, batch_arrays(_pad_batch(self._packers[b])))
+
+    # ---- the work -------------------------------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def info(self) -> dict:
+        m = self.manifest
+        return {
+            "path": self.path,
+            "version": self.version,
+            "model": m["model"],
+            "task": self.task,
+            "format_version": m["format_version"],
+            "created": m["created"],
+            "quantize": m["quantize"],
+            "kernels": m["kernels"],
+            "buckets": list(self.buckets),
+            "features": list(self.preprocessor.fields),
+            "source": m["source"],
+        }
+
+    def parse(self, examples: Sequence[Mapping]) -> Examples:
+        """The examples' mapped ids and dense values (a `RequestError` if any is bad)."""
+        return self.preprocessor.parse(examples)
+
+    def _run(self, b: int, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        in_tree, call = self._calls[b]
+        args, _ = jax.tree_util.tree_unflatten(in_tree, [*self._leaves, *jax.tree.leaves(arrays)])
+        with self._locks[b]:
+            return np.asarray(call(*args))
+
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return self.buckets[-1]
+
+    def score(self, parsed: Sequence[Examples]) -> list[np.ndarray]:
+        """Probabilities for each parsed request, in order, from as few computations as
+        the buckets allow (the requests are joined, then cut at the largest bucket)."""
+        parsed = list(parsed)
+        if not parsed:
+            return []
+        ex = parsed[0] if len(parsed) == 1 else Examples.concat(parsed)
+        n, big, out = len(ex), self.buckets[-1], []
+        for start in range(0, n, big):
+            part = ex if n <= big and start == 0 else ex[start : start + big]
+            k = len(part)
+            b = self._bucket(k)
+            batch = self._packers[b].pack(part.sparse, labels=part.labels, dense=part.dense)
+            out.append(self._run(b, batch_arrays(batch))[:k])
+        scores = out[0] if len(out) == 1 else np.concatenate(out)
+        sizes = np.cumsum([len(p) for p in parsed])[:-1]
+        return np.split(scores, sizes)
+
+    def predict(self, examples: Sequence[Mapping]) -> np.ndarray:
+        """Probabilities (f32[n]) of raw examples (JSON-like dicts of feature values)."""
+        return self.score([self.parse(examples)])[0]

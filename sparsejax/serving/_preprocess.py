@@ -1,0 +1,257 @@
+"""Raw feature values in, table rows out: the training run's preprocessing, replayed.
+
+A request's examples are JSON objects of raw values (`{"I1": 3, "C1": "68fd1e64"}`).
+They go through the same code the run read its data with, so serving cannot drift
+from training:
+
+- `criteo` and `delimited` data: each example becomes one line of the run's file
+  format and is parsed by the run's own parser (`CriteoParser`, `DelimitedParser`):
+  the same hex parsing, string hashing, dense transforms and checks;
+- `ids` (synthetic data): the values are the table rows themselves;
+
+then the run's column transforms (indicator bags, dropped columns, `max_ids` caps)
+and id mappings (hash buckets, the fitted vocabulary, a dynamic table's keys).
+
+Defaults (documented in the README): a missing feature is an empty field, as in the
+data files (a missing dense value is the reader's default, a missing id maps to the
+missing-id row, or an empty bag); an unseen id gets the table's default row (a
+vocabulary's row 0, a dynamic table's default row). Anything else that is wrong is a
+`RequestError` naming the example, the feature and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..data import _criteo as criteo
+from ..data._batch import JaggedIds
+from ..data._csv import DelimitedParser, TableSchema, _Errors
+from ..data._loader import Examples
+from ..data._transforms import ColumnTransform
+
+
+class RequestError(ValueError):
+    """A request's fault: an unknown, missing or wrongly typed feature, a bad value, too
+    many examples. One line naming the example index, the feature and the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyMapping:
+    """A dynamic table's raw keys -> serving rows: key `keys[i]` is row i (keys sorted);
+    any other key (unseen, or evicted before export) is `default_row`."""
+
+    keys: np.ndarray  # int64[n], sorted
+    default_row: int
+
+    def __call__(self, raw: np.ndarray) -> np.ndarray:
+        raw = np.asarray(raw, np.int64)
+        n = self.keys.shape[0]
+        if n == 0:
+            return np.full(raw.shape, self.default_row, np.int64)
+        i = np.searchsorted(self.keys, raw)
+        found = self.keys[np.minimum(i, n - 1)] == raw
+        return np.where(found, i, self.default_row)
+
+
+def _chain(*maps):
+    maps = [m for m in maps if m is not None]
+    if len(maps) == 1:
+        return maps[0]
+
+    def mapped(raw):
+        for m in maps:
+            raw = m(raw)
+        return raw
+
+    return mapped
+
+
+def mapping_from_entry(entry: Mapping, arrays: Mapping[str, np.ndarray]):
+    """The id mapping a manifest entry describes (see `_export.mapping_entry`)."""
+    kind = entry["kind"]
+    if kind == "hash":
+        m = criteo.HashMapping(buckets=int(entry["buckets"]))
+    elif kind == "vocab":
+        m = criteo.VocabMapping(values=arrays[entry["array"]])
+    elif kind == "keys":
+        m = KeyMapping(arrays[entry["array"]], int(entry["default_row"]))
+    elif kind == "identity":
+        m = None
+    else:
+        raise ValueError(f"unknown id mapping kind {kind!r}")
+    return _chain(criteo.RawIdMapping() if entry.get("raw_keys") else None, m)
+
+
+def _bad_type(i: int, name: str, v, want: str) -> RequestError:
+    shown = repr(v)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return RequestError(f"example {i}: feature {name!r}: expected {want}, got {shown}")
+
+
+class Preprocessor:
+    """Parses requests' raw examples into mapped `Examples` (see the module docstring).
+
+    Args:
+      spec: the manifest's "input" section (`_export.input_spec`).
+      mappings: per sparse feature, its id mapping (None: the value is the row).
+      rows: per sparse feature, the rows of its table (ids are checked against it).
+      max_ids: per pooled bag feature, the most ids an example may have.
+      max_examples: the most examples one request may hold.
+    """
+
+    def __init__(
+        self,
+        spec: Mapping,
+        mappings: Mapping[str, object],
+        rows: Mapping[str, int],
+        max_ids: Mapping[str, int],
+        *,
+        max_examples: int = 4096,
+    ):
+        self.kind = spec["kind"]
+        self.dense = tuple(spec["dense"])
+        self.sparse = tuple(spec["sparse"])
+        self.fields = (*self.dense, *self.sparse)
+        self._allowed = frozenset(self.fields)
+        self.mappings = {k: v for k, v in mappings.items() if v is not None}
+        self.rows = dict(rows)
+        self.max_ids = dict(max_ids)
+        self.max_examples = max_examples
+        t = spec.get("transform") or {}
+        self.transform = ColumnTransform(
+            tuple(t.get("dense_names", self.dense)),
+            indicator_bags=t.get("indicator_bags") or None,
+            drop=tuple(t.get("drop", ())),
+            max_ids=t.get("max_ids") or None,
+        )
+        if self.kind == "criteo":
+            self._parser = criteo.CriteoParser(labeled=False)
+            self._delim, self._sep = "\t", None
+            self._line_fields = (*criteo.DENSE_NAMES, *criteo.CATEGORICAL_NAMES)
+        elif self.kind == "delimited":
+            schema = TableSchema.from_dict({**spec["schema"], "label": None, "header": False})
+            self._line_fields = tuple(schema.columns)
+            self._parser = DelimitedParser(schema, self._line_fields)
+            self._delim, self._sep = schema.delimiter, schema.separator
+        elif self.kind != "ids":
+            raise ValueError(f"unknown input kind {self.kind!r}")
+
+    # ---- checks shared by every kind ----------------------------------------------------
+    def _check_examples(self, examples) -> int:
+        if isinstance(examples, (str, bytes, Mapping)) or not isinstance(examples, Sequence):
+            raise RequestError(
+                f"expected a list of examples (objects of feature values), got "
+                f"{type(examples).__name__}"
+            )
+        n = len(examples)
+        if n == 0:
+            raise RequestError("the request has no examples")
+        if n > self.max_examples:
+            raise RequestError(
+                f"the request has {n} examples; at most {self.max_examples} per request"
+            )
+        allowed = self._allowed
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, Mapping):
+                raise RequestError(
+                    f"example {i}: expected an object of feature values, got {type(ex).__name__}"
+                )
+            if not allowed.issuperset(ex):
+                unknown = sorted(str(k) for k in ex if k not in allowed)
+                raise RequestError(
+                    f"example {i}: unknown feature {unknown[0]!r} (the model's features: "
+                    f"{', '.join(self.fields)})"
+                )
+        return n
+
+    def parse(self, examples: Sequence[Mapping]) -> Examples:
+        """Mapped `Examples` of the request (labels 0), or a `RequestError`."""
+        n = self._check_examples(examples)
+        raw = self._read_ids(examples, n) if self.kind == "ids" else self._read_lines(examples)
+        ex = raw if self.transform.is_identity else self.transform(raw)
+        for name, cap in self.max_ids.items():
+            lengths = ex.sparse[name].lengths
+            if lengths.size and int(lengths.max()) > cap:
+                i = int(np.argmax(lengths))
+                raise RequestError(
+                    f"example {i}: feature {name!r} has {int(lengths[i])} ids, at most {cap}"
+                )
+        return ex.map_ids(self.mappings) if self.mappings else ex
+
+    # ---- file formats: one line per example, parsed by the run's parser -----------------
+    def _cell(self, i: int, name: str, v) -> str:
+        t = type(v)
+        if t is str:
+            return v
+        if v is None:
+            return ""
+        if t is int:
+            return str(v)
+        if t is float:
+            if not math.isfinite(v):
+                raise _bad_type(i, name, v, "a finite number")
+            return repr(v)
+        if t is list and self._sep is not None:
+            return self._sep.join(self._item(i, name, x) for x in v)
+        want = "a string, a number or null" + (", or a list" if self._sep else "")
+        raise _bad_type(i, name, v, want)
+
+    def _item(self, i: int, name: str, x) -> str:
+        if type(x) in (str, int):
+            s = str(x)
+            if self._sep in s:
+                raise _bad_type(i, name, x, f"list items without {self._sep!r}")
+            return s
+        raise _bad_type(i, name, x, "list items that are strings or integers")
+
+    def _read_lines(self, examples: Sequence[Mapping]) -> Examples:
+        delim, fields, cell = self._delim, self._line_fields, self._cell
+        want = len(fields) - 1
+        lines = []
+        for i, ex in enumerate(examples):
+            get = ex.get
+            line = delim.join([cell(i, f, get(f)) for f in fields])
+            if line.count(delim) != want or "\n" in line or "\r" in line:
+                for f in fields:  # name the value that holds a delimiter or newline
+                    s = cell(i, f, get(f))
+                    if delim in s or "\n" in s or "\r" in s:
+                        raise _bad_type(i, f, get(f), f"a value without {delim!r} or newlines")
+            lines.append(line)
+        data = ("\n".join(lines) + "\n").encode()
+        errs = _Errors("request", strict=False)
+        ex, _ = self._parser.parse(data, 0, "request", errs)
+        if errs.counts:
+            line, reason, field, value = errs.first[0]
+            raise RequestError(f"example {line}: feature {field!r}: {reason} (value {value!r})")
+        return ex
+
+    # ---- synthetic data: the values are the rows ----------------------------------------
+    def _read_ids(self, examples: Sequence[Mapping], n: int) -> Examples:
+        dense = np.zeros((n, len(self.dense)), np.float32)
+        for j, name in enumerate(self.dense):
+            for i, ex in enumerate(examples):
+                v = ex.get(name)
+                if v is None:
+                    continue
+                if type(v) not in (int, float) or not math.isfinite(v):
+                    raise _bad_type(i, name, v, "a finite number")
+                dense[i, j] = v
+        sparse = {}
+        for name in self.sparse:
+            rows, lengths = self.rows[name], np.zeros(n, np.int64)
+            values = []
+            for i, ex in enumerate(examples):
+                v = ex.get(name)
+                ids = () if v is None else (v if type(v) is list else (v,))
+                for x in ids:
+                    if type(x) is not int or not 0 <= x < rows:
+                        raise _bad_type(i, name, x, f"an integer id in [0, {rows})")
+                values.extend(ids)
+                lengths[i] = len(ids)
+            sparse[name] = JaggedIds(lengths=lengths, values=np.asarray(values, np.int64))
+        return Examples(labels=np.zeros(n, np.float32), dense=dense, sparse=sparse)
