@@ -17,6 +17,12 @@
     sparsejax plan [CONFIG.yaml ...] [key=value ...] [--devices N | --hosts H
                    --devices-per-host D] [--device-memory 80GB]
         print each table's placement, memory per device and bytes per step
+    sparsejax export RUN_DIR --out MODEL_DIR [--quantize fp32|fp16|bf16|int8|int4]
+                     [--step N|last|best] [--buckets 1,4,16,64,256] [--kernels xla|native]
+        write a self-contained model dir for serving (tables, id maps, preprocessing)
+    sparsejax serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]
+                    [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 10]
+        serve it over HTTP: /v1/predict, /v1/retrieve, /healthz, /metrics
 
 Configs layer left to right, then the overrides, e.g.
     sparsejax train configs/dlrm_criteo.yaml steps=500 optimizer.dense_learning_rate=3e-4
@@ -91,6 +97,48 @@ def _eval(args: argparse.Namespace) -> int:
         overrides=args.overrides,
     )
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .serving import export_run
+
+    bad = [a for a in args.overrides if "=" not in a]
+    if bad:
+        from .runner import ConfigError
+
+        raise ConfigError(f"export takes one run directory and key=value overrides, got {bad[0]!r}")
+    export_run(
+        args.run_dir,
+        args.out,
+        step=args.step,
+        quantize=args.quantize,
+        buckets=args.buckets,
+        kernels=args.kernels,
+        overrides=args.overrides,
+        overwrite=args.overwrite,
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .serving._server import serve
+    except ImportError as e:
+        from .runner import ConfigError
+
+        raise ConfigError(
+            f"sparsejax serve needs the [serve] extra ({e.name} is missing): "
+            f"pip install 'sparsejax[serve]'"
+        ) from None
+    return serve(
+        args.model_dir,
+        host=args.host,
+        port=args.port,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        max_body_bytes=args.max_body_bytes,
+        poll_seconds=args.poll_seconds,
+    )
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -195,6 +243,8 @@ def _seconds(text: str) -> float:
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from .serving import DEFAULT_BUCKETS, KERNELS, QUANTIZE_CHOICES
+
     parser = argparse.ArgumentParser(
         prog="sparsejax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -293,6 +343,77 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="memory per device, e.g. 80GB or 16GiB (default: the devices' own)",
     )
     pl.set_defaults(fn=_plan)
+    ex = sub.add_parser(
+        "export",
+        help="export a run's checkpoint as a self-contained model dir for serving",
+        description="Write MODEL_DIR: the model's computation (jax.export, one per batch "
+        "bucket), its tables (optionally quantized), its preprocessing and id maps, and "
+        "example_request.json. A numbered subfolder of a folder that `sparsejax serve` "
+        "watches (models/2) is picked up as a new version.",
+    )
+    ex.add_argument("run_dir")
+    ex.add_argument("--out", required=True, metavar="MODEL_DIR")
+    ex.add_argument("--step", type=_step, default=None, help="as for sparsejax eval")
+    ex.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default="fp32",
+        help="table storage: fp32 (default), fp16, bf16, or row-wise int8 / int4",
+    )
+    ex.add_argument(
+        "--buckets",
+        type=_ks,
+        default=DEFAULT_BUCKETS,
+        metavar="B1,B2,...",
+        help="padded batch sizes, one compiled computation each (default "
+        + ",".join(map(str, DEFAULT_BUCKETS))
+        + ")",
+    )
+    ex.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default="xla",
+        help="xla: portable (runs on cpu and cuda); native: this platform's C++ kernels, "
+        "checked at load",
+    )
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing MODEL_DIR")
+    ex.add_argument("overrides", nargs="*", metavar="key=value")
+    ex.set_defaults(fn=_export)
+    sv = sub.add_parser(
+        "serve",
+        help="serve a model dir over HTTP (needs the [serve] extra)",
+        description="POST /v1/predict, POST /v1/retrieve, GET /healthz, GET /metrics. "
+        "MODEL_DIR is a model dir, or a folder of numbered versions: the highest is "
+        "served, and a newer one is loaded and swapped in without dropping requests.",
+    )
+    sv.add_argument("model_dir", metavar="MODEL_DIR")
+    sv.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="default 8000")
+    sv.add_argument(
+        "--max-batch",
+        type=_positive,
+        default=None,
+        help="examples per batch at most (default: the model's largest bucket; 1: no batching)",
+    )
+    sv.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=2.0,
+        help="how long a batch waits for more requests (default 2 ms)",
+    )
+    sv.add_argument(
+        "--max-body-bytes",
+        type=_positive,
+        default=1 << 20,
+        help="larger request bodies get 413 (default 1 MiB)",
+    )
+    sv.add_argument(
+        "--poll-seconds",
+        type=float,
+        default=10.0,
+        help="how often to look for a new model version (default 10; 0: never)",
+    )
+    sv.set_defaults(fn=_serve)
     return parser, sub.choices
 
 
@@ -303,8 +424,12 @@ def _is_user_error(e: BaseException) -> bool:
     `HostStorageFullError` (a tiered table's disk tier is full)."""
     from .checkpoint import CheckpointError
     from .embedding._host_rows import HostStorageFullError
+    from .serving import ModelLoadError
 
-    return isinstance(e, (ValueError, CheckpointError, FloatingPointError, HostStorageFullError))
+    return isinstance(
+        e,
+        (ValueError, CheckpointError, FloatingPointError, HostStorageFullError, ModelLoadError),
+    )
 
 
 def _log_traceback(e: BaseException, run_dir: str | None) -> str | None:
