@@ -1,0 +1,298 @@
+"""Dynamic batching: concurrent prediction requests grouped into one model call.
+
+A model call costs about the same for 1 example as for 100 (the fixed cost is the Python
+dispatch, the padding to a bucket and XLA's launch), so a server that scores each
+request alone spends most of its time on overhead. `DynamicBatcher` puts requests in a
+queue; one worker thread takes what is pending, up to `max_batch` examples or until the
+oldest request has waited `max_wait_ms`, parses each request on its own (a bad request
+fails alone, with its `RequestError`) and scores the good ones in one
+`predictor.score` call, then hands each request its own slice.
+
+Waiting is bounded by the oldest request's arrival, not by the worker's: requests that
+queued while the model was busy are taken at once, so under load batches form by
+themselves and `max_wait_ms=0` still batches ("natural" batching). `max_batch=1,
+max_wait_ms=0` is batch-1 serving, the baseline the benchmark compares against.
+
+The worker is the only thread that runs the model (XLA releases the GIL while it
+computes, so an event loop in another thread keeps reading requests meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["BatcherClosedError", "DynamicBatcher"]
+
+
+class BatcherClosedError(RuntimeError):
+    """A request submitted to (or still queued in) a batcher that was closed."""
+
+
+class _Request:
+    """One submitted request. `loop` is None for a concurrent.futures.Future, else the
+    event loop that owns the asyncio.Future."""
+
+    __slots__ = ("examples", "n", "t", "future", "loop")
+
+    def __init__(self, examples, n, t, future, loop):
+        self.examples = examples
+        self.n = n
+        self.t = t
+        self.future = future
+        self.loop = loop
+
+
+def _resolve(done: list) -> None:
+    """Runs in the event loop: settle the asyncio futures of one batch (a future whose
+    request was cancelled, e.g. the client went away, is skipped)."""
+    for future, result, error in done:
+        if future.done():
+            continue
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
+class DynamicBatcher:
+    """Groups concurrent requests into batches for one model, scored by one worker thread.
+
+    Args:
+      predictor: anything with `parse(examples) -> Parsed` (raises `RequestError` for a
+        bad request; `len(Parsed)` = its examples), `score(list[Parsed]) ->
+        list[np.ndarray]` (one array per Parsed, in order), `version` and `buckets`
+        (`sparsejax.serving.Predictor`).
+      max_batch: most examples in one `score` call; None = the predictor's largest
+        bucket (followed across `swap`). A request with more examples than this is
+        scored alone (the predictor chunks it).
+      max_wait_ms: how long the oldest pending request may wait for others to join its
+        batch. 0 = take only what is already queued.
+      on_batch: called by the worker after each `score` call with (examples, requests,
+        seconds) - for metrics; it must be quick and must not raise.
+
+    `submit` is thread-safe and returns a `concurrent.futures.Future` of that request's
+    scores (f32[n]); `submit_async` (from a running event loop) returns an
+    `asyncio.Future` of `(scores, model_version)`, settled with one
+    `call_soon_threadsafe` per batch rather than one per request. A request's parse
+    error fails that request only; an error from `score` fails every request of the
+    batch. `swap` changes the model for later batches; `close` finishes what is queued
+    and stops the worker.
+
+    Example:
+        batcher = DynamicBatcher(Predictor.load("model"), max_wait_ms=2)
+        scores = batcher.submit([{"I1": 3, "C1": "68fd1e64"}]).result()
+        batcher.close()
+    """
+
+    def __init__(
+        self,
+        predictor: Any,
+        *,
+        max_batch: int | None = None,
+        max_wait_ms: float = 2.0,
+        on_batch: Callable[[int, int, float], None] | None = None,
+        name: str = "sparsejax-batcher",
+    ):
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (or None for the model's), got {max_batch}")
+        if not max_wait_ms >= 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        self._predictor = predictor
+        self._max_batch = max_batch
+        self._max_wait = max_wait_ms / 1000.0
+        self._on_batch = on_batch
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        # Counters, written by the worker only (read them for metrics or tests).
+        self.batches = 0  # score calls
+        self.requests = 0  # requests scored
+        self.examples = 0  # examples scored
+        self.rejected = 0  # requests whose parse failed
+        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+        self._worker.start()
+
+    # -- the caller's side ------------------------------------------------------------
+
+    @property
+    def predictor(self) -> Any:
+        """The model later batches use."""
+        return self._predictor
+
+    @property
+    def max_batch(self) -> int:
+        """Most examples per `score` call (the predictor's largest bucket if not given)."""
+        return self._max_batch or self._predictor.buckets[-1]
+
+    @property
+    def max_wait_ms(self) -> float:
+        return self._max_wait * 1000.0
+
+    @property
+    def pending(self) -> int:
+        """Requests queued and not yet taken by the worker (approximate)."""
+        return self._queue.qsize()
+
+    def submit(self, examples: Sequence[Mapping]) -> concurrent.futures.Future:
+        """Queue one request (a list of raw-feature examples); thread-safe.
+
+        Returns a Future whose result is that request's scores (f32[len(examples)]) or
+        whose exception is its `RequestError` (or the batch's model error).
+        Raises `BatcherClosedError` after `close`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_Request(examples, len(examples), time.monotonic(), future, None))
+        return future
+
+    def submit_async(self, examples: Sequence[Mapping]) -> asyncio.Future:
+        """`submit` for a coroutine in a running event loop: an asyncio.Future of
+        `(scores, model_version)`, the version of the model that scored the request."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._put(_Request(examples, len(examples), time.monotonic(), future, loop))
+        return future
+
+    def _put(self, request: _Request) -> None:
+        with self._lock:  # so no request slips in behind close()'s stop marker
+            if self._closed:
+                raise BatcherClosedError("the batcher is closed (the server is shutting down)")
+            self._queue.put(request)
+
+    def swap(self, predictor: Any) -> Any:
+        """Score later batches with `predictor`; a batch being scored finishes on the old
+        one. Returns the old predictor."""
+        old, self._predictor = self._predictor, predictor
+        return old
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests, score those already queued, stop the worker."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)  # the stop marker, behind every queued request
+        self._worker.join(timeout)
+
+    def __enter__(self) -> DynamicBatcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        """The worker's counters (batches, requests, examples, rejected, pending)."""
+        return {
+            "batches": self.batches,
+            "requests": self.requests,
+            "examples": self.examples,
+            "rejected": self.rejected,
+            "pending": self.pending,
+        }
+
+    # -- the worker ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        get = self._queue.get
+        get_nowait = self._queue.get_nowait
+        monotonic = time.monotonic
+        Empty = queue.Empty
+        carry = None  # a request that did not fit the last batch: it opens the next one
+        stop = False
+        while not stop:
+            first = carry if carry is not None else get()
+            carry = None
+            if first is None:
+                break
+            batch = [first]
+            n = first.n
+            limit = self._max_batch or self._predictor.buckets[-1]
+            deadline = first.t + self._max_wait
+            while n < limit:
+                try:
+                    r = get_nowait()
+                except Empty:
+                    remaining = deadline - monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        r = get(timeout=remaining)
+                    except Empty:
+                        break
+                if r is None:
+                    stop = True
+                    break
+                if n + r.n > limit:
+                    carry = r
+                    break
+                batch.append(r)
+                n += r.n
+            self._process(batch)
+        # close() holds the lock while it queues the stop marker, so nothing follows it.
+
+    def _process(self, batch: list[_Request]) -> None:
+        """Parse each request, score the good ones in one call, settle every future."""
+        predictor = self._predictor  # one model for the whole batch, even during a swap
+        parse = predictor.parse
+        version = predictor.version
+        good: list[_Request] = []
+        parsed = []
+        done: list = []  # (request, result, error) for asyncio futures
+        for r in batch:
+            if r.loop is None and not r.future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                parsed.append(parse(r.examples))
+            except Exception as e:  # RequestError, or any other fault of this request
+                self.rejected += 1
+                if r.loop is None:
+                    r.future.set_exception(e)
+                else:
+                    done.append((r, None, e))
+                continue
+            good.append(r)
+        if good:
+            t0 = time.perf_counter()
+            try:
+                outs = predictor.score(parsed)
+                if len(outs) != len(good):
+                    raise RuntimeError(
+                        f"predictor.score returned {len(outs)} arrays for {len(good)} requests"
+                    )
+            except Exception as e:  # the model failed: every request of this batch fails
+                for r in good:
+                    if r.loop is None:
+                        r.future.set_exception(e)
+                    else:
+                        done.append((r, None, e))
+            else:
+                for r, out in zip(good, outs, strict=True):
+                    if r.loop is None:
+                        r.future.set_result(out)
+                    else:
+                        done.append((r, (out, version), None))
+            seconds = time.perf_counter() - t0
+            examples = sum(len(p) for p in parsed)
+            self.batches += 1
+            self.requests += len(good)
+            self.examples += examples
+            if self._on_batch is not None:
+                self._on_batch(examples, len(good), seconds)
+        if done:
+            self._settle(done)
+
+    @staticmethod
+    def _settle(done: list) -> None:
+        """One call_soon_threadsafe per event loop for the whole batch."""
+        by_loop: dict = {}
+        for r, result, error in done:
+            by_loop.setdefault(r.loop, []).append((r.future, result, error))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, items)
+            except RuntimeError:  # the loop was closed: nobody is waiting any more
+                pass

@@ -1,0 +1,710 @@
+"""The HTTP prediction server behind `sparsejax serve MODEL_PATH` (aiohttp).
+
+Endpoints (JSON in and out; every error is `{"error": "<one line>"}`):
+
+  POST /v1/predict   {"examples": [{feature: value, ...}, ...]}, {"example": {...}} or a
+                     bare object of one example's features
+                     -> {"scores": [p, ...], "model_version": "..."}
+  POST /v1/retrieve  {"user": {feature: value, ...}, "k": 10} (two-tower models)
+                     -> {"items": [raw item id, ...], "scores": [...], "model_version": "..."}
+  GET  /healthz      -> {"status": "ok", "model_version": ..., "task": ..., ...}
+  GET  /v1/model     -> the model's info (path, version, format, quantization, features)
+  GET  /metrics      Prometheus text: requests by endpoint and code, errors by kind,
+                     latency histograms, batch sizes, model calls, model version, reloads
+  POST /v1/reload    check the model path now (empty body), or switch to another model
+                     path ({"path": "/models/ctr"}) -> {"reloaded": bool, "model_version": ...}
+
+Status codes: 400 for a malformed body (the JSON parser's message with its line and
+column), a request the model refuses (`RequestError`: unknown feature, wrong type, ...)
+or /v1/retrieve on a binary model; 413 for a body over `max_body_bytes`; 500 for a model
+or server fault (logged); 503 while shutting down. A bad request fails alone: the others
+of its batch are scored.
+
+Predictions go through a `DynamicBatcher`: the handler queues the request and awaits its
+future, so the event loop parses HTTP and JSON while the batcher's thread runs the model.
+
+Model path: a model dir (has model.json) or a folder of numbered version subfolders
+(`1/`, `2/`, ...; the highest with a model.json is served). Every `poll_seconds` the
+path is checked: a newer version (or the served dir's files changing) is loaded and
+warmed up in a background thread, then swapped into the batcher; requests in flight
+finish on the old model, none is dropped. A load that fails keeps the old model serving,
+logs one line and counts `sparsejax_model_reloads_total{result="failure"}`; that version
+is not tried again until its files change. Removing the newest version folder rolls back
+to the next one. Write a version under a temporary name and rename it into place, so the
+server never sees half a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import prometheus_client as prom
+from aiohttp import web
+
+from ._batching import BatcherClosedError, DynamicBatcher
+from ._predictor import ModelLoadError, RequestError
+
+__all__ = ["ModelServer", "make_app", "serve", "SERVER_KEY"]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+_JSON_TYPES.update({int: "a number", float: "a number", type(None): "null"})
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+class _HttpError(Exception):
+    """A request the server answers with `status` and `{"error": message}`."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+def _examples(body: Any) -> list:
+    """The list of examples of a /v1/predict body (see the module docstring)."""
+    if not isinstance(body, dict):
+        raise _HttpError(
+            400,
+            "bad_request",
+            f'expected a JSON object ({{"examples": [...]}}, {{"example": {{...}}}} or one '
+            f"example's features), got {_json_type(body)}",
+        )
+    if "examples" in body or "example" in body:
+        key = "examples" if "examples" in body else "example"
+        extra = sorted(k for k in body if k != key)
+        if extra:
+            raise _HttpError(
+                400, "bad_request", f"unexpected key {extra[0]!r} beside {key!r} in the body"
+            )
+        value = body[key]
+        if key == "example":
+            if not isinstance(value, dict):
+                raise _HttpError(
+                    400, "bad_request", f"'example' must be an object, got {_json_type(value)}"
+                )
+            return [value]
+        if not isinstance(value, list):
+            raise _HttpError(
+                400,
+                "bad_request",
+                f"'examples' must be an array of objects, got {_json_type(value)}",
+            )
+        for i, ex in enumerate(value):
+            if type(ex) is not dict:
+                raise _HttpError(
+                    400, "bad_request", f"examples[{i}] must be an object, got {_json_type(ex)}"
+                )
+        return value
+    return [body]
+
+
+def _plain(values: Any) -> list:
+    """Raw item ids as JSON values (numpy scalars to Python ones)."""
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
+    return [v.item() if hasattr(v, "item") else v for v in values]
+
+
+def _candidates(source: str) -> list[str]:
+    """The model dirs `source` offers, the one to serve first: `source` itself if it
+    holds model.json, else its numbered subfolders that hold one, highest first."""
+    if os.path.isfile(os.path.join(source, "model.json")):
+        return [source]
+    try:
+        names = os.listdir(source)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the model path {source}: {e.strerror}") from None
+    versions = sorted(
+        (int(n), n)
+        for n in names
+        if n.isdigit() and os.path.isfile(os.path.join(source, n, "model.json"))
+    )
+    if not versions:
+        raise ModelLoadError(
+            f"{source} is neither a model dir (no model.json) nor a folder of numbered "
+            "version subfolders holding one (1/, 2/, ...)"
+        )
+    return [os.path.join(source, n) for _, n in reversed(versions)]
+
+
+def _signature(model_dir: str) -> tuple | None:
+    """What changes when a model dir's files are replaced: name, size and mtime of each
+    entry (and of the dir). None if it cannot be read."""
+    try:
+        with os.scandir(model_dir) as it:
+            entries = []
+            for e in it:
+                st = e.stat()
+                entries.append((e.name, st.st_size, st.st_mtime_ns))
+        return (os.stat(model_dir).st_mtime_ns, tuple(sorted(entries)))
+    except OSError:
+        return None
+
+
+class _Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several apps in one
+    process, as in the tests, do not share counters)."""
+
+    def __init__(self) -> None:
+        r = self.registry = prom.CollectorRegistry(auto_describe=True)
+        self.requests = prom.Counter(
+            "sparsejax_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "code"],
+            registry=r,
+        )
+        self.errors = prom.Counter(
+            "sparsejax_request_errors",
+            "Requests answered with an error, by endpoint and kind (bad_json, too_large, "
+            "bad_request, model_error, unavailable, internal)",
+            ["endpoint", "kind"],
+            registry=r,
+        )
+        self.latency = prom.Histogram(
+            "sparsejax_request_latency_seconds",
+            "Seconds from a request's handler start to its answer, by endpoint",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_examples = prom.Histogram(
+            "sparsejax_batch_size_examples",
+            "Examples per model call (the dynamic batch size)",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_requests = prom.Histogram(
+            "sparsejax_batch_size_requests",
+            "Requests per model call",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.model_seconds = prom.Histogram(
+            "sparsejax_model_call_seconds",
+            "Seconds per model call (score of one batch)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.predictions = prom.Counter("sparsejax_predictions", "Examples scored", registry=r)
+        self.model = prom.Gauge(
+            "sparsejax_model_info",
+            "The model being served (1 for its version and task)",
+            ["version", "task"],
+            registry=r,
+        )
+        self.reloads = prom.Counter(
+            "sparsejax_model_reloads",
+            "Model loads after start-up, by result (success, failure)",
+            ["result"],
+            registry=r,
+        )
+        self.reloads.labels("success")
+        self.reloads.labels("failure")
+        self._children: dict = {}
+
+    def request(self, endpoint: str, status: int, seconds: float) -> None:
+        key = (endpoint, status)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = (
+                self.requests.labels(endpoint, str(status)),
+                self.latency.labels(endpoint),
+            )
+        child[0].inc()
+        child[1].observe(seconds)
+
+    def on_batch(self, examples: int, requests: int, seconds: float) -> None:
+        """The batcher's per-batch hook (runs in its worker thread)."""
+        self.batch_examples.observe(examples)
+        self.batch_requests.observe(requests)
+        self.model_seconds.observe(seconds)
+        self.predictions.inc(examples)
+
+    def serving(self, predictor: Any) -> None:
+        self.model.clear()
+        self.model.labels(str(predictor.version), str(predictor.task)).set(1)
+
+
+class ModelServer:
+    """The state behind the HTTP app: the model path, the batcher, metrics and reloads.
+
+    Loads the model path's best model at construction (see the module docstring; the
+    newest version that loads, each failure logged); raises `ModelLoadError` if none
+    loads. `make_app` builds one and wires it into an aiohttp app (`app[SERVER_KEY]`).
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        predictor: Any = None,
+        loader: Callable[[str], Any] | None = None,
+        max_batch: int | None = None,
+        max_wait_ms: float = 2.0,
+        max_body_bytes: int = 1 << 20,
+        poll_seconds: float | None = 10.0,
+        log: Callable[[str], Any] = print,
+    ):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if poll_seconds is not None and not poll_seconds > 0:
+            raise ValueError(f"poll_seconds must be > 0 (or None: no polling), got {poll_seconds}")
+        if loader is None:
+            from ._predictor import Predictor
+
+            def loader(model_dir: str) -> Any:
+                return Predictor.load(model_dir, warmup=True)
+
+        self.loader = loader
+        self.max_body_bytes = int(max_body_bytes)
+        self.poll_seconds = poll_seconds
+        self.log = log
+        self.metrics = _Metrics()
+        self.source = None if model_path is None else os.fspath(model_path)
+        self.model_dir: str | None = None  # the dir the served model came from
+        self._signature: tuple | None = None
+        self._failed: dict[str, Any] = {}  # dir -> its signature when its load failed
+        self._last_error = ("", 0.0)
+        self.started = time.time()
+        if predictor is None:
+            if self.source is None:
+                raise ValueError("give a model path or a predictor")
+            predictor = self._load_first()
+        self.batcher = DynamicBatcher(
+            predictor,
+            max_batch=max_batch,
+            max_wait_ms=max_wait_ms,
+            on_batch=self.metrics.on_batch,
+        )
+        self.metrics.serving(predictor)
+        # Model loads (and warm-up compiles) and retrieval run in threads of their own,
+        # never in the event loop, and a slow load does not hold up retrieval.
+        self._load_pool = concurrent.futures.ThreadPoolExecutor(1, "sparsejax-load")
+        self._retrieve_pool = concurrent.futures.ThreadPoolExecutor(1, "sparsejax-retrieve")
+        self._reload_lock: asyncio.Lock | None = None
+        self._poll_task: asyncio.Task | None = None
+
+    @property
+    def predictor(self) -> Any:
+        return self.batcher.predictor
+
+    def _load_first(self) -> Any:
+        dirs = _candidates(self.source)
+        first_error = None
+        for d in dirs:
+            sig = _signature(d)
+            try:
+                predictor = self.loader(d)
+            except Exception as e:
+                self._failed[d] = sig
+                first_error = first_error or e
+                self.log(f"sparsejax serve: cannot load {d}: {_one_line(e)}")
+                continue
+            self.model_dir, self._signature = d, sig
+            return predictor
+        if len(dirs) == 1 and isinstance(first_error, ModelLoadError):
+            raise first_error
+        raise ModelLoadError(
+            f"no model in {self.source} could be loaded (the newest: {_one_line(first_error)})"
+        )
+
+    # -- reloads ------------------------------------------------------------------------
+
+    async def check(self, path: str | None = None, *, retry_failed: bool = False) -> dict:
+        """Load and swap in the model `path` (default: the current model path) offers if
+        it differs from the one served. Returns {"reloaded", "model_version", and
+        "error" if a load failed (the old model keeps serving)}."""
+        if self._reload_lock is None:
+            self._reload_lock = asyncio.Lock()
+        async with self._reload_lock:
+            source = self.source if path is None else os.fspath(path)
+            current = self.predictor
+            try:
+                dirs = _candidates(source)
+            except ModelLoadError as e:
+                if not retry_failed and self._failed.get(source) == str(e):
+                    return {"reloaded": False, "model_version": current.version}
+                return self._failure(source, str(e), e, current)
+            for d in dirs:  # the newest first; those older than the served one only
+                # if it is gone (a rollback)
+                sig = _signature(d)
+                failed = not retry_failed and d in self._failed and self._failed[d] == sig
+                if d == self.model_dir and (sig == self._signature or failed):
+                    self.source = source  # unchanged, or its change failed to load before
+                    return {"reloaded": False, "model_version": current.version}
+                if failed:
+                    continue  # failed before and unchanged since
+                loop = asyncio.get_running_loop()
+                try:
+                    predictor = await loop.run_in_executor(self._load_pool, self.loader, d)
+                except Exception as e:
+                    return self._failure(d, sig, e, current)
+                self._failed.pop(d, None)
+                self.batcher.swap(predictor)
+                self.source, self.model_dir, self._signature = source, d, sig
+                self.metrics.serving(predictor)
+                self.metrics.reloads.labels("success").inc()
+                self.log(
+                    f"sparsejax serve: now serving {predictor.version} from {d} "
+                    f"(was {current.version})"
+                )
+                return {
+                    "reloaded": True,
+                    "model_version": predictor.version,
+                    "previous_version": current.version,
+                }
+            return {"reloaded": False, "model_version": current.version}
+
+    def _failure(self, where: str, sig: Any, e: Exception, current: Any) -> dict:
+        """Log and count a failed load; `sig` is remembered so that polling does not try
+        (and log) `where` again until it changes."""
+        self._failed[where] = sig
+        self.metrics.reloads.labels("failure").inc()
+        message = f"cannot load {where}: {_one_line(e)}"
+        self.log(f"sparsejax serve: {message}; still serving {current.version}")
+        return {"reloaded": False, "model_version": current.version, "error": message}
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_seconds)
+            try:
+                await self.check()
+            except Exception as e:  # a bug must not stop the polling
+                self._log_error("poll", e)
+
+    # -- the app's lifecycle ------------------------------------------------------------
+
+    async def on_startup(self, app: web.Application) -> None:
+        if self.poll_seconds is not None and self.source is not None:
+            self._poll_task = asyncio.create_task(self._poll())
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        """After the last handler: stop polling, drain the batcher, stop the threads."""
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            try:
+                await self._poll_task
+            except asyncio.CancelledError:
+                pass
+        await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._retrieve_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- handlers -----------------------------------------------------------------------
+
+    def _log_error(self, endpoint: str, e: BaseException) -> None:
+        """Log an unexpected error, the same one at most every 10 s (a failing model
+        fails every request of a batch)."""
+        line = f"{endpoint}: {type(e).__name__}: {_one_line(e)}"
+        now = time.monotonic()
+        if line != self._last_error[0] or now - self._last_error[1] > 10.0:
+            self._last_error = (line, now)
+            self.log(f"sparsejax serve: error in {line}")
+
+    def route(self, endpoint: str, handler: Callable) -> Callable:
+        """`handler` with its errors mapped to JSON answers and its metrics counted."""
+        metrics = self.metrics
+
+        async def handle(request: web.Request) -> web.Response:
+            t0 = time.perf_counter()
+            try:
+                response = await handler(request)
+            except _HttpError as e:
+                response = self._error(endpoint, e.status, e.kind, e.message)
+            except RequestError as e:
+                response = self._error(endpoint, 400, "bad_request", _one_line(e))
+            except BatcherClosedError as e:
+                response = self._error(endpoint, 503, "unavailable", _one_line(e))
+            except Exception as e:
+                self._log_error(endpoint, e)
+                response = self._error(
+                    endpoint, 500, "model_error", f"{type(e).__name__}: {_one_line(e)}"
+                )
+            metrics.request(endpoint, response.status, time.perf_counter() - t0)
+            return response
+
+        return handle
+
+    def _error(self, endpoint: str, status: int, kind: str, message: str) -> web.Response:
+        self.metrics.errors.labels(endpoint, kind).inc()
+        response = _json({"error": message}, status)
+        if status == 413:
+            response.force_close()  # do not read the rest of an oversized body
+        return response
+
+    async def _body(self, request: web.Request, *, empty_ok: bool = False) -> Any:
+        """The request's JSON body; 413 over the size limit, 400 if it is not JSON."""
+        limit = self.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise _HttpError(
+                413,
+                "too_large",
+                f"request body of {length} bytes is over the limit of {limit} bytes "
+                "(serve --max-body-bytes)",
+            )
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _HttpError(
+                413,
+                "too_large",
+                f"request body is over the limit of {limit} bytes (serve --max-body-bytes)",
+            ) from None
+        if not raw.strip():
+            if empty_ok:
+                return None
+            raise _HttpError(400, "bad_json", "empty body: expected a JSON object")
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise _HttpError(
+                400,
+                "bad_json",
+                f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})",
+            ) from None
+        except UnicodeDecodeError as e:
+            raise _HttpError(
+                400,
+                "bad_json",
+                f"malformed JSON: the body is not UTF-8 ({e.reason} at byte {e.start})",
+            ) from None
+        except RecursionError:
+            raise _HttpError(400, "bad_json", "malformed JSON: nested too deeply") from None
+
+    async def predict(self, request: web.Request) -> web.Response:
+        examples = _examples(await self._body(request))
+        if not examples:
+            return _json({"scores": [], "model_version": self.predictor.version})
+        scores, version = await self.batcher.submit_async(examples)
+        return _json({"scores": scores.tolist(), "model_version": version})
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise _HttpError(
+                400, "bad_request", f'expected {{"user": {{...}}, "k": 10}}, got {_json_type(body)}'
+            )
+        extra = sorted(k for k in body if k not in ("user", "k"))
+        if extra:
+            raise _HttpError(400, "bad_request", f"unexpected key {extra[0]!r} (expected user, k)")
+        user, k = body.get("user"), body.get("k", 10)
+        if not isinstance(user, dict):
+            raise _HttpError(
+                400, "bad_request", f"'user' must be an object of features, got {_json_type(user)}"
+            )
+        if type(k) is not int or k < 1:
+            raise _HttpError(400, "bad_request", f"'k' must be an integer >= 1, got {k!r}")
+        predictor = self.predictor
+        if predictor.task != "retrieval":
+            raise _HttpError(
+                400,
+                "bad_request",
+                f"/v1/retrieve needs a retrieval (two-tower) model; model {predictor.version} "
+                f"is a {predictor.task} model (use /v1/predict)",
+            )
+        loop = asyncio.get_running_loop()
+        items, scores = await loop.run_in_executor(self._retrieve_pool, predictor.retrieve, user, k)
+        return _json(
+            {
+                "items": _plain(items),
+                "scores": [float(s) for s in scores],
+                "model_version": predictor.version,
+            }
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        predictor = self.predictor
+        return _json(
+            {
+                "status": "ok",
+                "model_version": predictor.version,
+                "task": predictor.task,
+                "model_dir": self.model_dir,
+                "max_batch": self.batcher.max_batch,
+                "max_wait_ms": self.batcher.max_wait_ms,
+                "pending": self.batcher.pending,
+                "uptime_s": round(time.time() - self.started, 3),
+            }
+        )
+
+    async def model(self, request: web.Request) -> web.Response:
+        return _json(dict(self.predictor.info))
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=prom.generate_latest(self.metrics.registry),
+            headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
+        )
+
+    async def reload(self, request: web.Request) -> web.Response:
+        body = await self._body(request, empty_ok=True)
+        path = None
+        if body is not None:
+            if not isinstance(body, Mapping) or set(body) - {"path"}:
+                raise _HttpError(
+                    400, "bad_request", 'expected an empty body or {"path": "/a/model/path"}'
+                )
+            path = body.get("path")
+            if path is not None and not isinstance(path, str):
+                raise _HttpError(
+                    400, "bad_request", f"'path' must be a string, got {_json_type(path)}"
+                )
+        if path is None and self.source is None:
+            raise _HttpError(400, "bad_request", "no model path to reload from: give one")
+        result = await self.check(path, retry_failed=True)
+        return _json(result, 500 if "error" in result else 200)
+
+
+SERVER_KEY = web.AppKey("sparsejax_server", ModelServer)
+
+
+def make_app(
+    model_path: str | None = None,
+    *,
+    predictor: Any = None,
+    loader: Callable[[str], Any] | None = None,
+    max_batch: int | None = None,
+    max_wait_ms: float = 2.0,
+    max_body_bytes: int = 1 << 20,
+    poll_seconds: float | None = 10.0,
+    log: Callable[[str], Any] = print,
+) -> web.Application:
+    """The prediction server as an aiohttp app (for `serve`, or aiohttp's test client).
+
+    Args:
+      model_path: a model dir or a folder of numbered version subfolders (see the module
+        docstring); loaded now, with `loader`.
+      predictor: serve this predictor instead of loading one (tests); `model_path`, if
+        given too, is where reloads look.
+      loader: `model_dir -> predictor` (default `Predictor.load(model_dir, warmup=True)`).
+      max_batch: most examples per model call (None: the model's largest bucket); 1
+        with `max_wait_ms=0` is batch-1 serving.
+      max_wait_ms: how long a request may wait for others to share its model call.
+      max_body_bytes: larger request bodies are refused with 413.
+      poll_seconds: how often the model path is checked for a new version (None: only
+        on POST /v1/reload).
+      log: where the server's lines go (start, reloads, failures, unexpected errors).
+
+    Raises:
+      ModelLoadError: no model of `model_path` could be loaded.
+    """
+    server = ModelServer(
+        model_path,
+        predictor=predictor,
+        loader=loader,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        max_body_bytes=max_body_bytes,
+        poll_seconds=poll_seconds,
+        log=log,
+    )
+    app = web.Application(client_max_size=server.max_body_bytes)
+    app[SERVER_KEY] = server
+    app.router.add_post("/v1/predict", server.route("predict", server.predict))
+    app.router.add_post("/v1/retrieve", server.route("retrieve", server.retrieve))
+    app.router.add_post("/v1/reload", server.route("reload", server.reload))
+    app.router.add_get("/v1/model", server.route("model", server.model))
+    app.router.add_get("/healthz", server.route("healthz", server.healthz))
+    app.router.add_get("/metrics", server.route("metrics", server.prometheus))
+    app.on_startup.append(server.on_startup)
+    app.on_cleanup.append(server.on_cleanup)
+    return app
+
+
+def serve(
+    model_path: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int | None = None,
+    max_wait_ms: float = 2.0,
+    max_body_bytes: int = 1 << 20,
+    poll_seconds: float | None = 10.0,
+    shutdown_timeout: float = 30.0,
+    loader: Callable[[str], Any] | None = None,
+    log: Callable[[str], Any] = print,
+) -> int:
+    """Serve `model_path` over HTTP until SIGINT or SIGTERM (`sparsejax serve`).
+
+    Loads (and warms up) the model, listens on host:port (port 0: any free port; the
+    line "listening on http://HOST:PORT" says which), and on a signal stops accepting
+    connections, lets requests in flight finish (up to `shutdown_timeout` seconds) and
+    returns 0. Returns 2 if it cannot listen. The other arguments are `make_app`'s.
+
+    Raises:
+      ModelLoadError: no model of `model_path` could be loaded (one line).
+    """
+    app = make_app(
+        model_path,
+        loader=loader,
+        max_batch=max_batch,
+        max_wait_ms=max_wait_ms,
+        max_body_bytes=max_body_bytes,
+        poll_seconds=poll_seconds,
+        log=log,
+    )
+    return asyncio.run(_serve(app, host, port, shutdown_timeout, log))
+
+
+async def _serve(
+    app: web.Application, host: str, port: int, shutdown_timeout: float, log: Callable
+) -> int:
+    server = app[SERVER_KEY]
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        log(f"sparsejax serve: cannot listen on {host}:{port}: {e.strerror or e}")
+        await runner.cleanup()
+        return 2
+    bound = runner.addresses[0]
+    predictor = server.predictor
+    poll = f"every {server.poll_seconds:g} s" if server.poll_seconds else "on /v1/reload only"
+    log(
+        f"sparsejax serve: model {predictor.version} ({predictor.task}) from "
+        f"{server.model_dir}; max batch {server.batcher.max_batch}, max wait "
+        f"{server.batcher.max_wait_ms:g} ms, body limit {server.max_body_bytes} bytes, "
+        f"reload check {poll}"
+    )
+    log(f"sparsejax serve: listening on http://{bound[0]}:{bound[1]} (Ctrl-C stops)")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = [signal.SIGINT, signal.SIGTERM]
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in signals:  # a second Ctrl-C interrupts the shutdown
+            loop.remove_signal_handler(sig)
+        log("sparsejax serve: stopping; finishing the requests in flight")
+        await runner.cleanup()
+    log("sparsejax serve: stopped")
+    return 0
