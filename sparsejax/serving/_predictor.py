@@ -198,3 +198,11 @@ class Predictor:
     def predict(self, examples: Sequence[Mapping]) -> np.ndarray:
         """Probabilities (f32[n]) of raw examples (JSON-like dicts of feature values)."""
         return self.score([self.parse(examples)])[0]
+
+    def retrieve(self, user: Mapping, k: int) -> tuple[list, np.ndarray]:
+        """Top-k items for a user (two-tower models). The exporter takes binary models
+        only so far, so every loaded model refuses with a `RequestError`."""
+        raise RequestError(
+            f"model {self.manifest['model']!r} is a {self.task} model: /v1/retrieve needs a "
+            f"two-tower (retrieval) model, and exporting those is not built yet"
+        )
