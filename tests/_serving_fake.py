@@ -49,22 +49,25 @@ class FakePredictor:
         self.buckets = buckets
         self.delay = delay
         self.fail_score = fail_score
-        self.calls: list[list[int]] = []  # examples of each request, per score call
+        self.calls: list[list[int]] = []  # per score call: the examples of each input
+        self.parses: list[int] = []  # per parse call: its examples
+        self.plain_errors = False  # True: errors that name no example index
         self._lock = threading.Lock()
         self.info = {"path": None, "version": version, "format": "fake", "task": task}
         self.example_request = {"examples": [{"a": 1.0, "b": 2.0, "c": 3}, {"a": 0.5}]}
 
     def parse(self, examples) -> FakeParsed:
+        with self._lock:
+            self.parses.append(len(examples))
         values = []
         for i, ex in enumerate(examples):
             total = 0.0
             for name, value in ex.items():
+                where = "" if self.plain_errors else f"example {i}: "
                 if name not in FEATURES:
-                    raise RequestError(f"example {i}: unknown feature {name!r}")
+                    raise RequestError(f"{where}unknown feature {name!r}")
                 if type(value) not in (int, float):
-                    raise RequestError(
-                        f"example {i}: feature {name!r} must be a number, got {value!r}"
-                    )
+                    raise RequestError(f"{where}feature {name!r} must be a number, got {value!r}")
                 total += value
             values.append(total)
         return FakeParsed(np.asarray(values, np.float64))

@@ -67,7 +67,8 @@ def test_batcher_groups_up_to_max_batch_and_answers_each_request_with_its_own_sc
         n += len(r)
     expected.append(n)
     assert sizes == expected
-    assert [len(c) for c in fake.calls] == [len(c) for c in fake.calls if c]  # no empty call
+    assert fake.parses == sizes  # each batch parsed as one request
+    assert all(len(c) == 1 for c in fake.calls)  # and scored as one input
     assert batcher.stats()["requests"] == 12 and batcher.stats()["examples"] == sum(sizes)
 
 
@@ -79,7 +80,7 @@ def test_batcher_takes_what_queued_while_the_model_was_busy_even_without_waiting
         rest = [batcher.submit([{"a": i}]) for i in range(10)]
         assert first.result(timeout=10).tolist() == [1]
         assert [f.result(timeout=10).tolist() for f in rest] == [[i] for i in range(10)]
-    assert fake.calls == [[1], [1] * 10]
+    assert fake.calls == [[1], [10]] and fake.parses == [1, 10]
 
 
 def test_batcher_scores_an_oversized_request_alone_and_batch_1_serving_never_groups():
@@ -107,8 +108,11 @@ def test_batcher_fails_a_bad_request_alone_and_a_model_error_fails_its_batch():
         assert good2.result(timeout=10).tolist() == [5]
         with pytest.raises(RequestError, match="example 1: unknown feature 'zz'"):
             bad.result(timeout=10)
-    assert fake.calls == [[2, 1]]  # one call, for the good requests only
-    assert batcher.rejected == 1
+    # The batch parsed as one request fails at its example 3, the bad request's example
+    # 1: that request is parsed alone (its own error), the other two together again.
+    assert fake.parses == [5, 2, 3]
+    assert fake.calls == [[3]]  # one call, for the good requests only
+    assert batcher.rejected == 1 and batcher.requests == 2
     with DynamicBatcher(FakePredictor(fail_score=True), max_wait_ms=50) as batcher:
         futures = [batcher.submit([{"a": 1}]) for _ in range(3)]
         for f in futures:
@@ -138,6 +142,27 @@ def test_batcher_swap_close_and_cancelled_requests():
     assert old.calls == [[1]]
 
 
+def test_batcher_finds_bad_requests_by_halving_when_the_error_names_no_example():
+    fake = FakePredictor(delay=0.05)
+    fake.plain_errors = True
+    requests = [[{"a": i}, {"b": 1}] for i in range(8)]
+    requests[2][1] = {"zz": 1}
+    requests[5][0] = {"b": "x"}
+    with DynamicBatcher(fake, max_batch=64, max_wait_ms=200) as batcher:
+        futures = [batcher.submit(r) for r in requests]
+        for i, f in enumerate(futures):
+            if i == 2:
+                with pytest.raises(RequestError, match="^unknown feature 'zz'$"):
+                    f.result(timeout=10)
+            elif i == 5:
+                with pytest.raises(RequestError, match="^feature 'b' must be a number"):
+                    f.result(timeout=10)
+            else:
+                assert f.result(timeout=10).tolist() == [i, 1]
+    assert len(fake.calls) == 1 and sum(fake.calls[0]) == 12
+    assert batcher.rejected == 2 and batcher.requests == 6
+
+
 def test_batcher_from_many_threads():
     fake = FakePredictor(delay=0.002)
     rng = random.Random(1)
@@ -148,7 +173,7 @@ def test_batcher_from_many_threads():
         for r, f in zip(requests, futures, strict=True):
             np.testing.assert_array_equal(f.result(timeout=10), [sum(e.values()) for e in r])
     assert max(sum(c) for c in fake.calls) <= 32
-    assert sum(len(c) for c in fake.calls) == 400
+    assert batcher.requests == 400 and sum(sum(c) for c in fake.calls) == sum(map(len, requests))
 
 
 # -- the server ---------------------------------------------------------------------------
@@ -294,8 +319,10 @@ def test_concurrent_load_with_5_percent_malformed_requests_loses_no_good_request
             assert status == 200, got
             assert got["scores"] == [float(np.float32(sum(e.values()))) for e in examples]
     assert sum(s == 200 for s, _ in answers) == 380
-    assert max(len(c) for c in fake.calls) > 1  # requests were grouped
-    assert sum(len(c) for c in fake.calls) == 380 - 0  # bad requests never reach score
+    batcher = app[SERVER_KEY].batcher
+    assert batcher.requests == 380  # every good one scored once
+    assert batcher.rejected == sum(b'"nope"' in raw for raw, _ in bodies)  # parse failures
+    assert max(sum(c) for c in fake.calls) > 5  # requests were grouped
 
 
 def test_metrics_text():

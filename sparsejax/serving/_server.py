@@ -269,8 +269,11 @@ class ModelServer:
     ):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-        if poll_seconds is not None and not poll_seconds > 0:
-            raise ValueError(f"poll_seconds must be > 0 (or None: no polling), got {poll_seconds}")
+        if poll_seconds is not None and not poll_seconds >= 0:
+            raise ValueError(
+                f"poll_seconds must be >= 0 (0 or None: no polling), got {poll_seconds}"
+            )
+        poll_seconds = poll_seconds or None
         if loader is None:
             from ._predictor import Predictor
 
@@ -604,8 +607,8 @@ def make_app(
         with `max_wait_ms=0` is batch-1 serving.
       max_wait_ms: how long a request may wait for others to share its model call.
       max_body_bytes: larger request bodies are refused with 413.
-      poll_seconds: how often the model path is checked for a new version (None: only
-        on POST /v1/reload).
+      poll_seconds: how often the model path is checked for a new version (0 or None:
+        only on POST /v1/reload).
       log: where the server's lines go (start, reloads, failures, unexpected errors).
 
     Raises:
