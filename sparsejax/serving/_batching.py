@@ -3,7 +3,7 @@
 A model call costs about the same for 1 example as for 100 (the fixed cost is the Python
 dispatch, the padding to a bucket and XLA's launch), so a server that scores each
 request alone spends most of its time on overhead. `DynamicBatcher` puts requests in a
-queue; one worker thread takes what is pending, up to `max_batch` examples or until the
+queue; a worker thread takes what is pending, up to `max_batch` examples or until the
 oldest request has waited `max_wait_ms`, parses them, scores them in one
 `predictor.score` call and hands each request its own slice of the scores.
 
@@ -19,8 +19,10 @@ queued while the model was busy are taken at once, so under load batches form by
 themselves and `max_wait_ms=0` still batches ("natural" batching). `max_batch=1,
 max_wait_ms=0` is batch-1 serving, the baseline the benchmark compares against.
 
-The worker is the only thread that runs the model (XLA releases the GIL while it
-computes, so an event loop in another thread keeps reading requests meanwhile).
+Two threads do the work, one batch apart: one gathers and parses batch k+1 while the
+other scores batch k (XLA releases the GIL while it computes, so parsing, and an event
+loop in another thread, go on meanwhile). The scorer is the only thread that runs the
+model.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def _parse_groups(parse: Callable, requests: list[_Request], failed: list) -> li
 
 
 class DynamicBatcher:
-    """Groups concurrent requests into batches for one model, scored by one worker thread.
+    """Groups concurrent requests into batches for one model, scored by worker threads.
 
     Args:
       predictor: anything with `parse(examples) -> Parsed` (raises `RequestError` for a
@@ -132,7 +134,7 @@ class DynamicBatcher:
         scored alone (the predictor chunks it).
       max_wait_ms: how long the oldest pending request may wait for others to join its
         batch. 0 = take only what is already queued.
-      on_batch: called by the worker after each `score` call with (examples, requests,
+      on_batch: called by the scoring thread after each `score` call with (examples, requests,
         seconds) - for metrics; it must be quick and must not raise.
 
     `submit` is thread-safe and returns a `concurrent.futures.Future` of that request's
@@ -141,7 +143,7 @@ class DynamicBatcher:
     `call_soon_threadsafe` per batch rather than one per request. A request's parse
     error fails that request only (see the module docstring); an error from `score`
     fails every request of the batch. `swap` changes the model for later batches;
-    `close` finishes what is queued and stops the worker.
+    `close` finishes what is queued and stops the threads.
 
     Example:
         batcher = DynamicBatcher(Predictor.load("model"), max_wait_ms=2)
@@ -169,13 +171,21 @@ class DynamicBatcher:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        # Counters, written by the worker only (read them for metrics or tests).
+        # Counters, each written by one worker thread (read them for metrics or tests).
         self.batches = 0  # score calls
         self.requests = 0  # requests scored
         self.examples = 0  # examples scored
         self.rejected = 0  # requests whose parse failed
-        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
-        self._worker.start()
+        # Two stages, one batch apart: the gatherer takes and parses batch k+1 while the
+        # scorer runs batch k (the model releases the GIL, parsing does not).
+        self._handoff: queue.SimpleQueue = queue.SimpleQueue()
+        self._free = threading.Semaphore(1)  # the gatherer may prepare one batch ahead
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-gather", daemon=True),
+            threading.Thread(target=self._score_loop, name=f"{name}-score", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
     # -- the caller's side ------------------------------------------------------------
 
@@ -223,19 +233,21 @@ class DynamicBatcher:
             self._queue.put(request)
 
     def swap(self, predictor: Any) -> Any:
-        """Score later batches with `predictor`; a batch being scored finishes on the old
-        one. Returns the old predictor."""
+        """Parse and score the batches taken from now on with `predictor`; a batch taken
+        before (the one being scored, and at most one parsed and waiting) finishes on
+        the old one. Returns the old predictor."""
         old, self._predictor = self._predictor, predictor
         return old
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop taking requests, score those already queued, stop the worker."""
+        """Stop taking requests, score those already queued, stop the threads."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._queue.put(None)  # the stop marker, behind every queued request
-        self._worker.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
 
     def __enter__(self) -> DynamicBatcher:
         return self
@@ -253,7 +265,7 @@ class DynamicBatcher:
             "pending": self.pending,
         }
 
-    # -- the worker ---------------------------------------------------------------------
+    # -- the workers --------------------------------------------------------------------
 
     def _run(self) -> None:
         get = self._queue.get
@@ -263,6 +275,7 @@ class DynamicBatcher:
         carry = None  # a request that did not fit the last batch: it opens the next one
         stop = False
         while not stop:
+            self._free.acquire()  # the scorer took the last batch: gather the next
             first = carry if carry is not None else get()
             carry = None
             if first is None:
@@ -290,21 +303,39 @@ class DynamicBatcher:
                     break
                 batch.append(r)
                 n += r.n
-            self._process(batch)
+            self._prepare(batch)
         # close() holds the lock while it queues the stop marker, so nothing follows it.
+        self._handoff.put(None)
 
-    def _process(self, batch: list[_Request]) -> None:
-        """Parse the batch (as one request when it can), score it in one call, settle
-        every future."""
+    def _prepare(self, batch: list[_Request]) -> None:
+        """Parse the batch (as one request when it can), fail the requests that do not
+        parse, hand the rest to the scorer."""
         predictor = self._predictor  # one model for the whole batch, even during a swap
-        version = predictor.version
         live = [r for r in batch if r.loop is not None or r.future.set_running_or_notify_cancel()]
         failed: list = []  # (request, error) of requests that did not parse
         groups = _parse_groups(predictor.parse, live, failed) if live else []
+        if failed:
+            done: list = []
+            self.rejected += len(failed)
+            for r, e in failed:
+                self._fail(r, e, done)
+            if done:
+                self._settle(done)
+        if groups:
+            self._handoff.put((predictor, groups))
+        else:
+            self._free.release()
+
+    def _score_loop(self) -> None:
+        get = self._handoff.get
+        while (item := get()) is not None:
+            self._free.release()
+            self._score(*item)
+
+    def _score(self, predictor: Any, groups: list[tuple]) -> None:
+        """Score the parsed groups of one batch in one call, settle every future."""
+        version = predictor.version
         done: list = []  # (request, result, error) for asyncio futures
-        self.rejected += len(failed)
-        for r, e in failed:
-            self._fail(r, e, done)
         if groups:
             t0 = time.perf_counter()
             try:
