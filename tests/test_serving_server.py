@@ -98,6 +98,39 @@ def test_batcher_scores_an_oversized_request_alone_and_batch_1_serving_never_gro
     assert fake.calls == [[1]] * 20
 
 
+def test_batcher_does_not_wait_when_nobody_else_is_on_the_way():
+    on_the_way = [1]
+    fake = FakePredictor()
+    with DynamicBatcher(fake, max_wait_ms=5000, active=lambda: on_the_way[0]) as batcher:
+        t0 = time.monotonic()
+        assert batcher.submit([{"a": 1}]).result(timeout=10).tolist() == [1]
+        assert time.monotonic() - t0 < 2.0  # not the 5 s max wait
+        on_the_way[0] = 3  # two more are being read: wait for them
+        first = batcher.submit([{"a": 1}])
+        time.sleep(0.2)
+        assert not first.done()
+        second = batcher.submit([{"a": 2}])
+        time.sleep(0.1)
+        assert not second.done()
+        third = batcher.submit([{"a": 3}])  # all three in the batch: it goes at once
+        assert third.result(timeout=2).tolist() == [3] and first.result(0).tolist() == [1]
+    assert fake.calls == [[1], [3]]
+
+
+def test_server_answers_a_lone_client_without_the_max_wait():
+    app = make_app(predictor=FakePredictor(), max_wait_ms=3000, log=lambda s: None)
+
+    async def go(client):
+        t0 = time.monotonic()
+        for i in range(3):
+            r = await client.post("/v1/predict", json={"example": {"a": i}})
+            assert (await r.json())["scores"] == [i]
+        return time.monotonic() - t0
+
+    assert run_client(app, go) < 2.0
+    assert app[SERVER_KEY].active == 0
+
+
 def test_batcher_fails_a_bad_request_alone_and_a_model_error_fails_its_batch():
     fake = FakePredictor(delay=0.05)
     with DynamicBatcher(fake, max_batch=64, max_wait_ms=100) as batcher:

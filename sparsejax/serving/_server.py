@@ -291,6 +291,7 @@ class ModelServer:
         self._failed: dict[str, Any] = {}  # dir -> its signature when its load failed
         self._last_error = ("", 0.0)
         self.started = time.time()
+        self.active = 0  # /v1/predict requests being handled (read by the batcher)
         if predictor is None:
             if self.source is None:
                 raise ValueError("give a model path or a predictor")
@@ -300,6 +301,7 @@ class ModelServer:
             max_batch=max_batch,
             max_wait_ms=max_wait_ms,
             on_batch=self.metrics.on_batch,
+            active=lambda: self.active,
         )
         self.metrics.serving(predictor)
         # Model loads (and warm-up compiles) and retrieval run in threads of their own,
@@ -498,10 +500,14 @@ class ModelServer:
             raise _HttpError(400, "bad_json", "malformed JSON: nested too deeply") from None
 
     async def predict(self, request: web.Request) -> web.Response:
-        examples = _examples(await self._body(request))
-        if not examples:
-            return _json({"scores": [], "model_version": self.predictor.version})
-        scores, version = await self.batcher.submit_async(examples)
+        self.active += 1
+        try:
+            examples = _examples(await self._body(request))
+            if not examples:
+                return _json({"scores": [], "model_version": self.predictor.version})
+            scores, version = await self.batcher.submit_async(examples)
+        finally:
+            self.active -= 1
         return _json({"scores": scores.tolist(), "model_version": version})
 
     async def retrieve(self, request: web.Request) -> web.Response:
