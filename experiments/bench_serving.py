@@ -33,6 +33,10 @@ a p99 under 20 ms - exists, and there its throughput is >= 5x batch-1 serving's 
 same concurrency (the highest throughput at any p99 is printed beside it). They are
 printed; --strict makes a failed check exit with status 1.
 
+--malformed 0.05 breaks that fraction of the bodies (truncated JSON, an unknown feature,
+a value of the wrong type, in turn): every good request must still get 200 and every
+malformed one 400 (a check); throughput counts the 200s only.
+
 --url LABEL=URL measures a server that is already running (one mode, "given"; no
 predictor section; --examples gives the bodies).
 
@@ -105,9 +109,11 @@ class _Phase:
         self.latencies: list[float] = []
         self.statuses: dict[int, int] = {}
         self.first_error: str | None = None
+        self.unexpected = 0  # answers whose status is not the body's expected one
+        self.first_unexpected: str | None = None
 
 
-async def _drive(host, port, conns: list, k: int, requests: list[bytes], phase: _Phase):
+async def _drive(host, port, conns, k, requests: list[bytes], expect: list[int], phase: _Phase):
     """Connection k sends requests back to back until the phase ends."""
     reader, writer, i = conns[k]
     perf = time.perf_counter
@@ -119,6 +125,7 @@ async def _drive(host, port, conns: list, k: int, requests: list[bytes], phase: 
         phase.left -= 1
         t0 = perf()
         writer.write(requests[i % n])
+        want = expect[i % n]
         i += 1
         try:
             status, body, closing = await _read_response(reader)
@@ -130,13 +137,18 @@ async def _drive(host, port, conns: list, k: int, requests: list[bytes], phase: 
             statuses[status] = statuses.get(status, 0) + 1
             if status != 200 and phase.first_error is None:
                 phase.first_error = f"{status}: {body[:300].decode(errors='replace')}"
+            if status != want:
+                phase.unexpected += 1
+                if phase.first_unexpected is None:
+                    text = body[:300].decode(errors="replace")
+                    phase.first_unexpected = f"expected {want}, got {status}: {text}"
         if closing:  # the server closed it (e.g. after a 413): open another
             writer.close()
             reader, writer = await asyncio.open_connection(host, port)
     conns[k] = (reader, writer, i)
 
 
-async def _load(host, port, requests, concurrency, max_requests, seconds, warmup_seconds):
+async def _load(host, port, requests, expect, concurrency, max_requests, seconds, warmup_seconds):
     conns = []
     for k in range(concurrency):
         reader, writer = await asyncio.open_connection(host, port)
@@ -145,12 +157,12 @@ async def _load(host, port, requests, concurrency, max_requests, seconds, warmup
         if warmup_seconds > 0:
             warm = _Phase(1 << 62, warmup_seconds, False)
             await asyncio.gather(
-                *(_drive(host, port, conns, k, requests, warm) for k in range(concurrency))
+                *(_drive(host, port, conns, k, requests, expect, warm) for k in range(concurrency))
             )
         phase = _Phase(max_requests, seconds, True)
         t0 = time.perf_counter()
         await asyncio.gather(
-            *(_drive(host, port, conns, k, requests, phase) for k in range(concurrency))
+            *(_drive(host, port, conns, k, requests, expect, phase) for k in range(concurrency))
         )
         return phase, time.perf_counter() - t0
     finally:
@@ -171,14 +183,17 @@ def run_load(
     requests: int,
     seconds: float,
     warmup_seconds: float = 1.0,
+    expect: list[int] | None = None,
     path: str = "/v1/predict",
 ) -> dict:
     """Closed-loop load on `url` (http://host:port): `concurrency` connections, each
-    sending `bodies` (rotated) back to back; see the module docstring."""
+    sending `bodies` (rotated) back to back; see the module docstring. `expect`: each
+    body's expected status (default 200); "unexpected" counts the other answers."""
     host, port = _host_port(url)
     reqs = [request_bytes(host, path, b) for b in bodies]
+    expect = [200] * len(bodies) if expect is None else list(expect)
     measured, wall = asyncio.run(
-        _load(host, port, reqs, concurrency, requests, seconds, warmup_seconds)
+        _load(host, port, reqs, expect, concurrency, requests, seconds, warmup_seconds)
     )
     lat = np.asarray(measured.latencies) * 1000.0
     ok = measured.statuses.get(200, 0)
@@ -190,12 +205,15 @@ def run_load(
         "statuses": {str(k): v for k, v in sorted(measured.statuses.items())},
         "seconds": round(wall, 4),
         "throughput": ok / wall if wall > 0 else 0.0,
+        "unexpected": measured.unexpected,
     }
     for q in (50, 90, 99):
         out[f"p{q}_ms"] = float(np.percentile(lat, q)) if lat.size else None
     out["max_ms"] = float(lat.max()) if lat.size else None
     if measured.first_error:
         out["first_error"] = measured.first_error
+    if measured.first_unexpected:
+        out["first_unexpected"] = measured.first_unexpected
     return out
 
 
@@ -372,6 +390,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--min-seconds", type=float, default=0.2)
     p.add_argument("--no-predictor", action="store_true")
+    p.add_argument(
+        "--malformed",
+        type=float,
+        default=0.0,
+        help="this fraction of the requests is malformed (e.g. 0.05); a check: every good "
+        "request gets 200 and every malformed one 400",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out", help="write the results here (JSON)")
     p.add_argument("--strict", action="store_true", help="exit 1 if a check fails")
@@ -383,7 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _cell(url, bodies, args, c, server_pid) -> dict:
+def _cell(url, bodies, expect, args, c, server_pid) -> dict:
     before = batch_counters(url)
     cpu0 = (_cpu_seconds(server_pid) if server_pid else 0.0, _cpu_seconds(None))
     r = run_load(
@@ -393,6 +418,7 @@ def _cell(url, bodies, args, c, server_pid) -> dict:
         requests=args.requests,
         seconds=args.seconds,
         warmup_seconds=args.warmup_seconds,
+        expect=expect,
     )
     cpu1 = (_cpu_seconds(server_pid) if server_pid else 0.0, _cpu_seconds(None))
     after = batch_counters(url)
@@ -404,17 +430,42 @@ def _cell(url, bodies, args, c, server_pid) -> dict:
     print(
         f"    C={c:<4d} {r['throughput']:9.0f} req/s  p50 {r['p50_ms']:7.2f} ms  "
         f"p99 {r['p99_ms']:7.2f} ms  batch {r['mean_batch'] or 0:6.1f}  "
-        f"errors {r['errors']}  cpu server {r['server_cpu_s'] or float('nan'):.1f} s "
+        f"errors {r['errors']} (unexpected {r['unexpected']})  cpu server "
+        f"{r['server_cpu_s'] or float('nan'):.1f} s "
         f"client {r['client_cpu_s']:.1f} s",
         flush=True,
     )
-    if r.get("first_error"):
-        print(f"      first error: {r['first_error']}", flush=True)
+    if r.get("first_unexpected"):
+        print(f"      first unexpected answer: {r['first_unexpected']}", flush=True)
     return r
 
 
-def _bodies(examples: list[dict]) -> list[bytes]:
-    return [json.dumps({"examples": [ex]}).encode() for ex in examples]
+def _bodies(examples: list[dict], malformed: float = 0.0) -> tuple[list[bytes], list[int]]:
+    """Single-example bodies and the status each should get. With `malformed` > 0,
+    that fraction of them (spread evenly) is broken in turn: truncated JSON, an unknown
+    feature, a feature value of the wrong type (an object) - each should get 400."""
+    good = [json.dumps({"examples": [ex]}).encode() for ex in examples]
+    if not malformed:
+        return good, [200] * len(good)
+    n = len(good) * max(1, round(1 / malformed))
+    bodies, expect, kind = [], [], 0
+    for j in range(n):
+        ex = examples[j % len(examples)]
+        if int((j + 1) * malformed) > int(j * malformed):
+            kind += 1
+            if kind % 3 == 1:
+                body = good[j % len(good)][:-1]
+            elif kind % 3 == 2:
+                body = json.dumps({"examples": [{**ex, "no_such_feature": 1}]}).encode()
+            else:
+                name = next(iter(ex))
+                body = json.dumps({"examples": [{**ex, name: {"an": "object"}}]}).encode()
+            bodies.append(body)
+            expect.append(400)
+        else:
+            bodies.append(good[j % len(good)])
+            expect.append(200)
+    return bodies, expect
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = _examples(args.examples) if args.examples else None
     for label, url in _labelled(args.url):
         print(f"[{label}] {url}", flush=True)
-        bodies = _bodies(extra)
-        cells = {str(c): _cell(url, bodies, args, c, None) for c in args.concurrency}
+        bodies, expect = _bodies(extra, args.malformed)
+        cells = {str(c): _cell(url, bodies, expect, args, c, None) for c in args.concurrency}
         results["models"][label] = {"url": url, "server": {"given": cells}}
     for label, model_dir in _labelled(args.model):
         entry: dict = {"dir": model_dir, "server": {}}
@@ -463,14 +514,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"batch {b}: {v['predictions_per_s']:,.0f}/s" for b, v in entry["predictor"].items()
             )
             print(f"[{label}] predictor: {line}", flush=True)
-        bodies = _bodies(examples)
+        bodies, expect = _bodies(examples, args.malformed)
         for mode in args.modes:
             with ServerProcess(
                 model_dir, MODES[mode](args), timeout=args.startup_timeout
             ) as server:
                 print(f"[{label}] {mode}: {server.url} ({' '.join(server.cmd[3:])})", flush=True)
                 entry["server"][mode] = {
-                    str(c): _cell(server.url, bodies, args, c, server.proc.pid)
+                    str(c): _cell(server.url, bodies, expect, args, c, server.proc.pid)
                     for c in args.concurrency
                 }
     results["machine"]["load_average_end"] = load_average()
@@ -488,6 +539,18 @@ def main(argv: list[str] | None = None) -> int:
 def _checks(results: dict, args) -> list[dict]:
     checks = []
     for label, entry in results["models"].items():
+        if args.malformed:
+            cells = [r for cells in entry["server"].values() for r in cells.values()]
+            bad = sum(r["unexpected"] for r in cells)
+            checks.append(
+                {
+                    "label": label,
+                    "ok": bad == 0,
+                    "what": f"{args.malformed:.0%} malformed requests: {bad} of "
+                    f"{sum(r['requests'] for r in cells)} answers not the expected status "
+                    "(200 for a good request, 400 for a malformed one)",
+                }
+            )
         pred = entry.get("predictor", {}).get("256")
         if pred:
             v = pred["predictions_per_s"]

@@ -92,6 +92,36 @@ def test_bench_against_a_running_server_writes_the_table_and_json(bench, tmp_pat
     assert "given req/s" in text and "fake" in text
 
 
+def test_malformed_load_every_good_request_answered_and_every_bad_one_refused(bench, tmp_path):
+    examples = [{"a": 1, "b": 2}, {"c": 3}, {"a": 0.5}]
+    bodies, expect = bench._bodies(examples, 0.05)
+    assert len(bodies) == 60 and expect.count(400) == 3  # 5%, one of each kind
+    assert sum(b.endswith(b"}]}") for b, e in zip(bodies, expect, strict=True) if e == 400) == 2
+    path = tmp_path / "examples.json"
+    path.write_text(json.dumps({"examples": examples}))
+    out = tmp_path / "bench.json"
+    fake = FakePredictor(delay=0.001)
+    with serving(fake, max_wait_ms=2) as url:
+        assert (
+            bench.main(
+                ["--url", f"fake={url}", "--examples", str(path), "--concurrency", "16"]
+                + ["--requests", "600", "--warmup-seconds", "0", "--malformed", "0.05"]
+                + ["--out", str(out), "--strict"]
+            )
+            == 0
+        )
+    got = json.loads(out.read_text())
+    cell = got["models"]["fake"]["server"]["given"]["16"]
+    assert cell["unexpected"] == 0 and cell["requests"] == 600
+    assert 15 <= cell["statuses"]["400"] <= 45 and cell["ok"] == 600 - cell["statuses"]["400"]
+    assert [c["ok"] for c in got["checks"]] == [True]
+    # A server that refused a good request would be caught:
+    fake2 = FakePredictor()
+    with serving(fake2) as url:
+        r = bench.run_load(url, bodies, concurrency=1, requests=60, seconds=10, expect=[200] * 60)
+    assert r["unexpected"] == 3 and r["first_unexpected"].startswith("expected 200, got 400")
+
+
 def test_predictor_throughput_is_the_median_of_its_repetitions(bench):
     fake = FakePredictor(delay=0.002)
     got = bench.predictor_throughput(fake, [{"a": 1}, {"b": 2}], [1, 5], reps=3, min_seconds=0.02)
