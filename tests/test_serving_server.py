@@ -524,6 +524,40 @@ def test_polling_swaps_a_new_version_in_under_load_without_dropping_a_request(tm
     assert sum("still serving 2" in line for line in logs) == 1  # logged once, not every poll
 
 
+def test_polling_a_single_model_dir_changed_in_place(tmp_path):
+    model = tmp_path / "model"
+    write_model(model, version="a")
+    logs = []
+    app = make_app(str(model), loader=load, poll_seconds=0.05, log=logs.append)
+
+    async def go(client):
+        async def version():
+            r = await client.post("/v1/predict", json={"example": {"a": 1}})
+            return (await r.json())["model_version"]
+
+        async def settle():
+            await asyncio.sleep(0.4)  # several polls
+            return await version()
+
+        seen = [await version()]
+        write_model(model, version="b", broken=True)  # a bad copy over the served one
+        seen.append(await settle())
+        write_model(model, version="c", offset=1)  # fixed
+        seen.append(await settle())
+        model.rename(tmp_path / "away")  # gone for a while: keeps serving c
+        seen.append(await settle())
+        (tmp_path / "away").rename(model)
+        seen.append(await settle())
+        return seen
+
+    assert run_client(app, go) == ["a", "a", "c", "c", "c"]
+    failures = [line for line in logs if "cannot" in line]
+    assert len(failures) == 2, logs  # one line each, however many polls
+    assert "table file emb_0.npy is corrupt; still serving a" in failures[0]
+    assert "cannot read the model path" in failures[1] and "still serving c" in failures[1]
+    assert sum("now serving c" in line for line in logs) == 1
+
+
 def test_serve_stops_on_sigterm_after_finishing_the_requests_in_flight(tmp_path):
     write_model(tmp_path / "m", version="s1", delay=1.0)
     script = (

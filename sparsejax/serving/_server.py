@@ -289,6 +289,7 @@ class ModelServer:
         self.model_dir: str | None = None  # the dir the served model came from
         self._signature: tuple | None = None
         self._failed: dict[str, Any] = {}  # dir -> its signature when its load failed
+        self._unreadable: dict[str, str] = {}  # model path -> why it could not be listed
         self._last_error = ("", 0.0)
         self.started = time.time()
         self.active = 0  # /v1/predict requests being handled (read by the batcher)
@@ -349,9 +350,11 @@ class ModelServer:
             try:
                 dirs = _candidates(source)
             except ModelLoadError as e:
-                if not retry_failed and self._failed.get(source) == str(e):
+                if not retry_failed and self._unreadable.get(source) == str(e):
                     return {"reloaded": False, "model_version": current.version}
-                return self._failure(source, str(e), e, current)
+                self._unreadable[source] = str(e)
+                return self._failure(source, None, e, current)
+            self._unreadable.pop(source, None)  # readable again: a later failure is logged
             for d in dirs:  # the newest first; those older than the served one only
                 # if it is gone (a rollback)
                 sig = _signature(d)
@@ -383,9 +386,10 @@ class ModelServer:
             return {"reloaded": False, "model_version": current.version}
 
     def _failure(self, where: str, sig: Any, e: Exception, current: Any) -> dict:
-        """Log and count a failed load; `sig` is remembered so that polling does not try
-        (and log) `where` again until it changes."""
-        self._failed[where] = sig
+        """Log and count a failed load; a model dir's `sig` is remembered so that polling
+        does not try (and log) it again until it changes."""
+        if sig is not None:
+            self._failed[where] = sig
         self.metrics.reloads.labels("failure").inc()
         message = f"cannot load {where}: {_one_line(e)}"
         self.log(f"sparsejax serve: {message}; still serving {current.version}")
