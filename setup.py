@@ -56,6 +56,7 @@ ext_modules = [
                 "sparse_apply",
                 "interaction",
                 "id_map",
+                "quantized_bag",
             )
         ],
         depends=["csrc/common.h", "csrc/worker_pool.h", "csrc/optimizers.h"],

@@ -10,7 +10,7 @@
 //                    objects, not FFI targets), wrapped by sparsejax/embedding/_id_map.py.
 //
 // The kernels: spmm.cc (spmm, segment_max), sparse_apply.cc, interaction.cc
-// (pairwise_dots), all on the worker pool of worker_pool.cc.
+// (pairwise_dots), quantized_bag.cc, all on the worker pool of worker_pool.cc.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +21,8 @@
 namespace sparsejax {
 int AddIdMap(PyObject* module);  // id_map.cc
 }  // namespace sparsejax
+
+extern "C" XLA_FFI_Error* SparsejaxQuantizedBag(XLA_FFI_CallFrame* call_frame);  // quantized_bag.cc
 
 namespace {
 
@@ -35,6 +37,7 @@ constexpr Target kTargets[] = {
     {"sparsejax_sparse_apply", SparsejaxSparseApply},
     {"sparsejax_pairwise_dots", SparsejaxPairwiseDots},
     {"sparsejax_pairwise_dots_bwd", SparsejaxPairwiseDotsBwd},
+    {"sparsejax_quantized_bag", SparsejaxQuantizedBag},
 };
 
 // Sets dict[key] = value and drops the reference to value; -1 on error.
@@ -80,7 +83,8 @@ PyMethodDef kMethods[] = {
 
 PyModuleDef kModule = {
     PyModuleDef_HEAD_INIT, "_cpu_ext",
-    "sparsejax XLA FFI CPU kernels (spmm, segment_max, sparse_apply, pairwise_dots).", -1, kMethods,
+    "sparsejax XLA FFI CPU kernels (spmm, segment_max, sparse_apply, pairwise_dots, "
+    "quantized_bag).", -1, kMethods,
     nullptr, nullptr, nullptr, nullptr,
 };
 
