@@ -29,6 +29,11 @@ from ._embedding_bag import embedding_lookup_ref as embedding_lookup_ref
 from ._embedding_bag import pooling_coefficients as pooling_coefficients
 from ._pairwise_dots import pairwise_dots as pairwise_dots
 from ._pairwise_dots import pairwise_dots_ref as pairwise_dots_ref
+from ._quantized_bag import QuantizedTable as QuantizedTable
+from ._quantized_bag import dequantize_rows as dequantize_rows
+from ._quantized_bag import quantize_rows as quantize_rows
+from ._quantized_bag import quantized_embedding_bag as quantized_embedding_bag
+from ._quantized_bag import quantized_embedding_bag_ref as quantized_embedding_bag_ref
 from ._segment_spmm import segment_spmm as segment_spmm
 from ._segment_spmm import segment_spmm_ref as segment_spmm_ref
 from ._sparse_apply import dedup_ids as dedup_ids
