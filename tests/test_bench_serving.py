@@ -17,7 +17,7 @@ import pytest
 from _serving_fake import FakePredictor
 from aiohttp import web
 
-from sparsejax.serving._server import make_app
+from sparsejax.serving._server import SERVER_KEY, make_app
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_serving.py"
 
@@ -37,6 +37,7 @@ def serving(predictor, **kw):
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app, access_log=None)
     loop.run_until_complete(runner.setup())
+    app[SERVER_KEY].attach(runner)
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()

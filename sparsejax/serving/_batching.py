@@ -18,9 +18,11 @@ Waiting is bounded by the oldest request's arrival, not by the worker's: request
 queued while the model was busy are taken at once, so under load batches form by
 themselves and `max_wait_ms=0` still batches ("natural" batching). `max_batch=1,
 max_wait_ms=0` is batch-1 serving, the baseline the benchmark compares against. Given
-`active` (the server's count of requests being handled), a batch stops waiting as soon
-as every such request is in it or in the batch being scored: a lone client pays no
-`max_wait_ms` (half the latency at concurrency 1 with the 2 ms default).
+`senders` (a server's count of open client connections), a batch stops waiting as soon
+as it and the batch being scored hold a request of every one of them: nobody else can
+join, so a lone client pays no `max_wait_ms` (half the latency at concurrency 1 with the
+2 ms default) and 16 clients are scored together as soon as the 16th request arrives.
+Idle keep-alive connections only make the batch wait as it would without `senders`.
 
 Two threads do the work, one batch apart: one gathers and parses batch k+1 while the
 other scores batch k (XLA releases the GIL while it computes, so parsing, and an event
@@ -139,10 +141,9 @@ class DynamicBatcher:
         batch. 0 = take only what is already queued.
       on_batch: called by the scoring thread after each `score` call with (examples, requests,
         seconds) - for metrics; it must be quick and must not raise.
-      active: how many requests are on their way upstream (a server's handlers between
-        start and answer). When all of them are in the batch being gathered or the one
-        being scored, nobody else can join, so the batch does not wait: one client alone
-        pays no `max_wait_ms`.
+      senders: how many clients could send a request now (a server's open connections);
+        when the batch being gathered and the one being scored hold that many requests,
+        the batch stops waiting (see the module docstring).
 
     `submit` is thread-safe and returns a `concurrent.futures.Future` of that request's
     scores (f32[n]); `submit_async` (from a running event loop) returns an
@@ -165,7 +166,7 @@ class DynamicBatcher:
         max_batch: int | None = None,
         max_wait_ms: float = 2.0,
         on_batch: Callable[[int, int, float], None] | None = None,
-        active: Callable[[], int] | None = None,
+        senders: Callable[[], int] | None = None,
         name: str = "sparsejax-batcher",
     ):
         if max_batch is not None and max_batch < 1:
@@ -176,7 +177,7 @@ class DynamicBatcher:
         self._max_batch = max_batch
         self._max_wait = max_wait_ms / 1000.0
         self._on_batch = on_batch
-        self._active = active
+        self._senders = senders
         self._scoring = 0  # requests of the batch being scored
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -282,7 +283,7 @@ class DynamicBatcher:
         get_nowait = self._queue.get_nowait
         monotonic = time.monotonic
         Empty = queue.Empty
-        active = self._active
+        senders = self._senders
         carry = None  # a request that did not fit the last batch: it opens the next one
         stop = False
         while not stop:
@@ -302,8 +303,8 @@ class DynamicBatcher:
                     remaining = deadline - monotonic()
                     if remaining <= 0:
                         break
-                    if active is not None and active() <= len(batch) + self._scoring:
-                        break  # nobody else is on the way
+                    if senders is not None and senders() <= len(batch) + self._scoring:
+                        break  # every client's request is in: nobody else can join
                     try:
                         r = get(timeout=remaining)
                     except Empty:
