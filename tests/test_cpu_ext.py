@@ -34,6 +34,7 @@ def test_registrations_are_the_loader_targets():
         _cpu_ffi.SPARSE_APPLY_TARGET,
         _cpu_ffi.PAIRWISE_DOTS_TARGET,
         _cpu_ffi.PAIRWISE_DOTS_BWD_TARGET,
+        _cpu_ffi.QUANTIZED_BAG_TARGET,
     }
     assert set(_cpu_ext.registrations()) == targets
 

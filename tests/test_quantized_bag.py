@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from sparsejax import ops
+from sparsejax.ops._cpu_ffi import QUANTIZED_BAG_TARGET
 from sparsejax.ops._quantized_bag import base, pallas_triton
-from sparsejax.ops._quantized_bag.cpu_ffi import QUANTIZED_BAG_TARGET
 
 TOL = ref.TOL[jnp.float32]
 needs_cpu_ffi = pytest.mark.skipif(not ops.cpu_ffi_available(), reason="C++ extension not built")

@@ -29,6 +29,7 @@ SEGMENT_MAX_TARGET = "sparsejax_segment_max"
 SPARSE_APPLY_TARGET = "sparsejax_sparse_apply"
 PAIRWISE_DOTS_TARGET = "sparsejax_pairwise_dots"
 PAIRWISE_DOTS_BWD_TARGET = "sparsejax_pairwise_dots_bwd"
+QUANTIZED_BAG_TARGET = "sparsejax_quantized_bag"
 
 NUM_SLOTS = num_slots_by_code()
 """Slot count per optimizer code, derived from `optimizers.py` (the one Python source)."""

@@ -11,14 +11,12 @@ import numpy as np
 
 from .. import _cpu_ffi
 
-QUANTIZED_BAG_TARGET = "sparsejax_quantized_bag"
-
 
 @functools.cache
 def _built() -> bool:
     from sparsejax import _cpu_ext
 
-    return QUANTIZED_BAG_TARGET in _cpu_ext.registrations()
+    return _cpu_ffi.QUANTIZED_BAG_TARGET in _cpu_ext.registrations()
 
 
 def quantized_bag(
@@ -50,13 +48,13 @@ def quantized_bag(
     _cpu_ffi.require()
     if not _built():
         raise RuntimeError(
-            f"the C++ extension has no {QUANTIZED_BAG_TARGET!r} kernel (built before it "
+            f"the C++ extension has no {_cpu_ffi.QUANTIZED_BAG_TARGET!r} kernel (built before it "
             "existed): rebuild it with `pip install -e .`, or use implementation='xla'"
         )
     coef, ids, segment_ids = _cpu_ffi.entries(coef, ids, segment_ids)
     if unit_values:
         coef = jnp.zeros((0,), jnp.float32)
     out = jax.ShapeDtypeStruct((int(num_segments), int(dim)), jnp.float32)
-    return jax.ffi.ffi_call(QUANTIZED_BAG_TARGET, out, vmap_method="sequential")(
+    return jax.ffi.ffi_call(_cpu_ffi.QUANTIZED_BAG_TARGET, out, vmap_method="sequential")(
         coef, ids, segment_ids, data, scale, zero_point, bits=np.int32(bits), combiner=combiner
     )
