@@ -4,6 +4,7 @@ pipeline (Criteo TSV, delimited CSV with a dynamic table, synthetic ids); quanti
 tables shrink and stay close; bad requests get a `RequestError` naming the example and
 feature; a corrupt or incompatible model dir is refused at load with one line."""
 
+import asyncio
 import json
 import os
 import pathlib
@@ -12,12 +13,13 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from sparsejax import runner
 from sparsejax.__main__ import main
 from sparsejax.data import BatchPacker, read_criteo
 from sparsejax.runner._run import restore_run
-from sparsejax.serving import ModelLoadError, Predictor, RequestError, export_run
+from sparsejax.serving import ModelLoadError, Predictor, RequestError, export_run, make_app
 
 FAST = ["progress=false", "log_every=1000", "eval_every=null", "epochs=null", "steps=6"]
 BUCKETS = (1, 8)
@@ -118,8 +120,13 @@ def test_example_request_is_a_valid_body_from_real_rows(criteo_run):
     assert len(body["examples"]) == 8
     first = _raw_criteo_rows(tmp / "day.tsv", 0, 1)[0]
     assert body["examples"][0] == first
-    scores = Predictor.load(out, warmup=False).predict(body["examples"])
+    p = Predictor.load(out, warmup=False)
+    scores = p.predict(body["examples"])
     assert np.all((scores > 0) & (scores < 1))
+    # the same body through the HTTP server (dynamic batcher, JSON both ways)
+    status, got = _post(make_app(predictor=p, log=lambda _: None), "/v1/predict", body)
+    assert status == 200
+    np.testing.assert_allclose(got["scores"], scores, rtol=1e-6)
 
 
 def test_int8_tables_are_under_30_percent_and_close(criteo_run):
@@ -318,3 +325,59 @@ def test_exported_model_runs_without_the_run_dir(criteo_run, tmp_path):
     np.testing.assert_array_equal(a, b)
     assert os.path.exists(moved / "exported" / "b1.jaxexport")
     assert jax.default_backend() == "cpu"
+
+
+def test_two_tower_retrieval_is_exact_over_the_catalog(tmp_path):
+    run = _train(
+        tmp_path,
+        "tt",
+        [
+            "data.kind=behavior",
+            "data.batch_size=64",
+            "data.eval_batches=1",
+            "data.synthetic_options={num_users: 300, num_items: 240, num_categories: 12,"
+            " max_history: 6, positives_only: true}",
+            "model.name=two_tower",
+            "model.embedding_dim=8",
+            "model.options={user_features: [user, history], item_features: [item, category],"
+            " tower: [16, 8], temperature: 0.05}",
+        ],
+    )
+    m = export_run(run, str(tmp_path / "model"), buckets=BUCKETS, log=lambda _: None)
+    assert m["retrieval"]["items"] == 240
+    assert m["check"]["max_abs_diff"] < 1e-4  # scores are cosines / 0.05
+    p = Predictor.load(str(tmp_path / "model"))
+    body = json.loads((tmp_path / "model" / "example_retrieve.json").read_text())
+    assert set(body["user"]) <= {"user", "history"} and body["k"] == 10
+    items, scores = p.retrieve(body["user"], 240)
+    assert sorted(items) == list(range(240)) and np.all(np.diff(scores) <= 0)
+    # the same scores through the predict path (both towers in the exported computation)
+    pairs = [{**body["user"], "item": i, "category": i % 12} for i in items]
+    np.testing.assert_allclose(p.predict(pairs), scores, atol=1e-4, rtol=1e-5)
+    top, top_scores = p.retrieve(body["user"], 5)
+    assert top == items[:5] and np.allclose(top_scores, scores[:5])
+    with pytest.raises(RequestError, match=r"k must be an integer in \[1, 240\]"):
+        p.retrieve(body["user"], 0)
+    with pytest.raises(RequestError, match="unknown feature"):
+        p.retrieve({"nope": 1}, 3)
+    # and through the server: example_retrieve.json as the body
+    status, got = _post(make_app(predictor=p, log=lambda _: None), "/v1/retrieve", body)
+    assert status == 200 and got["items"] == items[:10]
+    np.testing.assert_allclose(got["scores"], scores[:10], rtol=1e-6)
+
+
+def _post(app, path, body):
+    """POST `body` to `app` through aiohttp's test client: (status, JSON answer)."""
+
+    async def go():
+        async with TestClient(TestServer(app)) as client:
+            r = await client.post(path, json=body)
+            return r.status, await r.json()
+
+    return asyncio.run(go())
+
+
+def test_retrieve_on_a_binary_model_is_a_request_error(criteo_run):
+    _, _, models = criteo_run
+    with pytest.raises(RequestError, match="two-tower"):
+        Predictor.load(models["fp32"][1], warmup=False).retrieve({}, 3)

@@ -79,6 +79,16 @@ class SyntheticBehavior:
         }
         return sparse, labels, np.zeros((batch_size, 0), np.float32)
 
+    def catalog(self) -> dict[str, JaggedIds]:
+        """Every item with its item-side features (item i has category i % C): the
+        candidates a retrieval model ranks (`sparsejax export` embeds them all)."""
+        items = np.arange(self.num_items, dtype=np.int64)
+        one = np.ones(self.num_items, np.int64)
+        return {
+            "item": JaggedIds(one, items),
+            "category": JaggedIds(one, items % self.num_categories),
+        }
+
     @functools.cached_property
     def _prefs(self) -> np.ndarray:
         return np.random.default_rng([self.seed, 0xBE]).integers(

@@ -270,8 +270,12 @@ class TwoTower(nn.Module):
         return out[0], out[1]
 
     @nn.compact
-    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+    def __call__(self, batch, *, train: bool = False, towers: bool = False):
+        """In-batch scores `[B, B]`; with `towers`, the (user, item) tower outputs
+        (`[B, E]` each: what serving embeds the catalog and the users with)."""
         user, item = self.towers(batch, train=train)
+        if towers:
+            return user, item
         return user @ item.T / self.temperature
 
 

@@ -5,10 +5,14 @@ raw feature values, serve it over HTTP with dynamic batching.
   model's computation (`jax.export`), its tables (fp32, fp16, bf16, row-wise int8/int4),
   its preprocessing and id maps, and `example_request.json`.
 - `Predictor.load(MODEL_DIR)`: checked load, warm-up of every batch bucket;
-  `predict(examples)` on raw feature values.
+  `predict(examples)` on raw feature values, `retrieve(users, k)` for two-tower models.
+- `DynamicBatcher`: groups concurrent requests into one model call (max batch, max wait).
+- `make_app` / `serve` (`sparsejax serve MODEL_DIR`, the `[serve]` extra): the aiohttp
+  server; imported on first use, so the rest works without aiohttp.
 - `InferenceTableStore`: the read-only (quantized) table store the exported models use.
 """
 
+from ._batching import DynamicBatcher as DynamicBatcher
 from ._export import DEFAULT_BUCKETS as DEFAULT_BUCKETS
 from ._export import KERNELS as KERNELS
 from ._export import export_run as export_run
@@ -18,3 +22,17 @@ from ._predictor import Predictor as Predictor
 from ._preprocess import RequestError as RequestError
 from ._store import QUANTIZE_CHOICES as QUANTIZE_CHOICES
 from ._store import InferenceTableStore as InferenceTableStore
+
+_SERVER_NAMES = ("make_app", "serve", "SERVER_KEY")
+
+
+def __getattr__(name: str):
+    if name in _SERVER_NAMES:
+        from . import _server
+
+        return getattr(_server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SERVER_NAMES])

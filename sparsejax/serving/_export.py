@@ -40,6 +40,7 @@ from ..nn._embedding import EMBEDDING, tables_stored_by
 from ..runner._config import ConfigError
 from ._format import (
     EXAMPLE_REQUEST,
+    EXAMPLE_RETRIEVE,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -79,14 +80,18 @@ def _sparse_batch(arrays: Mapping, features: Sequence[FeatureSpec]) -> SparseBat
     return SparseBatch(feats, arrays["dense"], jnp.zeros_like(mask), mask)
 
 
-def inference_fn(model, features: Sequence[FeatureSpec], make_store) -> Callable:
-    """`(params, tables, batch arrays) -> f32[B]`: probabilities of a binary model (the
-    sigmoid of its logits)."""
+def inference_fn(model, features: Sequence[FeatureSpec], make_store, task: str) -> Callable:
+    """`(params, tables, batch arrays) -> outputs`: a binary model's probabilities
+    (f32[B], the sigmoid of its logits); a retrieval model's user and item tower
+    embeddings (`(f32[B, E], f32[B, E])`, their dot over the temperature is the score)."""
 
     def forward(params, tables, arrays):
         batch = _sparse_batch(arrays, features)
+        variables = {"params": params, EMBEDDING: tables}
         with tables_stored_by(make_store):
-            out = model.apply({"params": params, EMBEDDING: tables}, batch, train=False)
+            if task == "retrieval":
+                return model.apply(variables, batch, train=False, towers=True)
+            out = model.apply(variables, batch, train=False)
         return jax.nn.sigmoid(out.reshape(-1).astype(jnp.float32))
 
     return forward
@@ -173,7 +178,7 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
 def _input_spec(cfg, data) -> dict:
     """The manifest's "input": the raw fields and how they become `Examples`."""
     d = cfg.data
-    if d.kind == "synthetic":
+    if d.kind in ("synthetic", "behavior"):
         gen_dense = data.eval_batches[0].dense.shape[1]
         return {
             "kind": "ids",
@@ -247,13 +252,17 @@ def example_rows(cfg, data, spec: Mapping, n: int = _MAX_EXAMPLE_ROWS) -> list[d
     fields = (*spec["dense"], *spec["sparse"])
     if spec["kind"] == "ids":
         b = data.eval_batches[0]
+        per = {f.name: f.bags_per_example() for f in data.features}
         rows = []
-        for i in range(min(n, b.batch_size)):
+        for i in range(min(n, int(np.sum(b.mask > 0)))):
             ex = {f"dense{j}": float(x) for j, x in enumerate(np.asarray(b.dense[i]))}
             for name, f in b.features.items():
-                ids, segs = np.asarray(f.ids), np.asarray(f.segments)
+                ids, segs = np.asarray(f.ids), np.asarray(f.segments) // per[name]
                 mine = ids[(segs == i) & (ids >= 0)]
-                ex[name] = int(mine[0]) if mine.shape[0] == 1 else [int(x) for x in mine]
+                if mine.shape[0] == 1 and per[name] == 1:
+                    ex[name] = int(mine[0])
+                elif mine.shape[0]:
+                    ex[name] = [int(x) for x in mine]
             rows.append(ex)
         return rows
     from ..runner._build import resolve_files
@@ -347,10 +356,11 @@ def export_run(
         raise ConfigError(f"--out {out} exists and is not empty (give another, or --overwrite)")
     t0 = time.perf_counter()
     cfg, data, trainer, state = restore_run(run_dir, step=step, overrides=overrides, log=log)
-    if trainer.task != "binary":
+    catalog = getattr(data.train_source, "catalog", None)
+    if trainer.task == "retrieval" and catalog is None:
         raise ConfigError(
-            f"export: model.name={cfg.model.name!r} is a {trainer.task} model; export "
-            f"takes binary (CTR) models so far"
+            f"export: model.name={cfg.model.name!r} ranks items, and data.kind="
+            f"{cfg.data.kind!r} has no item catalog to embed (synthetic behavior data has)"
         )
     spec = _input_spec(cfg, data)
     top = {t.name: t for t in data.tables}
@@ -385,7 +395,7 @@ def export_run(
         states[path] = store.import_tables(per_table)
     serving_tables_state = tables_from_layers(layouts, states)
     params = jax.device_get(state.params)
-    fn = inference_fn(model, features, make_store)
+    fn = inference_fn(model, features, make_store, trainer.task)
     args = (params, jax.device_get(serving_tables_state))
     flat, _ = jax.tree_util.tree_flatten_with_path(args)
     arg_arrays = {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat}
@@ -409,6 +419,18 @@ def export_run(
             mappings[f.table] = _mapping_entry(
                 (data.mappings or {}).get(f.name), f.table, tables.keys, arrays
             )
+    retrieval = None
+    if trainer.task == "retrieval":
+        items, embeddings = _embed_catalog(fn, args, packers[buckets[-1]], catalog())
+        arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
+        retrieval = {
+            "temperature": float(model.temperature),
+            "item_ids": "items/ids",
+            "item_embeddings": "items/embeddings",
+            "items": int(items.shape[0]),
+            "user_features": list(model.user_features),
+            "item_features": list(model.item_features),
+        }
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -442,6 +464,7 @@ def export_run(
         "mappings": mappings,
         "arguments": write_arrays(os.path.join(tmp, "arrays"), arg_arrays),
         "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays),
+        "retrieval": retrieval,
     }
     manifest["memory"] = {
         "tables_bytes": sum(v["bytes"] for v in table_info.values()),
@@ -451,6 +474,9 @@ def export_run(
     write_json(os.path.join(tmp, MANIFEST), manifest)
     rows = example_rows(cfg, data, spec)
     write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})
+    if retrieval is not None and rows:
+        user = {k: v for k, v in rows[0].items() if k in retrieval["user_features"]}
+        write_json(os.path.join(tmp, EXAMPLE_RETRIEVE), {"user": user, "k": 10})
     if os.path.exists(out):
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -460,8 +486,13 @@ def export_run(
         f"exported {run_dir} @ step {int(state.step)} to {out} in "
         f"{time.perf_counter() - t0:.1f} s: {kind} tables {mem['tables_bytes'] / 2**20:.2f} MiB "
         f"({share:.1%} of fp32), kernels {kernels}, buckets {list(buckets)}; on "
-        f"{check['examples']:,} eval examples max |p - p_run| {check['max_abs_diff']:.2e}, "
-        f"AUC {check['auc']:.5f} (the run's model {check['auc_train_model']:.5f})"
+        f"{check['examples']:,} eval examples max |score - score_run| "
+        f"{check['max_abs_diff']:.2e}"
+        + (
+            f", AUC {check['auc']:.5f} (the run's model {check['auc_train_model']:.5f})"
+            if check["auc"] is not None
+            else ""
+        )
     )
     return manifest
 
@@ -478,9 +509,43 @@ def _pad_batch(packer: BatchPacker) -> SparseBatch:
     )
 
 
+def _embed_catalog(fn, args, packer: BatchPacker, catalog: Mapping) -> tuple:
+    """(raw item ids, f32[N, E] item tower embeddings) of every catalog item, in chunks
+    of `packer`'s batch size (user-side features empty)."""
+    jitted = jax.jit(fn)
+    ids = np.asarray(catalog["item"].values, np.int64)
+    n, b, out = ids.shape[0], packer.batch_size, []
+    none = np.zeros(0, np.int64)
+    for start in range(0, n, b):
+        k = min(b, n - start)
+        sparse = {
+            f.name: JaggedIds(np.zeros(k, np.int64), none)
+            if f.name not in catalog
+            else JaggedIds(
+                catalog[f.name].lengths[start : start + k],
+                catalog[f.name].values[start : start + k],
+            )
+            for f in packer.features
+        }
+        batch = packer.pack(sparse, labels=np.zeros(k, np.float32), dense=np.zeros((k, 0)))
+        _, item = jitted(*args, batch_arrays(batch))
+        out.append(np.asarray(item)[:k])
+    return ids, np.concatenate(out).astype(np.float32)
+
+
+def _scores(out, task: str, temperature: float | None = None) -> np.ndarray:
+    """Per example: a binary model's probability; a retrieval model's score of its own
+    item (the diagonal of the in-batch scores)."""
+    if task == "retrieval":
+        user, item = (np.asarray(x, np.float64) for x in out)
+        return (user * item).sum(-1) / temperature
+    return np.asarray(out, np.float64).reshape(-1)
+
+
 def _check(trainer, state, data, fn, args, keys: Mapping[str, np.ndarray]) -> dict:
-    """The exported computation against the run's own model on the eval split's batches:
-    max |p - p_train| and both AUCs (a dynamic table's keys mapped to serving rows)."""
+    """The exported computation against the run's own model on the eval split's batches
+    (a dynamic table's keys mapped to serving rows): max |score - score_run| (binary:
+    probabilities) and, for binary models, both AUCs."""
     from ..train._metrics import auc as auc_of
     from ._preprocess import KeyMapping
 
@@ -489,24 +554,29 @@ def _check(trainer, state, data, fn, args, keys: Mapping[str, np.ndarray]) -> di
         for f in data.features
         if f.table in keys
     }
+    temperature = getattr(trainer.model, "temperature", None)
     ours, theirs, labels = [], [], []
     jitted = jax.jit(fn)
     for batch in data.eval_batches:
         mask = np.asarray(batch.mask) > 0
-        logits = np.asarray(trainer.eval_step(state, batch), np.float64).reshape(-1)
-        theirs.append(1.0 / (1.0 + np.exp(-logits[mask])))
+        run = np.asarray(trainer.eval_step(state, batch), np.float64)
+        if trainer.task == "retrieval":
+            theirs.append(np.diagonal(run)[mask])
+        else:
+            theirs.append(1.0 / (1.0 + np.exp(-run.reshape(-1)[mask])))
         labels.append(np.asarray(batch.labels, np.float64).reshape(-1)[mask])
         arrays = batch_arrays(jax.tree.map(np.asarray, batch))
         for name, m in key_maps.items():
             ids = arrays[f"{name}.ids"]
             arrays[f"{name}.ids"] = np.where(ids >= 0, m(ids), -1).astype(np.int32)
-        ours.append(np.asarray(jitted(*args, arrays), np.float64)[mask])
+        ours.append(_scores(jitted(*args, arrays), trainer.task, temperature)[mask])
     p, q, y = np.concatenate(ours), np.concatenate(theirs), np.concatenate(labels)
+    binary = trainer.task == "binary" and y.size
     return {
         "examples": int(y.shape[0]),
         "max_abs_diff": float(np.max(np.abs(p - q), initial=0.0)),
-        "auc": float(auc_of(y, p)) if y.size else None,
-        "auc_train_model": float(auc_of(y, q)) if y.size else None,
+        "auc": float(auc_of(y, p)) if binary else None,
+        "auc_train_model": float(auc_of(y, q)) if binary else None,
     }
 
 

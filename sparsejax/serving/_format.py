@@ -10,6 +10,7 @@ MODEL_DIR/
                          tables, exactly as the exported computation takes them
   mappings/*.npy         id mappings: a vocabulary's kept raw ids, a dynamic table's keys
   example_request.json   a valid /v1/predict body built from real rows
+  example_retrieve.json  a valid /v1/retrieve body (retrieval models)
 ```
 
 Arguments are stored leaf by leaf as the exported function takes them (keyed by pytree
@@ -33,6 +34,8 @@ FORMAT_VERSION = 1
 """Bumped when a model dir written now could not be read correctly by older code."""
 MANIFEST = "model.json"
 EXAMPLE_REQUEST = "example_request.json"
+EXAMPLE_RETRIEVE = "example_retrieve.json"
+"""A /v1/retrieve body (retrieval models)."""
 
 
 class ModelLoadError(RuntimeError):

@@ -23,7 +23,7 @@ from .._version import __version__
 from ..data._batch import BatchPacker
 from ..data._loader import Examples
 from ..embedding._spec import FeatureSpec, TableSpec
-from ._export import _pad_batch, batch_arrays
+from ._export import _pad_batch, _scores, batch_arrays
 from ._format import EXAMPLE_REQUEST, ModelLoadError, read_array, read_manifest
 from ._preprocess import Preprocessor, RequestError, mapping_from_entry
 
@@ -105,6 +105,11 @@ class Predictor:
             self._check_layout(exp, b, path)
             self._calls[b] = (exp.in_tree, jax.jit(exp.call))
         self._locks = {b: threading.Lock() for b in self.buckets}
+        r = m.get("retrieval")
+        self._temperature = None if r is None else r["temperature"]
+        if r is not None:
+            self._items = arrays[r["item_ids"]]
+            self._item_embeddings = np.asarray(arrays[r["item_embeddings"]], np.float32)
         path = os.path.join(model_dir, EXAMPLE_REQUEST)
         self.example_request = {"examples": []}
         if os.path.exists(path):
@@ -165,11 +170,12 @@ class Predictor:
         """The examples' mapped ids and dense values (a `RequestError` if any is bad)."""
         return self.preprocessor.parse(examples)
 
-    def _run(self, b: int, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    def _run(self, b: int, arrays: Mapping[str, np.ndarray]):
+        """The bucket-`b` computation's outputs (numpy) on packed batch `arrays`."""
         in_tree, call = self._calls[b]
         args, _ = jax.tree_util.tree_unflatten(in_tree, [*self._leaves, *jax.tree.leaves(arrays)])
         with self._locks[b]:
-            return np.asarray(call(*args))
+            return jax.tree.map(np.asarray, call(*args))
 
     def _bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -190,19 +196,35 @@ class Predictor:
             k = len(part)
             b = self._bucket(k)
             batch = self._packers[b].pack(part.sparse, labels=part.labels, dense=part.dense)
-            out.append(self._run(b, batch_arrays(batch))[:k])
+            got = _scores(self._run(b, batch_arrays(batch)), self.task, self._temperature)
+            out.append(got[:k].astype(np.float32))
         scores = out[0] if len(out) == 1 else np.concatenate(out)
         sizes = np.cumsum([len(p) for p in parsed])[:-1]
         return np.split(scores, sizes)
 
     def predict(self, examples: Sequence[Mapping]) -> np.ndarray:
-        """Probabilities (f32[n]) of raw examples (JSON-like dicts of feature values)."""
+        """Scores (f32[n]) of raw examples (JSON-like dicts of feature values): a binary
+        model's probabilities; a retrieval model's user-item scores."""
         return self.score([self.parse(examples)])[0]
 
-    def retrieve(self, user: Mapping, k: int) -> tuple[list, np.ndarray]:
-        """Top-k items for a user (two-tower models). The exporter takes binary models
-        only so far, so every loaded model refuses with a `RequestError`."""
-        raise RequestError(
-            f"model {self.manifest['model']!r} is a {self.task} model: /v1/retrieve needs a "
-            f"two-tower (retrieval) model, and exporting those is not built yet"
-        )
+    def retrieve(self, user: Mapping, k: int = 10) -> tuple[list[int], np.ndarray]:
+        """The `k` catalog items scoring highest for `user` (a retrieval model's raw user
+        features), best first: (item ids, scores), exact over the whole catalog (one
+        matrix product with the item tower's embeddings, made at export)."""
+        r = self.manifest.get("retrieval")
+        if r is None:
+            raise RequestError(
+                f"model {self.version} is a {self.task} model: /v1/retrieve needs a "
+                f"two-tower (retrieval) model (use /v1/predict)"
+            )
+        if type(k) is not int or not 1 <= k <= self._items.shape[0]:
+            raise RequestError(f"k must be an integer in [1, {self._items.shape[0]}], got {k!r}")
+        if not isinstance(user, Mapping):
+            raise RequestError(f"user: expected an object of feature values, got {user!r}")
+        ex = self.parse([user])
+        batch = self._packers[self.buckets[0]].pack(ex.sparse, labels=ex.labels, dense=ex.dense)
+        u = self._run(self.buckets[0], batch_arrays(batch))[0][0]
+        scores = self._item_embeddings @ u / r["temperature"]
+        top = np.argpartition(-scores, k - 1)[:k]
+        top = top[np.argsort(-scores[top], kind="stable")]
+        return [int(i) for i in self._items[top]], scores[top].astype(np.float32)
