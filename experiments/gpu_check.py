@@ -22,6 +22,7 @@ collide, many programs storing rows), negative / out-of-range ids on real memory
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import sys
@@ -35,6 +36,9 @@ import numpy as np
 from sparsejax.ops import optimizers as opt_lib
 from sparsejax.ops._embedding_bag import pallas_triton as bag_kernels
 from sparsejax.ops._embedding_bag import segment_max_p
+from sparsejax.ops._quantized_bag import pallas_triton as quantized_kernels
+from sparsejax.ops._quantized_bag.api import quantized_bag_p
+from sparsejax.ops._quantized_bag.base import code_width, dequantize
 from sparsejax.ops._segment_spmm import pallas_triton as spmm_kernels
 from sparsejax.ops._segment_spmm import segment_spmm_p
 from sparsejax.ops._sparse_apply import pallas_triton as apply_kernels
@@ -47,6 +51,7 @@ BYTE_MODELS = {
     "copy": "2 x array bytes (read + write)",
     "forward": "N*(D*itemsize + 8 id/coef) + S*D*itemsize out (+ S*D*4 argk for max)",
     "spmm": "N*(D*itemsize + 12 id/seg/coef) + S*D*itemsize out",
+    "quantized": "N*(W code bytes + 3 scale/zero point + 8 id/coef) + S*D*4 out",
     "sparse_apply": "N*(12 + D*4 grad row) + U*2*D*4 (G write + read) "
     "+ U*2*(row + slot bytes) (touched state read + write)",
     "apply_rows": "U*(D*4 grad + 4 id) + U*2*(row + slot bytes)",
@@ -440,6 +445,131 @@ def section_optimizer(args, rng):
         del table
 
 
+def xla_quantized_bag(
+    data, scale, zero_point, ids, seg, coef, *, num_segments, bits, dim, combiner
+):
+    return quantized_bag_p.bind(
+        coef,
+        ids,
+        seg,
+        data,
+        scale,
+        zero_point,
+        num_segments=num_segments,
+        bits=bits,
+        dim=dim,
+        combiner=combiner,
+        unit_values=False,
+        implementation="xla",
+    )
+
+
+def quantized_case(args, rng, bits, dim, combiner, *, sweep=False, power_law=False):
+    """The quantized bag (inference tables) vs its XLA path and vs the f32 bag over the
+    dequantized table (what the codes save in bytes should show in time)."""
+    ip, t = args.interpret, dict(samples=args.samples, reps=args.reps)
+    vocab, num_bags, mean_len = sizes(args)
+    width = code_width(bits, dim)
+    k = jax.random.split(jax.random.key(bits * 1000 + dim), 3)
+    data = jax.random.randint(k[0], (vocab, width), 0, 256, jnp.int32).astype(jnp.uint8)
+    scale = jax.random.uniform(k[1], (vocab,), jnp.float32, 1e-3, 1e-2).astype(jnp.float16)
+    zero_point = jax.random.randint(k[2], (vocab,), 0, 1 << bits, jnp.int32).astype(jnp.uint8)
+    ids, seg, coef = make_bags(rng, num_bags, mean_len, vocab, power_law=power_law)
+    n = ids.shape[0]
+    shape = f"int{bits} V={vocab} D={dim} N={n} S={num_bags} {combiner}"
+    shape += " power-law L" if power_law else ""
+    opts = dict(num_segments=num_bags, bits=bits, dim=dim, combiner=combiner)
+    ref_fn = jax.jit(functools.partial(xla_quantized_bag, **opts))
+    ref = ref_fn(data, scale, zero_point, ids, seg, coef)
+    xla_ms = timeit(ref_fn, data, scale, zero_point, ids, seg, coef, **t)
+    nbytes = n * (width + 3 + 8) + num_bags * dim * 4
+    record("xla quantized bag", shape, xla_ms, nbytes)
+    f = jax.jit(
+        lambda d, s_, z, i, g, c: quantized_kernels.quantized_bag_forward(
+            c,
+            i,
+            g,
+            d,
+            s_,
+            z,
+            num_bags,
+            bits=bits,
+            dim=dim,
+            combiner=combiner,
+            interpret=ip,
+            **dataclasses.asdict(quantized_kernels.get_heuristic_config(dim, bits)),
+        )
+    )
+    err = max_err(f(data, scale, zero_point, ids, seg, coef), ref)
+    ms = timeit(f, data, scale, zero_point, ids, seg, coef, **t)
+    record(f"quantized_bag {combiner}", shape, ms, nbytes, xla_ms, f"err {err:.1e}")
+    if sweep:
+        for r in (16, 32, 64):
+            for w in (1, 2, 4, 8):
+
+                def one(r=r, w=w):
+                    g = jax.jit(
+                        lambda d, s_, z, i, g, c: quantized_kernels.quantized_bag_forward(
+                            c,
+                            i,
+                            g,
+                            d,
+                            s_,
+                            z,
+                            num_bags,
+                            bits=bits,
+                            dim=dim,
+                            combiner=combiner,
+                            rows_per_step=r,
+                            num_warps=w,
+                            interpret=ip,
+                        )
+                    )
+                    err = max_err(g(data, scale, zero_point, ids, seg, coef), ref)
+                    ms = timeit(g, data, scale, zero_point, ids, seg, coef, **t)
+                    record(
+                        f"quantized sweep R={r} warps={w}",
+                        shape,
+                        ms,
+                        nbytes,
+                        xla_ms,
+                        f"err {err:.1e}",
+                    )
+
+                guarded(f"quantized sweep R={r} warps={w} {shape}", one)
+    if combiner == "sum":  # the f32 bag on the same rows, dequantized
+        table = dequantize(data, scale, zero_point, bits=bits, dim=dim)
+        g = jax.jit(
+            lambda tb, i, s_, c: bag_kernels.bag_forward(c, i, s_, tb, num_bags, interpret=ip)
+        )
+        err = max_err(g(table, ids, seg, coef), ref)
+        f32_ms = timeit(g, table, ids, seg, coef, **t)
+        record(
+            "f32 bag, same rows",
+            f"f32 V={vocab} D={dim} N={n} S={num_bags}",
+            f32_ms,
+            n * (dim * 4 + 8) + num_bags * dim * 4,
+            None,
+            f"err {err:.1e}; int{bits} x{f32_ms / ms:.2f} faster",
+        )
+
+
+def section_quantized(args, rng):
+    cases = ((8, 128, "sum"), (4, 128, "sum"), (8, 64, "sum"), (8, 128, "max"))
+    for bits, dim, combiner in cases:
+        guarded(
+            f"quantized int{bits} D={dim} {combiner}",
+            quantized_case,
+            args,
+            rng,
+            bits,
+            dim,
+            combiner,
+            sweep=combiner == "sum" and not args.no_sweep,
+        )
+    guarded("quantized power-law L", quantized_case, args, rng, 8, 128, "sum", power_law=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
@@ -449,7 +579,7 @@ def main(argv=None):
         "--reps", type=int, default=None, help="calls per sample (default 5; 1 with --interpret)"
     )
     p.add_argument("--no-sweep", action="store_true", help="skip the forward config sweep")
-    p.add_argument("--sections", default="copy,forward,optimizer")
+    p.add_argument("--sections", default="copy,forward,quantized,optimizer")
     args = p.parse_args(argv)
     if args.reps is None:
         args.reps = 1 if args.interpret else 5
@@ -460,6 +590,7 @@ def main(argv=None):
     sections = {
         "copy": lambda: section_copy(args),
         "forward": lambda: section_forward(args, rng),
+        "quantized": lambda: section_quantized(args, rng),
         "optimizer": lambda: section_optimizer(args, rng),
     }
     for name in args.sections.split(","):

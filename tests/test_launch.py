@@ -168,6 +168,50 @@ def test_a_second_launch_on_a_running_run_directory_is_refused(tmp_path):
     assert mine.split("error: ", 1)[1] == err[-2].split("error: ", 1)[1].split(" (traceback")[0]
 
 
+class _Scripted:
+    """A child that exits with `code` once `at` polls have passed (None: runs on)."""
+
+    def __init__(self, code, at):
+        self.code, self.at, self.polls = code, at, 0
+
+    def poll(self):
+        self.polls += 1
+        return self.code if self.at is not None and self.polls > self.at else None
+
+    def terminate(self):
+        self.code, self.at = -signal.SIGTERM, 0
+
+    kill = terminate
+
+    def wait(self, timeout=None):
+        return self.code
+
+
+@pytest.mark.parametrize(
+    ("p0", "reported"),
+    [
+        ((2, 3), "process 0 of 2 exited with status 2"),  # p1 relayed p0's error, exited first
+        ((1, 3), "process 1 of 2 exited with status 2"),  # p0 failed otherwise: p1 is the cause
+        ((None, None), "process 1 of 2 exited with status 2"),
+    ],  # p0 still running: stopped
+)
+def test_the_launcher_reports_the_failure_at_its_source(tmp_path, p0, reported):
+    log = tmp_path / "p1.log"
+    log.write_text("sparsejax: process 1: error: run directory r is in use\n")
+    lines = []
+    code = _launch._watch(
+        [_Scripted(*p0), _Scripted(2, 0)],
+        {1: str(log)},
+        timeout=None,
+        grace=0,
+        linger=0.05,
+        say=lines.append,
+        poll=0.01,
+    )
+    assert code == 2 and lines[-1].startswith(f"sparsejax launch: {reported}")
+    assert ("stopped process 0" in lines[-1]) == (p0[0] is None)
+
+
 def test_launch_refuses_a_bad_config_before_starting(tmp_path, capsys):
     assert main(["launch", "-n", "2", _config(tmp_path), "data.batch_sise=3"]) == 2
     err = capsys.readouterr().err

@@ -12,7 +12,9 @@ The launcher watches its children. When one exits with a non-zero status or is k
 it gives the others `linger` seconds to end on their own, stops those still running
 (SIGTERM, then SIGKILL after `grace` seconds) and returns a non-zero status with one
 line naming the process, how it ended and where its output is (with the last line of
-that output when it exited with a status: its error). With `timeout`, it stops them all
+that output when it exited with a status: its error); when process 0 also exited with
+the same status meanwhile, that is process 0 (other processes relay its start-up
+errors, and may exit first). With `timeout`, it stops them all
 when they run longer. Ctrl-C (or SIGTERM to the launcher) stops them all. Children
 also get SIGTERM if the launcher itself dies (Linux `PR_SET_PDEATHSIG`), so no process
 outlives it. Status 0 only when every process exits 0.
@@ -266,6 +268,8 @@ def _watch(procs, logs, *, timeout, grace, linger, say, poll) -> int:
     while time.monotonic() < end and any(p.poll() is None for p in procs):
         time.sleep(poll)
     running = [j for j, p in enumerate(procs) if p.poll() is None]
+    if i > 0 and code > 0 and procs[0].poll() == code:
+        i = 0  # the same failure on process 0 (often relayed from it): its output is above
     _stop(procs, grace)
     if i == 0:
         where = "its output is above"

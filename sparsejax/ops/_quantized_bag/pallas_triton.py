@@ -34,10 +34,12 @@ class Config:
     """Triton warps per program."""
 
 
-def get_heuristic_config(dim: int) -> Config:
-    """The float bag's start point (R = 16, Dp // 64 warps from 1 to 4); not yet tuned
-    on a GPU."""
-    return Config(num_warps=min(4, max(1, next_pow2(dim) // 64)))
+def get_heuristic_config(dim: int, bits: int = 8) -> Config:
+    """R = 16 and one warp per 128 code bytes (1 to 4). On an H200 (experiments/RESULTS.md,
+    "GPU kernels") one warp was the best or within noise of it for int8 D=64 and D=128
+    and for int4 D=128, where 4 warps ran 1.9x slower; the lookup is latency-bound."""
+    width = dim if bits == 8 else (dim + 1) // 2
+    return Config(num_warps=min(4, max(1, next_pow2(width) // 128)))
 
 
 def _quantized_bag_kernel(
@@ -178,7 +180,7 @@ def quantized_bag(
 ):
     """The primitive's "pallas" implementation."""
     del unit_values
-    config = config or get_heuristic_config(dim)
+    config = config or get_heuristic_config(dim, bits)
     return quantized_bag_forward(
         coef,
         ids,
