@@ -9,6 +9,7 @@ unpooled (sequence) module, which this is not.
 """
 
 from .._deprecation import alias_getattr as _alias_getattr
+from ._compose import Composition as Composition
 from ._device_store import MESH_AXES as MESH_AXES
 from ._device_store import DeviceTableStore as DeviceTableStore
 from ._device_store import GroupLookups as GroupLookups
@@ -35,6 +36,7 @@ from ._store import default_mesh as default_mesh
 from ._store import make_store as make_store
 
 __all__ = [
+    "Composition",
     "MAX_STACK_ROWS",
     "MESH_AXES",
     "MISSING_KEY",

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..ops import COMBINERS
 from ..ops.optimizers import RowWiseAdagrad, SparseOptimizer
+from ._compose import Composition
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 DTYPES = ("float32", "bfloat16")
@@ -302,6 +303,9 @@ class TableSpec:
     cache: HostCache | None = None
     """Rows in a host store with a device cache (None: the whole table on the device;
     a dynamic table without a cache keeps `dynamic.max_rows` rows on the device)."""
+    compose: Composition | None = None
+    """Stored as smaller tables whose rows combine per id (quotient-remainder or
+    multi-hash; `sparsejax.embedding.Composition`); None: one `[vocab_size, dim]` table."""
 
     def __post_init__(self):
         owner = f"TableSpec {self.name!r}"
@@ -342,6 +346,15 @@ class TableSpec:
             raise TypeError(f"{owner}: `dynamic` must be a DynamicVocab or None")
         if self.cache is not None and not isinstance(self.cache, HostCache):
             raise TypeError(f"{owner}: `cache` must be a HostCache or None")
+        if self.compose is not None:
+            if not isinstance(self.compose, Composition):
+                raise TypeError(f"{owner}: `compose` must be a Composition or None")
+            if self.is_tiered:
+                raise ValueError(
+                    f"{owner}: compose does not apply to a dynamic or host-cached table "
+                    f"(its ids are raw keys); store it whole or make it static"
+                )
+            self.compose.part_rows(self.vocab_size, self.dim, self.name)  # refuses oversize
 
     @property
     def is_tiered(self) -> bool:

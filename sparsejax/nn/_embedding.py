@@ -30,6 +30,7 @@ import jax
 from flax import traverse_util
 from jax.sharding import Mesh
 
+from ..embedding._compose import Expansion, expand
 from ..embedding._spec import FeatureSpec, TableSpec
 from ..embedding._store import TableStore, make_store
 
@@ -106,13 +107,20 @@ class EmbeddingBagCollection(nn.Module):
     outside one, one device)."""
 
     @property
+    def expansion(self) -> Expansion:
+        """The plain tables and features the store holds: composed tables (`compose`) as
+        their parts."""
+        return expand(self.tables, self.features)
+
+    @property
     def store(self) -> TableStore:
         """The table store behind this layer (a pure function of the fields)."""
+        ex = self.expansion
         make = _STORE.get()
         if make is not None:
-            return make(self.tables, self.features, implementation=self.implementation)
+            return make(ex.tables, ex.features, implementation=self.implementation)
         mesh = self.mesh if self.mesh is not None else _MESH.get()
-        return make_store(self.tables, self.features, mesh=mesh, implementation=self.implementation)
+        return make_store(ex.tables, ex.features, mesh=mesh, implementation=self.implementation)
 
     @property
     def collection(self) -> TableStore:
@@ -121,6 +129,8 @@ class EmbeddingBagCollection(nn.Module):
 
     @nn.compact
     def __call__(self, features: Mapping, batch_size: int) -> dict[str, jax.Array]:
+        ex = self.expansion
+        features = ex.split_features(features)
         store = self.store
         state = {}
         for name in store.state_names:
@@ -139,7 +149,7 @@ class EmbeddingBagCollection(nn.Module):
             init_fn=lambda: None,
             reduce_fn=lambda _, new: new,
         )
-        return store.split(outputs, batch_size)
+        return ex.combine_outputs(store.split(outputs, batch_size))
 
 
 def apply_embedding_gradients(

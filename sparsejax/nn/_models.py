@@ -27,13 +27,19 @@ def sequence_mask(jagged, batch_size: int, max_len: int) -> jax.Array:
 
 
 def linear_specs(tables: Sequence[TableSpec], features: Sequence[FeatureSpec]):
-    """1-dim "first-order" tables mirroring `tables` (for FM / wide parts); sequence
+    """1-dim "first-order" tables mirroring `tables` (for FM / wide parts), composed as
+    their table is (but for "concat", which cannot split one column: whole); sequence
     features are left out."""
     pooled = [f for f in features if not f.is_sequence]
     used = {f.table for f in pooled}
-    lin_tables = [
-        dataclasses.replace(t, name=f"{t.name}_linear", dim=1) for t in tables if t.name in used
-    ]
+
+    def linear(t):
+        concat = t.compose is not None and t.compose.op == "concat"
+        return dataclasses.replace(
+            t, name=f"{t.name}_linear", dim=1, compose=None if concat else t.compose
+        )
+
+    lin_tables = [linear(t) for t in tables if t.name in used]
     lin_features = [dataclasses.replace(f, table=f"{f.table}_linear") for f in pooled]
     return lin_tables, lin_features
 

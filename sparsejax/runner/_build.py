@@ -39,7 +39,8 @@ from ..data import _transforms as tf
 from ..data._files import delimited_header, open_file
 from ..data._labels import LabelRule
 from ..data._text import stable_hash_bytes
-from ..embedding import FeatureSpec, TableSpec, uniform_init
+from ..embedding import Composition, FeatureSpec, TableSpec, uniform_init
+from ..embedding._compose import stored_values
 from ..embedding._spec import (
     MISSING_KEY,
     BloomAdmission,
@@ -560,6 +561,13 @@ def resolve_table(tables: Mapping[str, TableConfig], name: str) -> TableConfig:
                 f"and has no vocabulary; bound it with max_rows, or set dynamic: false"
             )
         drop["vocab_size"] = None
+    if tc.compose is not None and (dynamic or cached):
+        if mine("compose"):
+            raise ConfigError(
+                f"tables.{name}.compose: a dynamic or host-cached table cannot be composed "
+                f"(its ids are raw keys); set dynamic: false and cache_rows: 0, or drop compose"
+            )
+        drop["compose"] = None
     if dynamic and not cached and tc.max_rows is None:
         raise ConfigError(
             f"tables.{name}: a dynamic table needs a device size: set tables.{name}.cache_rows"
@@ -748,6 +756,29 @@ def _distinct(values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     if not values:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     return np.unique(np.concatenate([np.asarray(v) for v in values]), return_counts=True)
+
+
+def composed_table(cfg: RunConfig, spec: TableSpec) -> TableSpec:
+    """`spec` with `tables.<name>.compose` applied (a ConfigError naming the key when
+    its parts would not fit in the full table, or the options are inconsistent)."""
+    tc = resolve_table(cfg.tables, spec.name)
+    if tc.compose is None or spec.is_tiered:
+        return spec
+    opts = {k: v for k, v in dataclasses.asdict(tc.compose).items() if v is not None}
+    own = cfg.tables.get(spec.name)
+    mine = own is not None and own.compose is not None
+    try:
+        comp = Composition(**opts)
+        if not mine:  # from "*": a table it cannot shrink stays whole
+            try:
+                smaller = stored_values(dataclasses.replace(spec, compose=None), comp)
+            except ValueError:
+                return spec
+            if smaller >= spec.vocab_size * spec.dim:
+                return spec
+        return dataclasses.replace(spec, compose=comp)
+    except ValueError as e:
+        raise ConfigError(f"tables.{spec.name if mine else '*'}.compose: {e}") from None
 
 
 def tiered_options(
@@ -1604,6 +1635,7 @@ def apply_tables(
         cols.setdefault(f.table, []).append(f.name)
     out, notes, dynamic, cached = [], [], 0, 0
     for t in tables:
+        t = composed_table(cfg, t)
         ids = None if train is None else [train.sparse[c].values for c in cols.get(t.name, ())]
         spec, note = tiered_options(
             cfg,
@@ -1618,12 +1650,22 @@ def apply_tables(
         cached += spec.cache is not None
         if note:
             notes.append(note)
-    if not dynamic and not cached:
-        return out, None
-    text = f"tables: {dynamic} dynamic, {cached} with a device cache"
-    if notes:
-        text += " (cache rows/distinct train ids: " + ", ".join(notes) + ")"
-    return out, text
+    lines = []
+    composed = [t for t in out if t.compose is not None]
+    if composed:
+        full = sum(t.vocab_size * t.dim for t in out if not t.is_tiered)
+        stored = sum(stored_values(t) for t in out if not t.is_tiered)
+        lines.append(
+            f"tables: {len(composed)} composed ({', '.join(t.compose.kind for t in composed[:1])}"
+            f"{', ...' if len(composed) > 1 else ''}): static tables store {stored:,} values, "
+            f"{100 * stored / full:.1f}% of {full:,} whole"
+        )
+    if dynamic or cached:
+        text = f"tables: {dynamic} dynamic, {cached} with a device cache"
+        if notes:
+            text += " (cache rows/distinct train ids: " + ", ".join(notes) + ")"
+        lines.append(text)
+    return out, "; ".join(lines) or None
 
 
 _STACKED_MODELS = ("dlrm", "deepfm", "wide_deep", "dcnv2")

@@ -11,6 +11,7 @@ single-device store (placement "device").
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from ..embedding import FeatureSpec
+from ..embedding._compose import stored_values
 from ..embedding._memory import available_memory
 from ..nn._models import DeepFM, WideAndDeep, linear_specs
 from ..sharding._distributed import ENV_LOCAL_DEVICES
@@ -72,7 +74,13 @@ def model_tables(model) -> tuple[list, list, dict[str, str]]:
     """Every embedding layer's tables and features of `model`, and `{table: leader}` of
     the tables placed with another: DeepFM's and Wide & Deep's 1-dim first-order
     tables (`linear_specs`) take their table's placement."""
-    tables, features = list(model.tables), list(model.features)
+    # a composed table is planned as the memory its parts take (they share its placement)
+    tables = [
+        t if t.compose is None
+        else dataclasses.replace(t, vocab_size=-(-stored_values(t) // t.dim), compose=None)
+        for t in model.tables
+    ]  # fmt: skip
+    features = list(model.features)
     follow: dict[str, str] = {}
     if isinstance(model, (DeepFM, WideAndDeep)):
         lin_tables, lin_features = linear_specs(model.tables, model.features)

@@ -351,6 +351,28 @@ class AdmissionConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ComposeConfig:
+    """A static table stored as smaller ones whose rows combine per id
+    (`tables.<name>.compose`; `sparsejax.embedding.Composition`), e.g.
+    `{kind: qr, fraction: 0.25}` or `{kind: multihash, hashes: 2, fraction: 0.1}`."""
+
+    kind: Literal["qr", "multihash"]
+    """"qr": quotient-remainder, row(id) = Q[id // m] (op) R[id % m], no two ids share
+    both rows; "multihash": `hashes` tables indexed by independent hashes of the id
+    (`hashes: 1`: the hashing trick)."""
+    rows: int | None = None
+    """qr: the remainder rows m; multihash: the rows of each hashed table (null: from
+    `fraction`; qr without either: ceil(sqrt(V)), the fewest rows)."""
+    fraction: float | None = None
+    """Memory budget, a fraction of the full table's (qr: the most rows within it, or
+    the fewest Q-R allows for a table too small to meet it)."""
+    hashes: int | None = None
+    """multihash: number of hashed tables (null: 2)."""
+    op: Literal["mul", "add", "concat"] | None = None
+    """How the parts' rows combine (null: "mul"; "concat" splits the dim over them)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvictionConfig:
     """Which IDs of a dynamic table lose their rows (`tables.<name>.eviction`), their rows
     and optimizer slots reused by new IDs. Runs every `every_steps` and before every
@@ -429,6 +451,10 @@ class TableConfig:
     (its rows split over "model"), "row_wise" (its rows split over every device). A run
     with a pinned table shards even on one device. `sparsejax plan CONFIG` prints the
     plan."""
+    compose: ComposeConfig | None = None
+    """Store a static table as smaller ones (quotient-remainder or multi-hash) to cut its
+    memory, e.g. `{kind: qr, fraction: 0.25}` (null: whole). Not with `dynamic` or
+    `cache_rows`."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
