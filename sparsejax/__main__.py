@@ -8,6 +8,8 @@
         optionally writing per-example scores
     sparsejax config [--schema] [CONFIG.yaml ...] [key=value ...]
         print the resolved config, or (--schema) the reference of every key
+    sparsejax profile [CONFIG.yaml ...] [key=value ...] [--steps 20] [--warmup 5]
+        where a training step's time goes; writes RUN/profile/ (trace, summary)
     sparsejax info
         versions, devices, kernels
     sparsejax launch -n N [--devices-per-process K] [--timeout S] [--restart]
@@ -57,6 +59,31 @@ def _train(args: argparse.Namespace) -> int:
     summary = runner.train(cfg, restart=args.restart)
     print({k: v for k, v in summary.items() if k not in ("run_dir", "tables")})
     return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    # On a GPU, XLA runs a step's kernels as CUDA graphs, which the trace shows as one
+    # op; without them every kernel is seen (and timed) with its own HLO op.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
+    from . import runner
+    from .runner._profile import profile
+
+    files, overrides = _split(args.config)
+    cfg = runner.load_config(files, overrides)
+    profile(cfg, steps=args.steps, warmup=args.warmup)
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
 
 
 def _step(text: str) -> int | str:
@@ -264,6 +291,21 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         "config) is moved to RUN.replaced-<time>",
     )
     train.set_defaults(fn=_train)
+    pr = sub.add_parser(
+        "profile",
+        help="where a training step's time goes (input, host, lookup, dense, update, ...)",
+        description="Build the config's run as `train` does, train a few steps to compile, "
+        "then time --steps steps untraced and under jax.profiler: the step's time split "
+        "into input pipeline, host work, embedding lookup, dense forward/backward, sparse "
+        "update, dense optimizer, collectives, with the embedding parts' GB/s against a "
+        "device copy and the dense part's GFLOP/s. Writes RUN/profile/ (trace for "
+        "TensorBoard or Perfetto, summary.txt, summary.json, summary.png); saves no "
+        "checkpoint.",
+    )
+    pr.add_argument("config", nargs="*", metavar="CONFIG.yaml | key=value")
+    pr.add_argument("--steps", type=_positive, default=20, help="profiled steps (default 20)")
+    pr.add_argument("--warmup", type=_positive, default=5, help="steps before (default 5)")
+    pr.set_defaults(fn=_profile)
     ev = sub.add_parser("eval", help="evaluate a run directory's checkpoint")
     ev.add_argument("run_dir")
     ev.add_argument(

@@ -138,7 +138,8 @@ class EmbeddingBagCollection(nn.Module):
                 EMBEDDING, name, lambda n=name: store.init_part(self.make_rng("params"), n)
             )
             state[name] = var.value
-        outputs, residuals = store.lookup(state, features, batch_size)
+        with jax.named_scope("embedding_lookup"):  # `sparsejax profile` attributes by it
+            outputs, residuals = store.lookup(state, features, batch_size)
         outputs = {
             g: self.perturb(g, out, collection=EMBEDDING_GRADS) for g, out in outputs.items()
         }

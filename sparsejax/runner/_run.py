@@ -53,6 +53,7 @@ RESUMABLE_KEYS = (
     "checkpoint_full_every",
     "progress",
     "data.prefetch",
+    "profile_steps",
     "sharding.devices",
     "sharding.model",
     "sharding.device_memory",
@@ -527,6 +528,23 @@ def run_evaluator(run: Run) -> Callable[[TrainState], dict]:
     return evaluate
 
 
+def _profile_window(run: Run, log: Callable[[str], None]) -> list:
+    """The `profile_steps` hook of a run (process 0's), if set."""
+    window = run.cfg.profile_steps
+    if window is None or jax.process_index() != 0:
+        return []
+    from ._profile import ProfileWindow
+
+    if any(t.is_tiered for t in run.data.tables):
+        raise ConfigError(
+            "profile_steps: a run with dynamic or host-cached tables cannot be traced by "
+            "step (its batches are remapped on the host); use `sparsejax profile`"
+        )
+    first, count = window
+    out = os.path.join(run.cfg.run_dir, f"profile_steps_{first}")
+    return [ProfileWindow(run.trainer, first, count, out, log=log)]
+
+
 def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     """Train a built `Run` to its total steps with `sparsejax.train.fit`, writing the run
     directory's metrics, curves and summary (see `train`); returns the summary."""
@@ -585,7 +603,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             data_position=_data_position(loader),
             checkpoint_extra={"config": to_dict(cfg), "config_sha256": config_hash(cfg)},
             log_every=cfg.log_every,
-            hooks=[*reports, knobs],
+            hooks=[*reports, knobs, *_profile_window(run, log)],
             evaluate=run_evaluator(run),
         )
     finally:

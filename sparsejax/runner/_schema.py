@@ -550,8 +550,18 @@ class RunConfig:
     early_stopping: EarlyStoppingConfig | None = None
     """Early stopping and keep-best on an eval metric (null: off), e.g.
     `{metric: auc, patience: 3}`."""
+    profile_steps: list[int] | None = None
+    """`[first, count]`: trace steps first..first+count-1 of the run with `jax.profiler`
+    and write `RUN/profile_steps_<first>/` (the trace, and summary.txt/json with the
+    device time per part, as `sparsejax profile` splits it); null: off. Not with
+    dynamic or host-cached tables."""
 
     def __post_init__(self):
+        ps = self.profile_steps
+        if ps is not None and (
+            len(ps) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ps)
+        ):
+            raise ValueError(f"profile_steps must be [first, count], integers >= 1, got {list(ps)}")
         if self.steps is not None and self.epochs is not None:
             raise ValueError(
                 f"set exactly one of `steps` and `epochs` (got steps={self.steps} and "

@@ -1,0 +1,169 @@
+"""`sparsejax profile`: HLO instructions charged to the library's named scopes (and
+collectives by opcode), overlapping events split so the parts sum to the busy time, the
+embedding byte model, and a profile of a tiny run end to end: every part measured, the
+trace and summaries written together, nothing left behind when profiling fails."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsejax import runner
+from sparsejax.__main__ import main
+from sparsejax.data import JaggedIds
+from sparsejax.embedding import FeatureSpec, TableSpec
+from sparsejax.ops import SGD, RowWiseAdagrad
+from sparsejax.runner import _profile
+
+TINY = [
+    "progress=false",
+    "data.batch_size=64",
+    "data.eval_batches=1",
+    "data.synthetic_options={vocab_sizes: [500, 300, 40], num_dense: 3}",
+    "model.embedding_dim=8",
+    "model.options={bottom: [16, 8], top: [16, 1]}",
+]
+
+
+def test_hlo_instructions_are_charged_to_the_innermost_scope():
+    table = jnp.ones((100, 8))
+    w = jnp.ones((8, 4))
+
+    def step(table, w, ids):
+        with jax.named_scope("embedding_lookup"):
+            rows = table[ids]
+        with jax.named_scope("dense"):
+            loss, g = jax.value_and_grad(lambda w: jnp.tanh(rows @ w).sum())(w)
+        with jax.named_scope("sparse_update"):
+            table = table.at[ids].add(-0.1)
+        return table, w - g, loss
+
+    hlo = jax.jit(step).lower(table, w, jnp.arange(5)).compile().as_text()
+    parts = _profile.hlo_parts(hlo)
+    found = set(parts.values())
+    assert {"embedding_lookup", "dense", "sparse_update"} <= found
+    assert found <= {*_profile.PROFILE_SCOPES, "other_device"}
+    meta = 'metadata={op_name="jit(s)/%s"}'
+    fake = (
+        "ENTRY %main {\n"
+        f"  %all-reduce.3 = f32[8]{{0}} all-reduce(f32[8]{{0}} %p), {meta % 'dense/x'}\n"
+        f"  %dot.1 = f32[8]{{0}} dot(f32[8]{{0}} %all-reduce.3), "
+        f"{meta % 'transpose(jvp(dense))/dot'}\n"
+        "  %copy.2 = f32[8]{0} copy(f32[8]{0} %dot.1)\n"
+        f"  %fusion.4 = f32[8]{{0}} fusion(f32[8]{{0}} %p), {meta % 'dense_optimizer/add'}\n"
+        "}\n"
+    )
+    assert _profile.hlo_parts(fake) == {
+        "all-reduce.3": "collectives",
+        "dot.1": "dense",  # inside transpose(jvp(...))
+        "copy.2": "dense",  # no metadata: its operand's part
+        "fusion.4": "dense_optimizer",  # not "dense": a whole path component only
+    }
+
+
+def test_overlapping_events_are_split_and_sum_to_the_busy_time():
+    events = [(0, 10, "a"), (5, 15, "b"), (20, 30, "a"), (22, 24, "c")]
+    split = _profile.split_overlaps(events)
+    assert split == pytest.approx({"a": 5 + 2.5 + 8 + 1, "b": 2.5 + 5, "c": 1})
+    assert sum(split.values()) == pytest.approx(_profile._union([(s, e) for s, e, _ in events]))
+
+
+def test_kernels_without_run_ids_are_cut_into_executions_at_the_widest_gaps():
+    events = [(0, 5, "a"), (1, 2, "b"), (6, 7, "c"), (50, 51, "a"), (51.5, 52, "b")]
+    events += [(90, 91, "a"), (93, 94, "c")]
+    groups = _profile.split_executions(events, 3)
+    assert [[op for *_, op in g] for g in groups] == [["a", "b", "c"], ["a", "b"], ["a", "c"]]
+    assert _profile.split_executions(events, 1) == [sorted(events)]
+
+
+def test_embedding_bytes_follow_the_byte_model():
+    tables = [
+        TableSpec(name="a", vocab_size=10, dim=4, optimizer=RowWiseAdagrad(learning_rate=0.1)),
+        TableSpec(name="b", vocab_size=10, dim=2, dtype="bfloat16", optimizer=SGD(learning_rate=1)),
+    ]
+    features = [FeatureSpec(name="x", table="a"), FeatureSpec(name="y", table="b", max_ids=3)]
+    from sparsejax.data import BatchPacker
+
+    host = {
+        "x": JaggedIds(np.array([1, 1]), np.array([3, 3])),
+        "y": JaggedIds(np.array([3, 0]), np.array([1, 2, 1])),
+    }
+    batch = BatchPacker(tables, features, batch_size=2).pack(host, labels=np.zeros(2))
+    got = _profile.embedding_bytes(tables, features, batch.features, 2)
+    lookup = 2 * (16 + 8) + 2 * 4 * 4 + 3 * (4 + 8) + 2 * 2 * 4
+    update = 2 * (12 + 16) + 3 * (12 + 8) + 1 * 2 * (16 + 4) + 2 * 2 * (4 + 0)
+    assert got == {"embedding_lookup": lookup, "sparse_update": update}
+
+
+def test_profile_of_a_run_measures_every_part_and_writes_it_whole(tmp_path, capsys):
+    cfg = runner.load_config([], [f"out_dir={tmp_path}", "name=p", *TINY])
+    result = _profile.profile(cfg, steps=4, warmup=2, log=lambda _: None)
+    parts = result.parts
+    assert set(parts) == set(_profile.PARTS)
+    for p in ("embedding_lookup", "dense", "sparse_update", "dense_optimizer", "dispatch"):
+        assert parts[p] > 0, p
+    assert parts["collectives"] == 0 and result.unattributed_events == 0
+    assert result.bytes["embedding_lookup"] > 0 and result.gbps("embedding_lookup") > 0
+    assert result.copy_gbps > 0 and result.flops > 0
+    # measured, none a remainder: never more than the step (on a tiny step the tracer's
+    # own cost is most of the traced time, so no lower bound here)
+    assert 0 < result.coverage <= 1.05
+    out = tmp_path / "p" / "profile"
+    assert sorted(os.listdir(out)) == ["summary.json", "summary.png", "summary.txt", "trace"]
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["parts"] == pytest.approx(parts) and saved["coverage"] == pytest.approx(
+        result.coverage
+    )
+    traces = [f for _, _, fs in os.walk(out / "trace") for f in fs]
+    assert any(f.endswith(".xplane.pb") for f in traces) and "perfetto_trace.json.gz" in traces
+    assert "embedding lookup" in (out / "summary.txt").read_text()
+    ckpts = tmp_path / "p" / "checkpoints"
+    assert not ckpts.exists() or not os.listdir(ckpts)  # profiling saves nothing
+
+
+def test_a_profile_that_fails_leaves_no_partial_profile(tmp_path, monkeypatch):
+    cfg = runner.load_config([], [f"out_dir={tmp_path}", "name=p", *TINY])
+    old = tmp_path / "p" / "profile"
+    old.mkdir(parents=True)
+    (old / "summary.txt").write_text("the previous profile")
+
+    def broken(*a, **k):
+        raise RuntimeError("trace unreadable")
+
+    monkeypatch.setattr(_profile, "device_events", broken)
+    with pytest.raises(RuntimeError, match="trace unreadable"):
+        _profile.profile(cfg, steps=2, warmup=1, log=lambda _: None)
+    assert (old / "summary.txt").read_text() == "the previous profile"
+    assert not [n for n in os.listdir(tmp_path / "p") if n.startswith("profile.")]
+
+
+def test_profile_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["profile", f"out_dir={tmp_path}", "data.batch_sise=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparsejax: config error:") and "batch_sise" in err
+    assert "\n" not in err
+    with pytest.raises(SystemExit):
+        main(["profile", "--steps", "0"])
+    assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_profile_steps_trace_a_window_of_a_training_run(tmp_path):
+    cfg = runner.load_config(
+        [], [f"out_dir={tmp_path}", "name=w", "steps=8", "profile_steps=[3, 2]", *TINY]
+    )
+    lines = []
+    summary = runner.train(cfg, log=lines.append)
+    assert summary["step"] == 8  # training went on to the end
+    out = tmp_path / "w" / "profile_steps_3"
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["steps"] == [3, 4] and saved["unattributed_events"] == 0
+    assert saved["parts"]["embedding_lookup"] > 0 and saved["parts"]["sparse_update"] > 0
+    assert 0 < sum(saved["parts"].values()) <= 1.05 * saved["step_ms"]
+    assert any(f"{out}/summary.txt" in ln for ln in lines)
+    with pytest.raises(
+        runner.ConfigError, match=r"profile_steps must be \[first, count\].*\[0, 5\]"
+    ):
+        runner.load_config([], [f"out_dir={tmp_path}", "profile_steps=[0, 5]"])
