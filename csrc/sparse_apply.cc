@@ -9,7 +9,8 @@
 // entries k, in ascending k, of coef[k] * grad[seg[k]] (f32), then row r of the table
 // and its slots is updated. Entries are radix-sorted by id, run-length encoded, and the
 // unique rows split over the worker pool at run boundaries; untouched rows are
-// bit-identical. Table dtype f32 or bf16 (updated in f32, rounded to nearest even).
+// bit-identical. Table dtype f32 or bf16 (updated in f32, rounded to nearest even, or
+// stochastically with the `stochastic_rounding` attribute).
 
 #include <algorithm>
 #include <cmath>
@@ -75,7 +76,29 @@ struct ApplyCtx {
   const float* grad;  // [S, D]
   float hp[8];
   int32_t step;
+  bool stochastic;  // bf16: stochastic rounding (optimizers.store_rows)
 };
+
+SJ_INLINE uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  return x ^ (x >> 16);
+}
+
+// Unbiased rounding of f32 to bf16: noise from (row, column, step) added to the bits
+// below bf16's, then truncated; inf and NaN round to nearest. Mirrors store_rows.
+SJ_INLINE bf16_t F32ToBf16Stochastic(float f, int64_t row, int64_t col, int32_t step) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) >= 0x7f800000u) return F32ToBf16(f);
+  const uint32_t key = static_cast<uint32_t>(row) * 0x9E3779B1u +
+                       static_cast<uint32_t>(col) * 0x85EBCA77u +
+                       static_cast<uint32_t>(step) * 0xC2B2AE3Du;
+  u += Mix32(key) & 0xFFFFu;
+  return static_cast<bf16_t>(u >> 16);
+}
 
 SJ_INLINE float NanMax(float a, float b) {
   if (a != a) return a;
@@ -263,7 +286,11 @@ void ApplyRuns(const ApplyCtx& c, const uint64_t* keys, const int64_t* run_start
       bf16_t* row = static_cast<bf16_t*>(c.table) + r * d;
       for (int64_t j = 0; j < d; ++j) wbuf[j] = Bf16ToF32(row[j]);
       UpdateRow(c, r, wbuf, g, bc1, bc2, period);
-      for (int64_t j = 0; j < d; ++j) row[j] = F32ToBf16(wbuf[j]);
+      if (c.stochastic) {
+        for (int64_t j = 0; j < d; ++j) row[j] = F32ToBf16Stochastic(wbuf[j], r, j, c.step);
+      } else {
+        for (int64_t j = 0; j < d; ++j) row[j] = F32ToBf16(wbuf[j]);
+      }
     } else {
       UpdateRow(c, r, static_cast<float*>(c.table) + r * d, g, bc1, bc2, period);
     }
@@ -271,7 +298,7 @@ void ApplyRuns(const ApplyCtx& c, const uint64_t* keys, const int64_t* run_start
 }
 
 ffi::Error SparseApplyImplHandler(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                  int32_t optimizer) {
+                                  int32_t optimizer, int32_t stochastic_rounding) {
   const char* kName = "sparsejax_sparse_apply: ";
   if (optimizer < 0 || optimizer >= kNumOptimizers) {
     return ffi::Error::InvalidArgument(std::string(kName) + "unknown optimizer code " +
@@ -382,6 +409,7 @@ ffi::Error SparseApplyImplHandler(ffi::RemainingArgs args, ffi::RemainingRets re
   c.grad = reinterpret_cast<const float*>(grad.untyped_data());
   std::memcpy(c.hp, hparams.untyped_data(), sizeof(c.hp));
   c.step = *reinterpret_cast<const int32_t*>(step.untyped_data());
+  c.stochastic = stochastic_rounding != 0;
   if (n == 0 || v == 0) return ffi::Error::Success();
 
   // 1. Valid entries as (id << 32 | k), ascending k.
@@ -429,9 +457,10 @@ ffi::Error SparseApplyImplHandler(ffi::RemainingArgs args, ffi::RemainingRets re
 }
 
 ffi::Error SparseApplyHandler(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                              int32_t optimizer) {
-  return Guarded("sparsejax_sparse_apply",
-                 [&] { return SparseApplyImplHandler(args, rets, optimizer); });
+                              int32_t optimizer, int32_t stochastic_rounding) {
+  return Guarded("sparsejax_sparse_apply", [&] {
+    return SparseApplyImplHandler(args, rets, optimizer, stochastic_rounding);
+  });
 }
 }  // namespace
 }  // namespace sparsejax
@@ -442,4 +471,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxSparseApply, sparsejax::SparseApplyHandle
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int32_t>("optimizer"));
+                                  .Attr<int32_t>("optimizer")
+                                  .Attr<int32_t>("stochastic_rounding"));

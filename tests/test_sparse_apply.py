@@ -805,3 +805,74 @@ def test_pallas_heuristic_config():
     cfg = _pallas().get_heuristic_config
     assert cfg(96) == _pallas().Config(chunk=32, rows_per_step=8)
     assert cfg(1000).rows_per_step == 4
+
+
+# ---------------------------------------------------------------------------------------
+# stochastic rounding of bf16 tables
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_stochastic_rounding_is_unbiased_and_every_backend_writes_the_same_bits(sr):
+    """Updates below half a bf16 step: rounding to nearest drops them (and biases larger
+    ones); stochastic rounding keeps their mean. XLA, C++ and Pallas agree bit for bit."""
+    v, d, steps = 64, 16, 60
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.uniform(0.5, 2.0, (v, d)), jnp.bfloat16)
+    ids = jnp.arange(v, dtype=jnp.int32)
+    g = jnp.asarray(rng.uniform(2e-4, 2e-3, (v, d)), jnp.float32)  # the step: 2**-7 at 1..2
+    opt = ops.SGD(learning_rate=1.0, stochastic_rounding=sr)
+    impls = ["xla", "pallas"] + (["cpu_ffi"] if ops.cpu_ffi_available() else [])
+    got = {}
+    for impl in impls:
+        t = table
+        for step in range(1, steps + 1):
+            t, _ = ops.sparse_apply(
+                t, {}, ids, ids, g, optimizer=opt, step=step, implementation=impl
+            )
+        got[impl] = np.asarray(t.astype(jnp.float32))
+    for impl in impls:
+        np.testing.assert_array_equal(got[impl], got["xla"], err_msg=impl)
+    exact = np.asarray(table, np.float64) - steps * np.asarray(g, np.float64)
+    bias = float(np.mean(got["xla"] - exact))
+    if sr:  # unbiased: the mean error is a small fraction of the drift (60 x ~1e-3)
+        assert abs(bias) < 2e-3
+        assert not np.array_equal(got["xla"], np.asarray(table, np.float32))
+    else:  # most updates round away: the table lags far behind
+        assert bias > 0.02
+
+
+def test_stochastic_rounding_leaves_f32_tables_and_untouched_rows_alone():
+    rng = np.random.default_rng(1)
+    t32 = jnp.asarray(rng.normal(size=(20, 4)), jnp.float32)
+    ids, seg = jnp.array([2, 5], jnp.int32), jnp.array([0, 1], jnp.int32)
+    g = jnp.asarray(rng.normal(size=(2, 4)), jnp.float32)
+    a, _ = ops.sparse_apply(t32, {}, ids, seg, g, optimizer=ops.SGD(learning_rate=0.1), step=3)
+    b, _ = ops.sparse_apply(
+        t32, {}, ids, seg, g, optimizer=ops.SGD(learning_rate=0.1, stochastic_rounding=True), step=3
+    )
+    np.testing.assert_array_equal(a, b)
+    t16 = t32.astype(jnp.bfloat16)
+    c, _ = ops.sparse_apply(
+        t16, {}, ids, seg, g, optimizer=ops.SGD(learning_rate=0.1, stochastic_rounding=True), step=3
+    )
+    untouched = np.setdiff1d(np.arange(20), [2, 5])
+    np.testing.assert_array_equal(np.asarray(c)[untouched], np.asarray(t16)[untouched])
+
+
+def test_pallas_stochastic_rounding_lowers_for_cuda():
+    opt = ops.RowWiseAdagrad(learning_rate=0.1, stochastic_rounding=True)
+    n, s, v = 1024, 64, 10_000
+    i = SDS((n,), jnp.int32)
+    txt = ref.lower_for_cuda(
+        lambda t, sl, *a: _pallas().sparse_apply(t, *sl, *a, optimizer=opt),
+        SDS((v, 64), jnp.bfloat16),
+        _slot_structs(opt, v, 64),
+        i,
+        i,
+        SDS((n,), jnp.float32),
+        SDS((s, 64), jnp.float32),
+        SDS((8,), jnp.float32),
+        SDS((), jnp.int32),
+        donate_argnums=(0, 1),
+    )
+    assert "__gpu$xla.gpu.triton" in txt

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "SparseOptimizer",
+    "store_rows",
     "SGD",
     "Adagrad",
     "RowWiseAdagrad",
@@ -52,6 +53,12 @@ class SparseOptimizer:
 
     learning_rate: float
     """Step size; may be overridden per step by `sparse_apply(learning_rate=...)`."""
+    stochastic_rounding: bool = False
+    """A bf16 table: round each updated value up or down at random, with the chance
+    that makes the rounding unbiased, instead of to nearest (an update smaller than
+    half a bf16 step then still moves the row, on average). The noise is a hash of
+    (row, column, step), so every implementation writes the same bits. f32 tables:
+    no effect."""
 
     code: ClassVar[int]
     """Kernel id shared with the C++ CPU kernel."""
@@ -277,3 +284,33 @@ class AdagradDecay(SparseOptimizer):
 def num_slots_by_code() -> dict[int, int]:
     """Kernel code -> number of slots, for every registered optimizer."""
     return {code: cls.num_slots() for code, cls in sorted(OPTIMIZERS_BY_CODE.items())}
+
+
+def _mix32(x):
+    """murmur3's 32-bit finalizer (wrapping uint32 arithmetic); jnp."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def store_rows(optimizer: SparseOptimizer, rows, row_ids, step, dtype):
+    """Updated f32 `rows` [R, D] (of table rows `row_ids` [R]) in the table's `dtype`:
+    to nearest, or for a bf16 table with `optimizer.stochastic_rounding`, up or down
+    with noise = mix32(row * 0x9E3779B1 + col * 0x85EBCA77 + step * 0xC2B2AE3D) &
+    0xFFFF added to the f32 bits before truncation (csrc/sparse_apply.cc does the same;
+    inf and NaN as rounding to nearest)."""
+    dtype = jnp.dtype(dtype)
+    if not optimizer.stochastic_rounding or dtype != jnp.bfloat16:
+        return rows.astype(dtype)
+    rows = rows.astype(jnp.float32)
+    cols = jax.lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1).astype(jnp.uint32)
+    r = jnp.asarray(row_ids).astype(jnp.uint32)[:, None]
+    t = jnp.asarray(step).astype(jnp.uint32)
+    key = r * jnp.uint32(0x9E3779B1) + cols * jnp.uint32(0x85EBCA77) + t * jnp.uint32(0xC2B2AE3D)
+    noise = _mix32(key) & jnp.uint32(0xFFFF)
+    bits = jax.lax.bitcast_convert_type(rows, jnp.uint32)
+    finite = (bits & jnp.uint32(0x7FFFFFFF)) < jnp.uint32(0x7F800000)
+    bits = jnp.where(finite, (bits + noise) & jnp.uint32(0xFFFF0000), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from .._embedding_bag.base import embedding_bag_ref
 from .._segment_spmm.base import segment_spmm, valid_entries
+from ..optimizers import store_rows
 
 
 def dedup_ids(ids, vocab):
@@ -43,7 +44,8 @@ def update_touched_rows(optimizer, table, slot_values, unique_ids, row_grads, hp
     new_rows, new_slots = optimizer.update_rows(
         hp, rows, slot_rows, row_grads, step, dim=table.shape[1]
     )
-    table = table.at[unique_ids].set(new_rows.astype(table.dtype), mode="drop")
+    new_rows = store_rows(optimizer, new_rows, unique_ids, step, table.dtype)
+    table = table.at[unique_ids].set(new_rows, mode="drop")
     slot_values = [
         v.at[unique_ids].set(new_slots[s.name].astype(v.dtype), mode="drop")
         for s, v in zip(specs, slot_values, strict=True)
@@ -117,7 +119,8 @@ def sparse_apply_ref(
         dim=dim,
     )
     mask2 = touched[:, None]
-    table = jnp.where(mask2, rows.astype(table.dtype), table)
+    rows = store_rows(optimizer, rows, jnp.arange(vocab), step, table.dtype)
+    table = jnp.where(mask2, rows, table)
     slots = {
         k: jnp.where(touched if v.ndim == 1 else mask2, new_slots[k].astype(v.dtype), v)
         for k, v in slots.items()

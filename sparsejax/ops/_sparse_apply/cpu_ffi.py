@@ -54,5 +54,15 @@ def sparse_apply(table, *operands, optimizer):
         out_types,
         input_output_aliases={i: i for i in range(len(state))},
         vmap_method="sequential",
-    )(*state, ids, segment_ids, coef, grad, hparams, step, optimizer=np.int32(code))
+    )(
+        *state,
+        ids,
+        segment_ids,
+        coef,
+        grad,
+        hparams,
+        step,
+        optimizer=np.int32(code),
+        stochastic_rounding=np.int32(optimizer.stochastic_rounding),
+    )
     return list(outs)

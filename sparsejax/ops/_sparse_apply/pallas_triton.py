@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as pltr
 from .._pallas_common import check_pow2, compiler_params, iota, next_pow2
 from .._segment_spmm.base import valid_entries
 from .._segment_spmm.pallas_triton import spmm_f32
+from ..optimizers import store_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,7 +87,8 @@ def _apply_rows_kernel(
                 slots[spec.name] = pltr.load(ref.at[rd], mask=m2, other=fill)
         hp = tuple(hp_ref[i] for i in range(hp_ref.shape[0]))  # scalars; hp[i] as in f32[8]
         new_rows, new_slots = optimizer.update_rows(hp, rows, slots, grads, step_ref[0], dim=dim)
-        pltr.store(table_ref.at[wr], new_rows.astype(table_ref.dtype), mask=m2)
+        new_rows = store_rows(optimizer, new_rows, rd1, step_ref[0], table_ref.dtype)
+        pltr.store(table_ref.at[wr], new_rows, mask=m2)
         for spec, ref in zip(specs, slot_refs, strict=True):
             v = new_slots[spec.name].astype(ref.dtype)
             if spec.per_row:
