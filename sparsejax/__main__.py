@@ -76,16 +76,6 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return n
-
-
 def _step(text: str) -> int | str:
     if text in ("last", "best"):
         return text

@@ -357,22 +357,13 @@ def profile_run(
 ) -> StepProfile:
     """Profile `steps` training steps of a built `Run` (module docstring). Writes the
     trace and summaries to `out_dir` (default `RUN/profile`) once all is measured."""
-    from ..data import Loader
+    from ._run import train_loader
 
     if steps < 1 or warmup < 1:
         raise ValueError(f"profile: steps and warmup must be >= 1, got {steps} and {warmup}")
     cfg, trainer, state = run.cfg, run.trainer, run.state
     out_dir = out_dir or os.path.join(cfg.run_dir, "profile")
-    loader = Loader(
-        run.data.train_source,
-        run.data.packer,
-        shuffle=cfg.data.shuffle,
-        seed=cfg.seed,
-        epochs=None,
-        prefetch=cfg.data.prefetch,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        device_put=trainer.host_tables is None and not trainer.shards_batch,
-    )
+    loader = train_loader(run, epochs=None)
     batches = iter(loader)
     host = trainer.host_tables
 

@@ -528,6 +528,25 @@ def run_evaluator(run: Run) -> Callable[[TrainState], dict]:
     return evaluate
 
 
+def train_loader(run: Run, *, epochs: int | None, position: dict | None = None) -> Loader:
+    """The run's train batches as its config says (shuffle, prefetch), from `position`."""
+    cfg = run.cfg
+    return Loader(
+        run.data.train_source,
+        run.data.packer,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.seed,
+        epochs=epochs,
+        prefetch=cfg.data.prefetch,
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        # tiered tables: the host maps the raw int64 ids to cache slots first; tables
+        # placed on a mesh: the trainer splits the host batch per device
+        device_put=getattr(run.trainer, "host_tables", None) is None
+        and not run.trainer.shards_batch,
+        position=position,
+    )
+
+
 def _profile_window(run: Run, log: Callable[[str], None]) -> list:
     """The `profile_steps` hook of a run (process 0's), if set."""
     window = run.cfg.profile_steps
@@ -573,20 +592,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         if run.data.steps_per_epoch is None
         else math.ceil(total / run.data.steps_per_epoch) + 1
     )
-    loader = Loader(
-        run.data.train_source,
-        run.data.packer,
-        shuffle=cfg.data.shuffle,
-        seed=cfg.seed,
-        epochs=epochs,
-        prefetch=cfg.data.prefetch,
-        shuffle_buffer=cfg.data.shuffle_buffer,
-        # tiered tables: the host maps the raw int64 ids to cache slots first; tables
-        # placed on a mesh: the trainer splits the host batch per device
-        device_put=getattr(run.trainer, "host_tables", None) is None
-        and not run.trainer.shards_batch,
-        position=run.position,
-    )
+    loader = train_loader(run, epochs=epochs, position=run.position)
     # the run directory's files and the terminal are process 0's
     console = Console(log, progress=cfg.progress and primary, total=total, start=start)
     reports = [metrics_log, console] if primary else []
