@@ -207,6 +207,8 @@ def test_part_ids_keep_padding_and_out_of_range_ids():
     mh = Composition(kind="multihash", rows=37, hashes=3)
     parts = part_ids(mh, v, 1000, [37, 37, 37])
     assert all(p.min() >= 0 and p.max() < 37 for p in parts)
+    # id 0 (missing / rare values) has row 0 of every part to itself
+    assert all(p[0] == 0 and (p[1:] > 0).all() for p in parts)
     # independent hashes: about 1000**2 / (2 * 37**3) = 9.9 ids share all three rows
     assert len({tuple(x) for x in np.stack(parts, 1).tolist()}) > 975
     assert not np.array_equal(parts[0], parts[1])  # independent hashes

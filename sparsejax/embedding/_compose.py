@@ -9,7 +9,9 @@ function of the id, whose rows are combined per id:
   instead of V and no two ids share both parts.
 - `"multihash"` (DeepRec's multi-hash variable): row(id) = H_1[h_1(id)] (op) ...
   (op) H_k[h_k(id)], k tables of `rows` rows, with independent hashes: two ids collide
-  in all k tables rarely. `hashes: 1` is the plain hashing trick.
+  in all k tables rarely. `hashes: 1` is the plain hashing trick. Id 0, the row the id
+  mappings give a missing (empty) or rare value, keeps row 0 of every part to itself
+  (as `HashMapping` does); the other ids hash into rows 1..rows-1.
 
 `op` is "mul" (elementwise; the paper's best), "add", or "concat" (each part `D / k`
 wide). The layer (`EmbeddingBagCollection`) expands such a table into plain tables
@@ -145,11 +147,12 @@ def part_ids(composition: Composition, ids, vocab: int, rows: Sequence[int]) -> 
     if composition.kind == "qr":
         m = rows[1]
         parts = [safe // m, safe % m]
-    else:
+    else:  # id 0 (the mappings' missing / rare row) keeps row 0 of every part
         u = safe.astype(xp.uint32)
-        parts = [
-            (fmix32(u, _SEEDS[i]) % xp.uint32(r)).astype(ids.dtype) for i, r in enumerate(rows)
-        ]
+        parts = []
+        for seed, r in zip(_SEEDS, rows, strict=False):
+            hashed = 1 + fmix32(u, seed) % xp.uint32(max(r - 1, 1))
+            parts.append(xp.where((safe == 0) | (r == 1), 0, hashed).astype(ids.dtype))
     return [
         xp.where(valid, p, xp.where(ids < 0, -1, r)).astype(ids.dtype)
         for p, r in zip(parts, rows, strict=True)
