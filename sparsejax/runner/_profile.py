@@ -437,7 +437,7 @@ def profile_run(
             bytes=nbytes,
             copy_gbps=copy_bandwidth(),
             flops=flops,
-            device=f"{dev.platform} {dev.device_kind} x{jax.device_count()}",
+            device=_device_text(dev),
             unattributed_events=unknown,
             trace_dir=os.path.join(out_dir, "trace"),
         )
@@ -465,6 +465,12 @@ def _noop_step(trainer, state, batch):
     )
     jax.block_until_ready(fn(state, batch))
     return fn
+
+
+def _device_text(dev) -> str:
+    """E.g. "cpu x8" or "gpu NVIDIA H200 x1"."""
+    kind = "" if dev.device_kind.lower() == dev.platform else f" {dev.device_kind}"
+    return f"{dev.platform}{kind} x{jax.device_count()}"
 
 
 def _flops(compiled) -> float | None:
@@ -501,7 +507,7 @@ def plot_profile(p: StepProfile, path: str) -> None:
     )
     ax.set_xlim(0, max(values) * 1.45 if max(values) > 0 else 1)
     rates = {k: p.gbps(k) for k in ("embedding_lookup", "sparse_update")}
-    labels = ["copy", *[k.replace("_", " ") for k in rates]]
+    labels = ["copy", "lookup", "sparse update"]
     gbps = [p.copy_gbps, *[v or 0.0 for v in rates.values()]]
     bx.bar(labels, gbps, color=["#999999", "#4878a8", "#d1854a"])
     for x, v in enumerate(gbps):
