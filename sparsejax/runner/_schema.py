@@ -160,7 +160,8 @@ class DataConfig:
     genre columns -> `genres`; the bag holds the index of each nonzero column."""
     id_mapping: Literal["vocab", "hash"] = "vocab"
     """File data: "vocab" gives each value seen >= min_count times in train its own row
-    (others share row 0); "hash" maps raw ids into hash_buckets rows."""
+    (others share row 0); "hash" maps raw ids into hash_buckets rows (row 0: a missing,
+    i.e. empty, value; the others 1 + id % (hash_buckets - 1))."""
     min_count: int = 1
     hash_buckets: int = 1_000_000
     strict: bool = False
