@@ -349,3 +349,49 @@ def test_config_errors_name_the_key(tmp_path):
         with pytest.raises(ConfigError) as e:
             runner.build_data(_run_config(tmp_path, override))
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------------------------------
+# mixed-dimension embeddings (model.mixed_dims)
+
+
+def test_mixed_dims_follow_the_power_law_and_stacked_models_project_them(tmp_path):
+    import flax
+
+    from sparsejax import runner
+
+    cfg = _run_config(
+        tmp_path,
+        "data.synthetic_options={vocab_sizes: [3, 40, 400, 5000, 60000], num_dense: 2}",
+        "model.embedding_dim=16",
+        "model.options={bottom: [8, 16], top: [8, 1]}",
+        "model.mixed_dims={alpha: 0.3}",
+        "tables.C5.dim=12",  # its own dim wins
+    )
+    data = runner.build_data(cfg)
+    t = {s.name: s for s in data.tables}
+    v_min = min(s.vocab_size for s in data.tables)
+    for name in ("C1", "C2", "C3", "C4"):
+        want = 16 * (v_min / t[name].vocab_size) ** 0.3
+        assert t[name].dim == min(16, max(4, 4 * -(-want // 4))), name
+    assert t["C1"].dim == 16 and t["C4"].dim < t["C2"].dim and t["C5"].dim == 12
+    model = runner.build_model(cfg, data.tables, data.features)
+    assert model.embedding_dim == 16
+    run = runner.build_run(cfg, log=lambda _: None)
+    params = flax.traverse_util.flatten_dict(run.state.params)
+    projected = {k[0] for k in params if k[0].startswith("project_")}
+    assert projected == {f"project_{n}" for n in t if t[n].dim != 16}
+    assert params[("project_C5", "kernel")].shape == (12, 16)
+    summary = runner.train_run(run, log=lambda _: None)
+    assert np.isfinite(summary["eval"]["loss"])
+
+
+def test_other_dims_without_mixed_dims_are_refused_naming_the_option(tmp_path):
+    from sparsejax import runner
+
+    cfg = _run_config(tmp_path, "tables.C2.dim=4")
+    data = runner.build_data(cfg)
+    with pytest.raises(runner.ConfigError, match=r"table 'C2' has dim 4.*set model.mixed_dims"):
+        runner.build_model(cfg, data.tables, data.features)
+    with pytest.raises(runner.ConfigError, match=r"alpha.*\[0, 1\]"):
+        _run_config(tmp_path, "model.mixed_dims={alpha: 2}")

@@ -53,6 +53,10 @@ class _CTRModel(nn.Module):
     dropout: float = 0.0
     """Dropout rate after every hidden ReLU of the model's MLPs, in training only
     (`train=True`; evaluation is deterministic)."""
+    embedding_dim: int | None = None
+    """Mixed-dimension embeddings (Ginart et al., 2019): a pooled feature whose table
+    has another dim is projected to this one by a learned `[dim, embedding_dim]` matrix
+    (`project_<feature>`). None: every table must have one dim."""
 
     task: ClassVar[str] = "binary"
 
@@ -60,7 +64,18 @@ class _CTRModel(nn.Module):
         out = EmbeddingBagCollection(self.tables, self.features, self.implementation, name=name)(
             batch.features, batch.batch_size
         )
-        return {k: v.astype(self.dtype or jnp.float32) for k, v in out.items()}
+        out = {k: v.astype(self.dtype or jnp.float32) for k, v in out.items()}
+        if self.embedding_dim is not None and name == "embedding":
+            dims = {t.name: t.dim for t in self.tables}
+            for f in self.features:
+                if not f.is_sequence and dims[f.table] != self.embedding_dim:
+                    out[f.name] = nn.Dense(
+                        self.embedding_dim,
+                        use_bias=False,
+                        dtype=self.dtype,
+                        name=f"project_{f.name}",
+                    )(out[f.name])
+        return out
 
     def pooled_stack(self, emb) -> jax.Array:
         """[B, F, D] of the pooled features, in spec order.

@@ -1614,6 +1614,30 @@ def _with_dim(cfg: RunConfig, spec: TableSpec, data_dim: int | None = None) -> T
     return spec if dim == spec.dim else dataclasses.replace(spec, dim=dim)
 
 
+def mixed_dims(cfg: RunConfig, tables: Sequence[TableSpec]) -> list[TableSpec]:
+    """`tables` with `model.mixed_dims.alpha` applied: each static table without a dim
+    of its own (`tables.<name>.dim`, `data.features.<column>.dim`) gets
+    `embedding_dim * (V_min / V) ** alpha`, a multiple of `multiple` within
+    [`min_dim`, `embedding_dim`]."""
+    md = cfg.model.mixed_dims
+    if md is None or md.alpha is None:
+        return list(tables)
+    d = cfg.model.embedding_dim
+    sized = [t for t in tables if t.vocab_size is not None and t.dim == d]
+    own = {n for n, tc in cfg.tables.items() if tc.dim is not None}
+    if not sized:
+        return list(tables)
+    v_min = min(t.vocab_size for t in tables if t.vocab_size is not None)
+    out = []
+    for t in tables:
+        if t in sized and t.name not in own:
+            dim = d * (v_min / t.vocab_size) ** md.alpha
+            dim = md.multiple * math.ceil(dim / md.multiple)
+            t = dataclasses.replace(t, dim=int(min(d, max(md.min_dim, dim))))
+        out.append(t)
+    return out
+
+
 def apply_tables(
     cfg: RunConfig,
     tables: Sequence[TableSpec],
@@ -1627,6 +1651,7 @@ def apply_tables(
     (`tiered_options`): `train` holds the train split's mapped ids (file data in memory),
     `vocab_rows` the generator's rows per table. Returns (tables, a note for the run's
     log: the tiered tables and their cache rows, or None)."""
+    tables = mixed_dims(cfg, tables)
     if not cfg.tables:
         return list(tables), None
     _table_names_check(cfg, tables)
@@ -1675,18 +1700,21 @@ _STACKED_MODELS = ("dlrm", "deepfm", "wide_deep", "dcnv2")
 def build_model(cfg: RunConfig, tables: Sequence[TableSpec], features: Sequence[FeatureSpec]):
     """The configured Flax model over the given specs."""
     m = cfg.model
+    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in m.options.items()}
     if m.name in _STACKED_MODELS:
         dims = {t.name: t.dim for t in tables}
         pooled = {f.table for f in features if not f.is_sequence}
         odd = sorted(t for t in pooled if dims[t] != m.embedding_dim)
-        if odd:
+        if odd and m.mixed_dims is None:
             raise ConfigError(
                 f"model.name={m.name!r} stacks the embeddings, so every table needs dim "
                 f"model.embedding_dim={m.embedding_dim}, but table {odd[0]!r} has dim "
-                f"{dims[odd[0]]} (data.features.*.dim); din and two_tower take mixed dims"
+                f"{dims[odd[0]]} (data.features.*.dim); set model.mixed_dims to project "
+                f"it (din and two_tower take mixed dims as they are)"
             )
+        if m.mixed_dims is not None:
+            opts["embedding_dim"] = m.embedding_dim
     cls = MODELS[m.name]
-    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in m.options.items()}
     if m.name == "dlrm" and "bottom" not in opts:
         opts["bottom"] = (64, m.embedding_dim)
     dtype = None if m.dtype == "float32" else m.dtype

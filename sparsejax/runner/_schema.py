@@ -238,6 +238,28 @@ class EmbeddingInitConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MixedDimsConfig:
+    """`model.mixed_dims`: which dims the static tables get (`alpha`) and that the
+    stacked models project them to `model.embedding_dim`."""
+
+    alpha: float | None = None
+    """A table without a dim of its own gets `embedding_dim * (V_min / V) ** alpha`,
+    rounded up to a multiple of `multiple`, within [`min_dim`, `embedding_dim`]: V its
+    rows, V_min the smallest static table's (larger tables, whose rows are seen less
+    often, get narrower rows). null: the dims the tables set."""
+    min_dim: int = 4
+    multiple: int = 4
+
+    def __post_init__(self):
+        if self.alpha is not None and not 0 <= self.alpha <= 1:
+            raise ValueError(f"`alpha` must be in [0, 1], got {self.alpha!r}")
+        if self.min_dim < 1 or self.multiple < 1:
+            raise ValueError(
+                f"`min_dim` and `multiple` must be >= 1, got {self.min_dim} and {self.multiple}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: Literal["dlrm", "deepfm", "wide_deep", "dcnv2", "din", "two_tower"] = "dlrm"
     embedding_dim: int = 16
@@ -254,6 +276,12 @@ class ModelConfig:
     dropout: float = 0.0
     """Dropout rate after every hidden ReLU of the model's MLPs (two-tower: the towers),
     in training only; evaluation is deterministic."""
+    mixed_dims: MixedDimsConfig | None = None
+    """Mixed-dimension embeddings (Ginart et al., 2019), e.g. `{alpha: 0.3}`: tables may
+    have other dims than `embedding_dim` (their own `tables.<name>.dim`, or with `alpha`
+    a power law of their size), and the models that stack the embeddings (dlrm, deepfm,
+    wide_deep, dcnv2) project each such feature to `embedding_dim` with a learned
+    matrix. null: every stacked table has `embedding_dim`."""
 
     def __post_init__(self):
         if not 0.0 <= self.dropout < 1.0:
