@@ -124,7 +124,8 @@ def test_profile_of_a_run_measures_every_part_and_writes_it_whole(tmp_path, caps
     assert not ckpts.exists() or not os.listdir(ckpts)  # profiling saves nothing
 
 
-def test_a_profile_that_fails_leaves_no_partial_profile(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["device_events", "_noop_step"])  # after / while tracing
+def test_a_profile_that_fails_leaves_no_partial_profile(tmp_path, monkeypatch, where):
     cfg = runner.load_config([], [f"out_dir={tmp_path}", "name=p", *TINY])
     old = tmp_path / "p" / "profile"
     old.mkdir(parents=True)
@@ -133,7 +134,10 @@ def test_a_profile_that_fails_leaves_no_partial_profile(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("trace unreadable")
 
-    monkeypatch.setattr(_profile, "device_events", broken)
+    if where == "_noop_step":
+        monkeypatch.setattr(_profile, where, lambda *a: broken)  # fails in the traced steps
+    else:
+        monkeypatch.setattr(_profile, where, broken)
     with pytest.raises(RuntimeError, match="trace unreadable"):
         _profile.profile(cfg, steps=2, warmup=1, log=lambda _: None)
     assert (old / "summary.txt").read_text() == "the previous profile"

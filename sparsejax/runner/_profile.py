@@ -383,6 +383,7 @@ def profile_run(
         jax.block_until_ready((state, metrics))
         return state, t1 - t0, t2 - t1, time.perf_counter() - t2, batch
 
+    tmp = None
     try:
         log(f"profile: {warmup} warm-up steps (compiling), then {steps} steps twice")
         batch = None
@@ -417,9 +418,7 @@ def profile_run(
                 jax.block_until_ready(noop(state, batch))
                 dispatch.append(time.perf_counter() - t)
         run.state = state
-    finally:
         loader.close()
-    try:
         device, unknown = device_parts(trace_dir, hlo, steps)
         parts = {
             "input": 1e3 * statistics.mean(t[0] for t in traced),
@@ -450,8 +449,11 @@ def profile_run(
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)  # the whole profile, or none of it
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        loader.close()
     return result
 
 
