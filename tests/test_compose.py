@@ -395,3 +395,27 @@ def test_other_dims_without_mixed_dims_are_refused_naming_the_option(tmp_path):
         runner.build_model(cfg, data.tables, data.features)
     with pytest.raises(runner.ConfigError, match=r"alpha.*\[0, 1\]"):
         _run_config(tmp_path, "model.mixed_dims={alpha: 2}")
+
+
+def test_a_run_with_composed_tables_exports_and_serves_its_scores(tmp_path):
+    """The model dir keeps the parts (quantized per part) and the predictor's scores are
+    the run's: the export's own check over the eval split, and a request from its
+    example body."""
+    from sparsejax import runner
+    from sparsejax.serving import Predictor, export_run
+
+    cfg = _run_config(
+        tmp_path,
+        "name=c",
+        "tables={'*': {compose: {kind: qr, fraction: 0.25}}, C3: {compose: {kind: multihash,"
+        " rows: 300, op: add}}}",
+    )
+    runner.train(cfg, log=lambda _: None)
+    for q, tol in (("fp32", 1e-6), ("int8", 5e-2)):
+        out = str(tmp_path / f"m_{q}")
+        manifest = export_run(cfg.run_dir, out, quantize=q, buckets=(8,), log=lambda _: None)
+        assert manifest["check"]["max_abs_diff"] <= tol, q
+        p = Predictor.load(out, warmup=False)
+        scores = p.predict(p.example_request["examples"])
+        assert scores.shape == (len(p.example_request["examples"]),)
+        assert np.isfinite(scores).all()

@@ -137,11 +137,13 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
         by_layer[path] = (store, exported)
     host = trainer.host_tables
     host_rows = {} if host is None else host.tables_by_name(state.tables)
-    # which top-level table each layer table mirrors (DeepFM's "<t>_linear" reads t's ids)
+    # which top-level table each layer table mirrors (DeepFM's "<t>_linear" reads t's ids;
+    # the parts of a composed table read features of their own, not needed here)
     mirror = {}
     for path, (store, _) in by_layer.items():
         for f in store.features.values():
-            mirror[(path, f.table)] = top_of_feature[f.name]
+            if f.name in top_of_feature:
+                mirror[(path, f.table)] = top_of_feature[f.name]
     keys: dict[str, list] = {}
     for path, (store, _) in by_layer.items():
         for name, t in store.tables.items():

@@ -38,7 +38,7 @@ def storage_kind(quantize: str | None) -> str:
 
 def serving_spec(spec: TableSpec, rows: int) -> TableSpec:
     """`spec` as a plain table of `rows` rows: one device, no dynamic keys or host cache,
-    no optimizer slots (what a model dir holds)."""
+    no optimizer slots (what a model dir holds); a composed table keeps its parts."""
     from ..ops.optimizers import SGD
 
     return TableSpec(
@@ -47,6 +47,7 @@ def serving_spec(spec: TableSpec, rows: int) -> TableSpec:
         dim=spec.dim,
         dtype="float32",
         optimizer=SGD(learning_rate=0.0),
+        compose=spec.compose,
     )
 
 
