@@ -171,3 +171,21 @@ def test_profile_steps_trace_a_window_of_a_training_run(tmp_path):
         runner.ConfigError, match=r"profile_steps must be \[first, count\].*\[0, 5\]"
     ):
         runner.load_config([], [f"out_dir={tmp_path}", "profile_steps=[0, 5]"])
+
+
+def test_profile_of_a_run_with_tiered_tables_times_the_host_exchange(tmp_path):
+    """Dynamic tables behind a device cache: the host maps ids and exchanges rows before
+    each step (once: profiling must not remap a remapped batch), timed as `host`."""
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp_path}",
+            "name=t",
+            *TINY,
+            "data.synthetic_options={vocab_sizes: [500, 300, 40], num_dense: 3}",
+            "tables={'*': {dynamic: true, cache_rows: 200}, C3: {cache_rows: 0, max_rows: 40}}",
+        ],
+    )
+    result = _profile.profile(cfg, steps=3, warmup=2, log=lambda _: None)
+    assert result.parts["host"] > 0 and result.parts["embedding_lookup"] > 0
+    assert result.unattributed_events == 0 and 0 < result.coverage <= 1.05
