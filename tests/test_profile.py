@@ -48,12 +48,19 @@ def test_hlo_instructions_are_charged_to_the_innermost_scope():
     assert found <= {*_profile.PROFILE_SCOPES, "other_device"}
     meta = 'metadata={op_name="jit(s)/%s"}'
     fake = (
+        "%fused_computation (p: f32[8]) -> f32[] {\n"
+        f"  %tanh.1 = f32[8]{{0}} tanh(f32[8]{{0}} %p), {meta % 'dense/tanh'}\n"
+        f"  %dot.7 = f32[8]{{0}} dot(f32[8]{{0}} %tanh.1), {meta % 'dense/dot_general'}\n"
+        f"  ROOT %reduce.2 = f32[] reduce(f32[8]{{0}} %dot.7), {meta % 'reduce_sum'}\n"
+        "}\n\n"
         "ENTRY %main {\n"
         f"  %all-reduce.3 = f32[8]{{0}} all-reduce(f32[8]{{0}} %p), {meta % 'dense/x'}\n"
         f"  %dot.1 = f32[8]{{0}} dot(f32[8]{{0}} %all-reduce.3), "
         f"{meta % 'transpose(jvp(dense))/dot'}\n"
         "  %copy.2 = f32[8]{0} copy(f32[8]{0} %dot.1)\n"
         f"  %fusion.4 = f32[8]{{0}} fusion(f32[8]{{0}} %p), {meta % 'dense_optimizer/add'}\n"
+        f"  %fusion.5 = f32[] fusion(f32[8]{{0}} %p), calls=%fused_computation, "
+        f"{meta % 'reduce_sum'}\n"
         "}\n"
     )
     assert _profile.hlo_parts(fake) == {
@@ -61,6 +68,10 @@ def test_hlo_instructions_are_charged_to_the_innermost_scope():
         "dot.1": "dense",  # inside transpose(jvp(...))
         "copy.2": "dense",  # no metadata: its operand's part
         "fusion.4": "dense_optimizer",  # not "dense": a whole path component only
+        "fusion.5": "dense",  # its root is outside every scope, what it fuses is not
+        "tanh.1": "dense",
+        "dot.7": "dense",
+        "reduce.2": "other_device",
     }
 
 

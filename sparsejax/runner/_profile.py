@@ -171,19 +171,34 @@ def _scope_of(op_name: str, scopes: Sequence[str]) -> str | None:
 
 def hlo_parts(hlo: str, scopes: Sequence[str] = PROFILE_SCOPES) -> dict[str, str]:
     """`{HLO instruction: part}` of a compiled module's text: collectives by opcode,
-    else the innermost scope of its `op_name` metadata; an instruction without metadata
-    (e.g. a dot the simplifier made) takes its operands' part when they agree."""
-    info = {}
-    for name, rest in _INSTRUCTION.findall(hlo):
+    else the innermost scope of its `op_name` metadata. An instruction without metadata
+    (e.g. a dot the simplifier made) takes its operands' part when they agree; a fusion
+    whose root is outside every scope takes the most common part of the instructions
+    fused into it (a matmul fused with a reduction outside the scope stays "dense")."""
+    info, inside, computation = {}, defaultdict(list), None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if head:
+            computation = head.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, rest = m.groups()
         body = rest.split("metadata=")[0]
         if any(name.startswith(c) or f" {c}(" in body for c in COLLECTIVE_OPS):
-            info[name] = ("collectives", True, [])
+            info[name] = ("collectives", True, [], None)
             continue
-        m = _OP_NAME.search(rest)
-        operands = re.findall(r"%([\w.\-]+)", body)
-        info[name] = (_scope_of(m.group(1), scopes) if m else None, bool(m), operands)
+        meta = _OP_NAME.search(rest)
+        part = _scope_of(meta.group(1), scopes) if meta else None
+        calls = re.search(r"calls=%([\w.\-]+)", rest)
+        info[name] = (part, bool(meta), re.findall(r"%([\w.\-]+)", body), calls and calls[1])
+        if part is not None and computation is not None:
+            inside[computation].append(part)
     out = {}
-    for name, (part, has_meta, operands) in info.items():
+    for name, (part, has_meta, operands, called) in info.items():
+        if part is None and called in inside:
+            part = max(set(inside[called]), key=inside[called].count)
         if part is None and not has_meta:
             found = {info[o][0] for o in operands if o in info and info[o][0]}
             part = found.pop() if len(found) == 1 else None
