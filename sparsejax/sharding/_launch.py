@@ -106,7 +106,9 @@ def _ended(code: int) -> str:
 
 
 def _last_line(path: str, limit: int = 200) -> str | None:
-    """The last non-empty line of a log file (shortened), if any."""
+    """The last line of a log file that sparsejax wrote (its error), else its last
+    non-empty line (shortened), if any. Other libraries' threads (gloo's connection
+    messages) may write after the error."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -117,7 +119,8 @@ def _last_line(path: str, limit: int = 200) -> str | None:
     lines = [ln for ln in lines if ln and not ln.startswith("=== sparsejax launch")]
     if not lines:
         return None
-    text = " ".join(lines[-1].split())
+    ours = [ln for ln in lines if ln.startswith("sparsejax")]
+    text = " ".join((ours or lines)[-1].split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
