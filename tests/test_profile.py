@@ -200,3 +200,39 @@ def test_profile_of_a_run_with_tiered_tables_times_the_host_exchange(tmp_path):
     result = _profile.profile(cfg, steps=3, warmup=2, log=lambda _: None)
     assert result.parts["host"] > 0 and result.parts["embedding_lookup"] > 0
     assert result.unattributed_events == 0 and 0 < result.coverage <= 1.05
+
+
+def test_a_run_that_ends_inside_the_window_leaves_no_trace_running(tmp_path):
+    cfg = runner.load_config(
+        [], [f"out_dir={tmp_path}", "name=e", "steps=5", "profile_steps=[4, 5]", *TINY]
+    )
+    lines = []
+    runner.train(cfg, log=lines.append)
+    assert any("inside profile_steps; no profile" in ln for ln in lines)
+    run_dir = tmp_path / "e"
+    assert not [n for n in os.listdir(run_dir) if n.startswith("profile")]
+    jax.profiler.start_trace(str(tmp_path / "t"))  # the profiler was stopped
+    jax.profiler.stop_trace()
+
+
+def test_a_run_that_fails_inside_the_window_leaves_no_partial_trace(tmp_path, monkeypatch):
+    from sparsejax.train import Trainer
+
+    calls = {"n": 0}
+    step = Trainer.train_step
+
+    def failing(self, state, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:  # inside profile_steps [3, 3]
+            raise RuntimeError("the machine caught fire")
+        return step(self, state, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", failing)
+    cfg = runner.load_config(
+        [], [f"out_dir={tmp_path}", "name=f", "steps=8", "profile_steps=[3, 3]", *TINY]
+    )
+    with pytest.raises(RuntimeError, match="caught fire"):
+        runner.train(cfg, log=lambda _: None)
+    assert not [n for n in os.listdir(tmp_path / "f") if n.startswith("profile")]
+    jax.profiler.start_trace(str(tmp_path / "t"))  # the profiler was stopped
+    jax.profiler.stop_trace()

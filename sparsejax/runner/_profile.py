@@ -605,13 +605,23 @@ class ProfileWindow(Hook):
                 self._write(state)
             except Exception as e:  # noqa: BLE001 - a profile never stops training
                 shutil.rmtree(self.tmp, ignore_errors=True)
+                self.tmp = None
                 self.log(f"warning: profile of steps {self.first}..{self.last} failed: {e}")
 
     def on_end(self, step: int, state) -> None:
-        if self.tmp is not None and len(self.walls) < self.count:  # training ended inside
-            jax.profiler.stop_trace()
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.tmp is not None:  # training ended inside the window
             self.log(f"warning: training ended at step {step}, inside profile_steps; no profile")
+        self.close()
+
+    def close(self) -> None:
+        """Stop an unfinished trace and remove it (training ended or failed inside)."""
+        if self.tmp is None:
+            return
+        try:
+            jax.profiler.stop_trace()
+        except RuntimeError:  # not started, or already stopped
+            pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp = None
 
     def _write(self, state) -> None:

@@ -596,6 +596,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     # the run directory's files and the terminal are process 0's
     console = Console(log, progress=cfg.progress and primary, total=total, start=start)
     reports = [metrics_log, console] if primary else []
+    windows = _profile_window(run, log)
     try:
         result = fit(
             run.trainer,
@@ -609,13 +610,15 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             data_position=_data_position(loader),
             checkpoint_extra={"config": to_dict(cfg), "config_sha256": config_hash(cfg)},
             log_every=cfg.log_every,
-            hooks=[*reports, knobs, *_profile_window(run, log)],
+            hooks=[*reports, knobs, *windows],
             evaluate=run_evaluator(run),
         )
     finally:
         loader.close()
         console.close()
         knobs.close()
+        for w in windows:  # a run that fails inside the window leaves no partial trace
+            w.close()
     run.state = result.state
     summary = {
         "step": int(result.state.step),
