@@ -484,22 +484,16 @@ def quantized_case(args, rng, bits, dim, combiner, *, sweep=False, power_law=Fal
     xla_ms = timeit(ref_fn, data, scale, zero_point, ids, seg, coef, **t)
     nbytes = n * (width + 3 + 8) + num_bags * dim * 4
     record("xla quantized bag", shape, xla_ms, nbytes)
-    f = jax.jit(
-        lambda d, s_, z, i, g, c: quantized_kernels.quantized_bag_forward(
-            c,
-            i,
-            g,
-            d,
-            s_,
-            z,
-            num_bags,
-            bits=bits,
-            dim=dim,
-            combiner=combiner,
-            interpret=ip,
-            **dataclasses.asdict(quantized_kernels.get_heuristic_config(dim, bits)),
-        )
-    )
+
+    def kernel(config):
+        return jax.jit(
+            lambda d, s_, z, i, g, c: quantized_kernels.quantized_bag_forward(
+                c, i, g, d, s_, z, num_bags, bits=bits, dim=dim, combiner=combiner,
+                interpret=ip, **dataclasses.asdict(config),
+            )
+        )  # fmt: skip
+
+    f = kernel(quantized_kernels.get_heuristic_config(dim, bits))
     err = max_err(f(data, scale, zero_point, ids, seg, coef), ref)
     ms = timeit(f, data, scale, zero_point, ids, seg, coef, **t)
     record(f"quantized_bag {combiner}", shape, ms, nbytes, xla_ms, f"err {err:.1e}")
@@ -508,23 +502,7 @@ def quantized_case(args, rng, bits, dim, combiner, *, sweep=False, power_law=Fal
             for w in (1, 2, 4, 8):
 
                 def one(r=r, w=w):
-                    g = jax.jit(
-                        lambda d, s_, z, i, g, c: quantized_kernels.quantized_bag_forward(
-                            c,
-                            i,
-                            g,
-                            d,
-                            s_,
-                            z,
-                            num_bags,
-                            bits=bits,
-                            dim=dim,
-                            combiner=combiner,
-                            rows_per_step=r,
-                            num_warps=w,
-                            interpret=ip,
-                        )
-                    )
+                    g = kernel(quantized_kernels.Config(rows_per_step=r, num_warps=w))
                     err = max_err(g(data, scale, zero_point, ids, seg, coef), ref)
                     ms = timeit(g, data, scale, zero_point, ids, seg, coef, **t)
                     record(
