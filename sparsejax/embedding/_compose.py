@@ -32,6 +32,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from .._hashing import mix32
 from ..ops._checks import check_lookups
 
 KINDS = ("qr", "multihash")
@@ -129,12 +130,7 @@ def part_names(table: str, composition: Composition) -> list[str]:
 def fmix32(x, seed: int):
     """A 32-bit integer hash (murmur3's finalizer of x + seed); numpy or jnp uint32 in."""
     xp = np if isinstance(x, np.ndarray) else jnp
-    x = x + xp.uint32(seed)
-    x = x ^ (x >> 16)
-    x = x * xp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * xp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
+    return mix32(x + xp.uint32(seed))
 
 
 def part_ids(composition: Composition, ids, vocab: int, rows: Sequence[int]) -> list:

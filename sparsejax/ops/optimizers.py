@@ -18,6 +18,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from .._hashing import mix32
+
 __all__ = [
     "SparseOptimizer",
     "store_rows",
@@ -286,15 +288,6 @@ def num_slots_by_code() -> dict[int, int]:
     return {code: cls.num_slots() for code, cls in sorted(OPTIMIZERS_BY_CODE.items())}
 
 
-def _mix32(x):
-    """murmur3's 32-bit finalizer (wrapping uint32 arithmetic); jnp."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
 def store_rows(optimizer: SparseOptimizer, rows, row_ids, step, dtype):
     """Updated f32 `rows` [R, D] (of table rows `row_ids` [R]) in the table's `dtype`:
     to nearest, or for a bf16 table with `optimizer.stochastic_rounding`, up or down
@@ -309,7 +302,7 @@ def store_rows(optimizer: SparseOptimizer, rows, row_ids, step, dtype):
     r = jnp.asarray(row_ids).astype(jnp.uint32)[:, None]
     t = jnp.asarray(step).astype(jnp.uint32)
     key = r * jnp.uint32(0x9E3779B1) + cols * jnp.uint32(0x85EBCA77) + t * jnp.uint32(0xC2B2AE3D)
-    noise = _mix32(key) & jnp.uint32(0xFFFF)
+    noise = mix32(key) & jnp.uint32(0xFFFF)
     bits = jax.lax.bitcast_convert_type(rows, jnp.uint32)
     finite = (bits & jnp.uint32(0x7FFFFFFF)) < jnp.uint32(0x7F800000)
     bits = jnp.where(finite, (bits + noise) & jnp.uint32(0xFFFF0000), bits)
