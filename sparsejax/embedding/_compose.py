@@ -78,11 +78,14 @@ class Composition:
     def num_parts(self) -> int:
         return 2 if self.kind == "qr" else self.hashes
 
+    def part_dim(self, dim: int) -> int:
+        """Row width of each part of a table of width `dim`."""
+        return dim // self.num_parts if self.op == "concat" else dim
+
     def part_rows(self, vocab: int, dim: int, table: str = "table") -> list[int]:
         """Rows of each part for a `[vocab, dim]` table. Raises ValueError naming the
         table and the sizes when the parts would take more memory than the full table."""
-        k = self.num_parts
-        part_dim = dim // k if self.op == "concat" else dim
+        k, part_dim = self.num_parts, self.part_dim(dim)
         budget = None if self.fraction is None else self.fraction * vocab * dim
         if self.kind == "qr":
             m = self.rows
@@ -208,9 +211,8 @@ class Expansion:
 def expand(tables: Sequence, features: Sequence) -> Expansion:
     """Plain `TableSpec`s and `FeatureSpec`s for `tables` whose `compose` is set (others
     pass through). Raises ValueError naming the table or feature for what cannot be
-    composed: a dynamic or host-cached table, "concat" with D not divisible by the
-    parts, "add" with max pooling, "mul" with a multi-id bag, parts larger than the
-    table."""
+    composed: "concat" with D not divisible by the parts, "add" with max pooling, "mul"
+    with a multi-id bag, parts larger than the table."""
     composed_tables = {t.name: t for t in tables if getattr(t, "compose", None) is not None}
     logical = tuple(f.name for f in features)
     if not composed_tables:
@@ -221,12 +223,7 @@ def expand(tables: Sequence, features: Sequence) -> Expansion:
         if comp is None:
             out_tables.append(t)
             continue
-        if t.is_tiered:
-            raise ValueError(
-                f"table {t.name!r}: compose does not apply to a dynamic or host-cached table "
-                f"(its ids are raw keys); store it whole or make it static"
-            )
-        k = comp.num_parts
+        k = comp.num_parts  # (TableSpec refuses compose on a tiered table)
         if comp.op == "concat" and t.dim % k:
             raise ValueError(
                 f"table {t.name!r}: compose op 'concat' splits dim {t.dim} over {k} parts; "
@@ -234,10 +231,11 @@ def expand(tables: Sequence, features: Sequence) -> Expansion:
             )
         rows = comp.part_rows(t.vocab_size, t.dim, t.name)
         part_rows[t.name] = rows
-        dim = t.dim // k if comp.op == "concat" else t.dim
         for name, r in zip(part_names(t.name, comp), rows, strict=True):
             out_tables.append(
-                dataclasses.replace(t, name=name, vocab_size=r, dim=dim, compose=None)
+                dataclasses.replace(
+                    t, name=name, vocab_size=r, dim=comp.part_dim(t.dim), compose=None
+                )
             )
     out_features, composed = [], {}
     for f in features:
@@ -272,5 +270,4 @@ def stored_values(table, composition: Composition | None = None) -> int:
     comp = composition or getattr(table, "compose", None)
     if comp is None:
         return table.device_rows * table.dim
-    rows = comp.part_rows(table.vocab_size, table.dim, table.name)
-    return sum(rows) * (table.dim // comp.num_parts if comp.op == "concat" else table.dim)
+    return sum(comp.part_rows(table.vocab_size, table.dim, table.name)) * comp.part_dim(table.dim)

@@ -771,7 +771,7 @@ def composed_table(cfg: RunConfig, spec: TableSpec) -> TableSpec:
         comp = Composition(**opts)
         if not mine:  # from "*": a table it cannot shrink stays whole
             try:
-                smaller = stored_values(dataclasses.replace(spec, compose=None), comp)
+                smaller = stored_values(spec, comp)
             except ValueError:
                 return spec
             if smaller >= spec.vocab_size * spec.dim:
@@ -1623,14 +1623,14 @@ def mixed_dims(cfg: RunConfig, tables: Sequence[TableSpec]) -> list[TableSpec]:
     if md is None or md.alpha is None:
         return list(tables)
     d = cfg.model.embedding_dim
-    sized = [t for t in tables if t.vocab_size is not None and t.dim == d]
     own = {n for n, tc in cfg.tables.items() if tc.dim is not None}
+    sized = {t.name for t in tables if t.vocab_size is not None and t.dim == d} - own
     if not sized:
         return list(tables)
     v_min = min(t.vocab_size for t in tables if t.vocab_size is not None)
     out = []
     for t in tables:
-        if t in sized and t.name not in own:
+        if t.name in sized:
             dim = d * (v_min / t.vocab_size) ** md.alpha
             dim = md.multiple * math.ceil(dim / md.multiple)
             t = dataclasses.replace(t, dim=int(min(d, max(md.min_dim, dim))))
@@ -1680,10 +1680,10 @@ def apply_tables(
     if composed:
         full = sum(t.vocab_size * t.dim for t in out if not t.is_tiered)
         stored = sum(stored_values(t) for t in out if not t.is_tiered)
+        kinds = ", ".join(sorted({t.compose.kind for t in composed}))
         lines.append(
-            f"tables: {len(composed)} composed ({', '.join(t.compose.kind for t in composed[:1])}"
-            f"{', ...' if len(composed) > 1 else ''}): static tables store {stored:,} values, "
-            f"{100 * stored / full:.1f}% of {full:,} whole"
+            f"tables: {len(composed)} composed ({kinds}): static tables store {stored:,} "
+            f"values, {100 * stored / full:.1f}% of {full:,} whole"
         )
     if dynamic or cached:
         text = f"tables: {dynamic} dynamic, {cached} with a device cache"
