@@ -154,7 +154,6 @@ class StepProfile:
 # ----------------------------------------------------------------------- HLO scopes
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_OPCODE = re.compile(r"\]\S*\s+([\w\-]+)\(|\)\s+([\w\-]+)\(|^\S+\s+([\w\-]+)\(")
 
 
 def _scope_of(op_name: str, scopes: Sequence[str]) -> str | None:
@@ -330,14 +329,14 @@ def embedding_bytes(tables, features, host_features: Mapping, batch_size: int) -
         t = by_name[f.table].device_view()
         ids = np.asarray(split[f.name].ids)
         ok = ids[(ids >= 0) & (ids < t.vocab_size)]
-        row = t.dim * np.dtype(t.dtype if t.dtype != "bfloat16" else jnp.bfloat16).itemsize
+        row = t.dim * jnp.dtype(t.dtype).itemsize
         bags = batch_size * f.bags_per_example()
         lookup += ok.size * (row + 8) + bags * t.dim * 4
         update += ok.size * (12 + t.dim * 4)
         touched[t.name].append(ok)
     for name, ids in touched.items():
         t = by_name[name].device_view()
-        row = t.dim * np.dtype(t.dtype if t.dtype != "bfloat16" else jnp.bfloat16).itemsize
+        row = t.dim * jnp.dtype(t.dtype).itemsize
         slot = sum(4 * (1 if s.per_row else t.dim) for s in t.optimizer.slots())
         update += np.unique(np.concatenate(ids)).size * 2 * (row + slot)
     return {"embedding_lookup": int(lookup), "sparse_update": int(update)}
