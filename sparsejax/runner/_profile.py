@@ -379,19 +379,13 @@ def profile_run(
     out_dir = out_dir or os.path.join(cfg.run_dir, "profile")
     loader = train_loader(run, epochs=None)
     batches = iter(loader)
-    host = trainer.host_tables
 
     def phases(state, step_fn):
         """One step in three timed phases: (state, input s, host s, device s, batch)."""
         t0 = time.perf_counter()
         batch = next(batches)
         t1 = time.perf_counter()
-        if host is not None:
-            tables, batch = host.prepare_train(state.tables, batch)
-            state = state.replace(tables=jax.block_until_ready(tables))
-        if trainer.shards_batch:
-            batch = trainer.put_batch(batch)
-        batch = jax.block_until_ready(batch)
+        state, batch = jax.block_until_ready(trainer.prepare_train(state, batch))
         t2 = time.perf_counter()
         state, metrics = step_fn(state, batch)
         jax.block_until_ready((state, metrics))

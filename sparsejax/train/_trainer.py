@@ -255,12 +255,18 @@ class Trainer:
         """One jitted step (`state` is donated): `(new state, {"loss": loss})`. With
         tiered tables, the host maps the batch's raw ids to cache slots and exchanges
         rows first (while the previous step still runs)."""
+        state, batch = self.prepare_train(state, batch)
+        return self._jitted("train", batch)(state, batch)
+
+    def prepare_train(self, state: TrainState, batch) -> tuple[TrainState, object]:
+        """The host's part of `train_step`, before the jitted step: tiered tables' id
+        mapping and row exchange, placing the batch on the mesh."""
         if self.host_tables is not None:
             tables, batch = self.host_tables.prepare_train(state.tables, batch)
             state = state.replace(tables=tables)
         if self.shards_batch:
             batch = self.put_batch(batch)
-        return self._jitted("train", batch)(state, batch)
+        return state, batch
 
     def eval_step(self, state: TrainState, batch) -> jax.Array:
         """The model's output on `batch` (jitted, no dropout)."""
