@@ -494,6 +494,23 @@ def test_loader_epochs_shuffle_and_padding():
     np.testing.assert_array_equal(batches[1].features["one"].ids, np.arange(16, 32) * 7)
 
 
+def test_loader_peek_shows_the_next_batch_and_keeps_the_position():
+    """What host-executed tables' look-ahead reads: `peek` never moves the position a
+    checkpoint records, and `next` then yields the same batch."""
+    ex, packer = _loader_setup()
+    with data.Loader(ex, packer, shuffle=False) as plain:
+        want = list(plain)
+    with data.Loader(ex, packer, shuffle=False) as loader:
+        for i, b in enumerate(want):
+            ahead = loader.peek()
+            assert loader.peek() is ahead and loader.position.batch == i
+            _assert_same_batches([ahead], [b])
+            assert next(loader) is ahead
+        assert loader.peek() is None
+        with pytest.raises(StopIteration):
+            next(loader)
+
+
 @pytest.mark.parametrize("source", ["examples", "synthetic"])
 def test_loader_resume_is_bit_identical(source):
     ex, packer = _loader_setup()

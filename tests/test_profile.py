@@ -202,6 +202,25 @@ def test_profile_of_a_run_with_tiered_tables_times_the_host_exchange(tmp_path):
     assert result.unattributed_events == 0 and 0 < result.coverage <= 1.05
 
 
+def test_profile_of_a_run_with_host_tables_times_their_host_work(tmp_path):
+    """Host-executed tables: their lookup and update run on the host, outside the
+    jitted step, timed as `host_tables` with the bytes they move; the device's
+    embedding parts hold only the device table's."""
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp_path}",
+            "name=h",
+            *TINY,
+            "tables={C1: {placement: host}, C2: {placement: host}}",
+        ],
+    )
+    result = _profile.profile(cfg, steps=3, warmup=2, log=lambda _: None)
+    assert result.parts["host_tables"] > 0 and result.gbps("host_tables") > 0
+    assert 0 < result.bytes["embedding_lookup"] < result.bytes["host_tables"]
+    assert result.unattributed_events == 0 and 0 < result.coverage <= 1.05
+
+
 def test_a_run_that_ends_inside_the_window_leaves_no_trace_running(tmp_path):
     cfg = runner.load_config(
         [], [f"out_dir={tmp_path}", "name=e", "steps=5", "profile_steps=[4, 5]", *TINY]

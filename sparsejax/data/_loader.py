@@ -399,6 +399,7 @@ class Loader:
         self._queue: queue.Queue | None = None
         self._finalizer = None
         self._done = False
+        self._peeked = None  # an item `peek` took from the queue, for `next`
 
     # -- position and schedule ------------------------------------------------------
     @property
@@ -478,9 +479,7 @@ class Loader:
     def __next__(self) -> SparseBatch:
         if self._done:
             raise StopIteration
-        if self._thread is None:
-            self._start()
-        item = self._queue.get()
+        item = self._take()
         if item is _END:
             self.close()
             raise StopIteration
@@ -489,6 +488,25 @@ class Loader:
             raise item.exc
         self._position, batch = item
         return batch
+
+    def _take(self):
+        """The next item of the queue (the peeked one first)."""
+        item, self._peeked = self._peeked, None
+        if item is None:
+            if self._thread is None:
+                self._start()
+            item = self._queue.get()
+        return item
+
+    def peek(self) -> SparseBatch | None:
+        """The batch `next` will yield, without taking it (the position stays); None at
+        the end or before an error (which `next` then raises)."""
+        if self._done:
+            return None
+        if self._peeked is None:
+            self._peeked = self._take()
+        item = self._peeked
+        return None if item is _END or isinstance(item, _Failure) else item[1]
 
     def close(self) -> None:
         """Stop and join the background thread; the loader yields nothing more."""

@@ -15,6 +15,7 @@ from ._device_store import DeviceTableStore as DeviceTableStore
 from ._device_store import GroupLookups as GroupLookups
 from ._device_store import apply_group_gradients as apply_group_gradients
 from ._device_store import check_mesh as check_mesh
+from ._host_store import HybridTableStore as HybridTableStore
 from ._spec import MISSING_KEY as MISSING_KEY
 from ._spec import BloomAdmission as BloomAdmission
 from ._spec import CountAdmission as CountAdmission
@@ -47,6 +48,7 @@ __all__ = [
     "Eviction",
     "FeatureSpec",
     "HostCache",
+    "HybridTableStore",
     "GroupLookups",
     "Stack",
     "TableSpec",

@@ -17,9 +17,19 @@ from ._compose import Composition
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 DTYPES = ("float32", "bfloat16")
-PLACEMENTS = ("device", "replicated", "table_wise", "column_wise", "table_row_wise", "row_wise")
+PLACEMENTS = (
+    "device",
+    "host",
+    "replicated",
+    "table_wise",
+    "column_wise",
+    "table_row_wise",
+    "row_wise",
+)
 """Where a table lives: "device" (whole on every device of the mesh, the single-device
-store) or a placement of `sparsejax.sharding` (see `sparsejax.sharding._placement`)."""
+store), "host" (in host memory, looked up and updated by the host's CPU beside a dense
+network on the devices; `HybridTableStore`) or a placement of `sparsejax.sharding`
+(see `sparsejax.sharding._placement`)."""
 FILL_CHUNK_ELEMENTS = 1 << 18
 """Elements drawn at a time by `uniform_init.fill` (1 MiB of float32)."""
 
@@ -296,6 +306,7 @@ class TableSpec:
     """Sparse optimizer for this table's touched rows."""
     placement: str = "device"
     """Where the table lives (`PLACEMENTS`): "device", the whole table on every device;
+    "host", in host memory, looked up and updated by the host's CPU;
     or a placement on a ("data", "model") mesh ("replicated", "table_wise",
     "column_wise", "table_row_wise", "row_wise"), served by `sparsejax.sharding`."""
     dynamic: DynamicVocab | None = None

@@ -204,10 +204,15 @@ def make_store(
     implementation: str | None = None,
 ) -> TableStore:
     """The store for `tables`, chosen by their `placement`: all "device" (the default),
-    `DeviceTableStore` (tables whole on every device); any other placement,
-    `sparsejax.sharding.ShardedTableStore` on `mesh`."""
+    `DeviceTableStore` (tables whole on every device); any "host",
+    `HybridTableStore` (those tables looked up and updated on the host's CPU); any other
+    placement, `sparsejax.sharding.ShardedTableStore` on `mesh`."""
     from ._device_store import DeviceTableStore
 
+    if any(t.placement == "host" for t in tables):
+        from ._host_store import HybridTableStore
+
+        return HybridTableStore(tables, features, mesh=mesh, implementation=implementation)
     if all(t.placement == "device" for t in tables):
         return DeviceTableStore(tables, features, mesh=mesh, implementation=implementation)
     from ..sharding import ShardedTableStore

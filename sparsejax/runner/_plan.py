@@ -121,8 +121,16 @@ def plan_model(
     cfg: RunConfig, model, *, mesh_shape: dict[str, int], hosts: int, device_memory: int
 ) -> Plan:
     """The plan of `model`'s tables (every embedding layer's) on a mesh of `mesh_shape`
-    over `hosts` hosts, for the config's batch and pinned placements."""
+    over `hosts` hosts, for the config's batch and pinned placements. Tables pinned to
+    the host (`placement: host`) take no device memory and are left out."""
     tables, features, follow = model_tables(model)
+    pinned = pinned_placements(cfg, [t.name for t in model.tables])
+    host = {n for n, p in pinned.items() if p == "host"}
+    if host:
+        tables = [t for t in tables if follow.get(t.name, t.name) not in host]
+        kept = {t.name for t in tables}
+        features = [f for f in features if f.table in kept]
+        pinned = {n: p for n, p in pinned.items() if n not in host}
     return plan_tables(
         tables,
         features,
@@ -130,8 +138,8 @@ def plan_model(
         mesh_shape=mesh_shape,
         device_memory=device_memory,
         hosts=hosts,
-        pinned=pinned_placements(cfg, [t.name for t in model.tables]),
-        follow=follow,
+        pinned=pinned,
+        follow={t: lead for t, lead in follow.items() if lead not in host},
     )
 
 
@@ -142,6 +150,9 @@ def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
     `(model, None)`, unchanged."""
     devices = run_devices(cfg)
     pinned = pinned_placements(cfg, [t.name for t in model.tables])
+    host = sorted(n for n, p in pinned.items() if p == "host")
+    if host:
+        return _host_model(cfg, model, host, pinned, devices)
     if len(devices) <= 1 and not pinned:
         return model, None
     procs = jax.process_count()
@@ -164,6 +175,29 @@ def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
     )
     log(plan.table())
     return model.clone(tables=plan.apply(model.tables)), mesh
+
+
+def _host_model(cfg: RunConfig, model, host: list[str], pinned: dict, devices):
+    """`shard_model` of a run with host-executed tables (`placement: host`): those
+    tables on the host, the others whole on every device (data parallel over the
+    run's devices; the planner's placements do not combine with host tables)."""
+    placed = sorted(n for n, p in pinned.items() if p != "host")
+    if placed:
+        raise ConfigError(
+            f"tables {host} have placement 'host' and tables {placed} a mesh placement; "
+            f"host tables work beside tables whole on the device only (drop the placement "
+            f"of {placed})"
+        )
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"tables {host} have placement 'host': they train in one process; place them "
+            f"on the devices to train across processes"
+        )
+    tables = [
+        dataclasses.replace(t, placement="host") if t.name in host else t for t in model.tables
+    ]
+    model = model.clone(tables=tables)
+    return model, (make_mesh(model=1, devices=devices) if len(devices) > 1 else None)
 
 
 def _specs(cfg: RunConfig) -> tuple[list, list]:
@@ -189,6 +223,14 @@ def _specs(cfg: RunConfig) -> tuple[list, list]:
         features.append(FeatureSpec(name=name, table=name, combiner="sum"))
     tables, _ = apply_tables(cfg, tables, features, vocab_rows=gen.vocab)
     return tables, features
+
+
+def _host_tables(cfg: RunConfig) -> list[str]:
+    """The tables `cfg` pins to the host (the specs are built only if it pins any)."""
+    if not any(tc.placement == "host" for tc in (cfg.tables or {}).values()):
+        return []
+    names = [t.name for t in _specs(cfg)[0]]
+    return sorted(n for n, p in pinned_placements(cfg, names).items() if p == "host")
 
 
 def plan_config(
@@ -258,6 +300,9 @@ def plan_command(
         device_memory=device_memory,
     )
     print(plan.table())
+    host = _host_tables(cfg)
+    if host:
+        print(f"host-executed tables (placement host, in host memory, not planned): {host}")
     if devices is None and hosts is None and plan.devices == 1:
         pinned = pinned_placements(cfg, list(plan.placements))
         if not pinned:

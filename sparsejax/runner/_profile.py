@@ -57,6 +57,7 @@ COLLECTIVE_OPS = (
 PARTS = (
     "input",
     "host",
+    "host_tables",
     "dispatch",
     *PROFILE_SCOPES,
     "collectives",
@@ -67,6 +68,7 @@ PARTS = (
 PART_TEXT = {
     "input": "input pipeline (waiting for the loader)",
     "host": "host: cache exchange, batch placement",
+    "host_tables": "host tables: lookup + update (CPU)",
     "dispatch": "dispatch (the step's call, no work)",
     "embedding_lookup": "embedding lookup",
     "dense": "dense forward/backward (model, loss)",
@@ -272,7 +274,7 @@ def split_executions(events: Sequence[tuple], count: int) -> list[list]:
     return [events[a:b] for a, b in zip([0, *cuts], [*cuts, len(events)], strict=True)]
 
 
-DEVICE_PARTS = PARTS[3:]
+DEVICE_PARTS = PARTS[PARTS.index("dispatch") + 1 :]
 """The parts the trace's device events give."""
 
 
@@ -342,6 +344,26 @@ def embedding_bytes(tables, features, host_features: Mapping, batch_size: int) -
     return {"embedding_lookup": int(lookup), "sparse_update": int(update)}
 
 
+def _embedding_bytes(run, host_features: Mapping, batch_size: int) -> dict[str, int]:
+    """`embedding_bytes` of the run's device tables, and of its host-executed tables
+    (`placement: host`) as `"host_tables"` (their lookup and update run on the host)."""
+    on_host = {t.name for t in run.model.tables if t.placement == "host"}
+    out = {}
+    for part, keep in (
+        ("device", lambda t: t.name not in on_host),
+        ("host", lambda t: t.name in on_host),
+    ):
+        tables = [t for t in run.data.tables if keep(t)]
+        names = {t.name for t in tables}
+        features = [f for f in run.data.features if f.table in names]
+        nbytes = embedding_bytes(tables, features, host_features, batch_size)
+        if part == "device":
+            out.update(nbytes)
+        elif tables:
+            out["host_tables"] = sum(nbytes.values())
+    return out
+
+
 def copy_bandwidth(samples: int = 10, nbytes: int | None = None) -> float:
     """Read + write GB/s of `x + c` over `nbytes` on the default device (median); by
     default 256 MiB on a CPU, 2 GiB on an accelerator (a smaller copy there is bound by
@@ -380,16 +402,32 @@ def profile_run(
     loader = train_loader(run, epochs=None)
     batches = iter(loader)
 
+    step_args = None  # the jitted step's argument shapes (host tables' rows in place)
+
     def phases(state, step_fn):
-        """One step in three timed phases: (state, input s, host s, device s, batch)."""
+        """One step in timed phases: (state, (input, host, host tables, device) s,
+        batch). Host tables: host-executed tables' lookup before the step and update
+        after it (`finish_train`); host: the rest of `prepare_train`."""
+        nonlocal step_args
         t0 = time.perf_counter()
         batch = next(batches)
         t1 = time.perf_counter()
-        state, batch = jax.block_until_ready(trainer.prepare_train(state, batch))
+        if trainer.host_exec is not None:  # prepare_train then skips it
+            tables = trainer.host_exec.lookup(state.tables, batch)
+            state = jax.block_until_ready(state.replace(tables=tables))
         t2 = time.perf_counter()
+        state, batch = jax.block_until_ready(trainer.prepare_train(state, batch))
+        step_args = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            (state, batch),
+        )
+        t3 = time.perf_counter()
         state, metrics = step_fn(state, batch)
         jax.block_until_ready((state, metrics))
-        return state, t1 - t0, t2 - t1, time.perf_counter() - t2, batch
+        t4 = time.perf_counter()
+        state = jax.block_until_ready(trainer.finish_train(state))
+        times = (t1 - t0, t3 - t2, t2 - t1 + time.perf_counter() - t4, t4 - t3)
+        return state, times, batch
 
     tmp = None
     try:
@@ -400,22 +438,17 @@ def profile_run(
             return trainer._jitted("train", batch)(state, batch)
 
         for _ in range(warmup):
-            state, *_, batch = phases(state, jitted)
-        compiled = trainer._jitted("train", batch).lower(state, batch).compile()
+            state, _, batch = phases(state, jitted)
+        compiled = trainer._jitted("train", batch).lower(*step_args).compile()
         hlo = compiled.as_text()
         flops = _flops(compiled)
-        nbytes = embedding_bytes(
-            run.data.tables,
-            run.data.features,
-            jax.device_get(batch.features),
-            batch.batch_size,
-        )
+        nbytes = _embedding_bytes(run, jax.device_get(batch.features), batch.batch_size)
         noop = _noop_step(trainer, state, batch)
         walls, device_walls = [], []
         for _ in range(steps):
-            state, t_in, t_host, t_dev, _ = phases(state, compiled)
-            walls.append(t_in + t_host + t_dev)
-            device_walls.append(t_dev)
+            state, times, _ = phases(state, compiled)
+            walls.append(sum(times))
+            device_walls.append(times[-1])
         tmp = tempfile.mkdtemp(prefix="profile.", dir=os.path.dirname(os.path.abspath(out_dir)))
         trace_dir = os.path.join(tmp, "trace")
         options = jax.profiler.ProfileOptions()
@@ -424,7 +457,7 @@ def profile_run(
         traced, dispatch = [], []
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True, profiler_options=options):
             for _ in range(steps):
-                state, *times, batch = phases(state, compiled)
+                state, times, batch = phases(state, compiled)
                 traced.append(times)
                 t = time.perf_counter()  # the call's own cost, under the tracer too
                 jax.block_until_ready(noop(state, batch))
@@ -435,6 +468,7 @@ def profile_run(
         parts = {
             "input": 1e3 * statistics.mean(t[0] for t in traced),
             "host": 1e3 * statistics.mean(t[1] for t in traced),
+            "host_tables": 1e3 * statistics.mean(t[2] for t in traced),
             "dispatch": 1e3 * statistics.mean(dispatch),
             **device,
         }
@@ -475,10 +509,26 @@ def _noop_step(trainer, state, batch):
     kernels (`dispatch`)."""
     fn = jax.jit(
         lambda s, b: s.step + 1,
-        in_shardings=(trainer.state_sharding(), trainer._batch_prefix(batch)),
+        in_shardings=(
+            _without_host(trainer, trainer.state_sharding()),
+            trainer._batch_prefix(batch),
+        ),
     )
-    jax.block_until_ready(fn(state, batch))
-    return fn
+    call = lambda state, batch: fn(_without_host(trainer, state), batch)  # noqa: E731
+    jax.block_until_ready(call(state, batch))
+    return call
+
+
+def _without_host(trainer, state):
+    """`state` without host-executed tables (the jitted step never takes them)."""
+    if trainer.host_exec is None:
+        return state
+    from ..embedding._host_store import _replace
+
+    tables = state.tables
+    for path in trainer.host_exec.stores:
+        tables = _replace(tables, path, {})
+    return state.replace(tables=tables)
 
 
 def _device_text(dev) -> str:

@@ -470,11 +470,16 @@ class TableConfig:
     unless absolute; each table's files go to a subdirectory of its own (null:
     `host_rows` in the run directory)."""
     placement: (
-        Literal["auto", "replicated", "table_wise", "column_wise", "table_row_wise", "row_wise"]
+        Literal[
+            "auto", "host", "replicated", "table_wise", "column_wise", "table_row_wise", "row_wise"
+        ]
         | None
     ) = None
     """Where the table lives on the run's devices (`sharding`): "auto" (null) lets the
-    planner choose; the others pin it: "replicated" (a copy on every device),
+    planner choose; "host" keeps it in host memory, looked up and updated by the host's
+    CPU beside the dense network on the devices (pipelined with the device's step; not
+    with mesh placements or many processes); the others pin it: "replicated" (a copy
+    on every device),
     "table_wise" (whole on one device of each host, i.e. one index of the "model" axis),
     "column_wise" (its columns split over "model"; the dim must divide), "table_row_wise"
     (its rows split over "model"), "row_wise" (its rows split over every device). A run

@@ -104,7 +104,9 @@ def fit(
     next step runs, and before every log, eval and checkpoint: a NaN/inf loss raises
     `NonFiniteLossError` naming the step and the last good checkpoint. `evaluate(state)`
     replaces what an eval computes (default `trainer.evaluate(state, eval_batches)`),
-    e.g. to add ranking metrics of candidate sets for early stopping.
+    e.g. to add ranking metrics of candidate sets for early stopping. With host-executed
+    tables and `batches` that can `peek` (a `Loader`), each step is given the next batch
+    to look up while it runs (`Trainer.train_step`'s `next_batch`).
 
     Example:
       >>> result = fit(trainer, state, loader, steps=1000, eval_batches=held_out,
@@ -151,6 +153,7 @@ def fit(
 
     step = start
     it = iter(batches)
+    look_ahead = getattr(it, "peek", None) if getattr(trainer, "host_exec", None) else None
     for step in range(start + 1, steps + 1):
         batch = next(it, None)
         if batch is None:  # the data ran out: the previous step was the last
@@ -158,7 +161,10 @@ def fit(
             break
         for h in hooks:
             h.before_step(step, batch)
-        state, metrics = trainer.train_step(state, batch)
+        if look_ahead:  # host-executed tables look the next batch up during this step
+            state, metrics = trainer.train_step(state, batch, look_ahead())
+        else:
+            state, metrics = trainer.train_step(state, batch)
         if pending is not None:  # the previous step, checked while this one runs
             window.append(_check_finite(*pending, checkpointer))
         pending = (step, metrics["loss"])

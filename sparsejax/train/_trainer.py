@@ -132,6 +132,9 @@ class Trainer:
         self.host_tables = None
         """The host side of the model's tiered (dynamic / host-cached) tables, from `init`;
         None when it has none."""
+        self.host_exec = None
+        """The host side of the model's host-executed tables (`placement="host"`), from
+        `init`; None when it has none."""
 
     # ---- placement ------------------------------------------------------------------
     def _replicated(self) -> NamedSharding:
@@ -149,6 +152,19 @@ class Trainer:
             self.layouts, {path: store.state_shardings() for path, store in self._stores().items()}
         )
         return TrainState(step=r, params=r, opt_state=r, tables=tables, rng=r)
+
+    def _step_sharding(self) -> TrainState:
+        """`state_sharding()` as the jitted steps see it: a host-executed layer's
+        `"host"` part holds its pooled rows (in) and their gradient (out), replicated."""
+        sharding = self.state_sharding()
+        if self.host_exec is None:
+            return sharding
+        from ..embedding._host_store import _replace
+
+        tables = sharding.tables
+        for path in self.host_exec.stores:
+            tables = _replace(tables, path, self._replicated())
+        return sharding.replace(tables=tables)
 
     def put_state(self, state: TrainState) -> TrainState:
         """`state` placed with `state_sharding()` (e.g. after a restore)."""
@@ -237,13 +253,13 @@ class Trainer:
         size = batch.batch_size if isinstance(batch, SparseBatch) else -1
         fn = self._steps.get((kind, size))
         if fn is None:
-            shardings = (self.state_sharding(), self._batch_prefix(batch))
+            shardings = (self._step_sharding(), self._batch_prefix(batch))
             if kind == "train":
                 fn = jax.jit(
                     self._train_step,
                     donate_argnums=0,
                     in_shardings=shardings,
-                    out_shardings=(self.state_sharding(), self._replicated()),
+                    out_shardings=(self._step_sharding(), self._replicated()),
                 )
             else:
                 fn = jax.jit(self._eval_step, in_shardings=shardings)
@@ -251,16 +267,22 @@ class Trainer:
         return fn
 
     # ---- steps ----------------------------------------------------------------------
-    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+    def train_step(self, state: TrainState, batch, next_batch=None) -> tuple[TrainState, dict]:
         """One jitted step (`state` is donated): `(new state, {"loss": loss})`. With
         tiered tables, the host maps the batch's raw ids to cache slots and exchanges
-        rows first (while the previous step still runs)."""
+        rows first (while the previous step still runs). With host-executed tables, the
+        host looks them up before the step and updates them after it; `next_batch` (the
+        batch of the next call, if known) is then looked up while this step runs."""
         state, batch = self.prepare_train(state, batch)
-        return self._jitted("train", batch)(state, batch)
+        state, metrics = self._jitted("train", batch)(state, batch)
+        return self.finish_train(state, next_batch), metrics
 
     def prepare_train(self, state: TrainState, batch) -> tuple[TrainState, object]:
-        """The host's part of `train_step`, before the jitted step: tiered tables' id
-        mapping and row exchange, placing the batch on the mesh."""
+        """The host's part of `train_step` before the jitted step: tiered tables' id
+        mapping and row exchange, host-executed tables' lookup, placing the batch on
+        the mesh. The step's output goes to `finish_train`."""
+        if self.host_exec is not None:
+            state = state.replace(tables=self.host_exec.lookup(state.tables, batch))
         if self.host_tables is not None:
             tables, batch = self.host_tables.prepare_train(state.tables, batch)
             state = state.replace(tables=tables)
@@ -268,8 +290,17 @@ class Trainer:
             batch = self.put_batch(batch)
         return state, batch
 
+    def finish_train(self, state: TrainState, next_batch=None) -> TrainState:
+        """The host's part of `train_step` after the jitted step: host-executed tables'
+        sparse update (a no-op without them)."""
+        if self.host_exec is None:
+            return state
+        return state.replace(tables=self.host_exec.finish(state.tables, state.step, next_batch))
+
     def eval_step(self, state: TrainState, batch) -> jax.Array:
         """The model's output on `batch` (jitted, no dropout)."""
+        if self.host_exec is not None:
+            state = state.replace(tables=self.host_exec.lookup(state.tables, batch, train=False))
         if self.host_tables is not None:
             tables, batch = self.host_tables.prepare_eval(state.tables, batch)
             state = state.replace(tables=tables)
@@ -328,7 +359,18 @@ class Trainer:
         tables = tables_from_layers(
             layouts, {path: store.init(layer_keys[path]) for path, store in self._stores().items()}
         )
-        self.host_tables = None
+        self.host_tables = self.host_exec = None
+        from ..embedding._host_store import HostExecution, HybridTableStore
+
+        if any(isinstance(store, HybridTableStore) for store in layouts.values()):
+            if jax.process_count() > 1:
+                raise ValueError(
+                    "host-executed tables (placement 'host') train in one process; "
+                    "place them on the devices to train across processes"
+                )
+            self.host_exec = HostExecution(
+                self._stores(), self.mesh, schedule=self.sparse_schedule, l2=self.sparse_l2
+            )
         if any(getattr(store, "tiered_tables", {}) for store in layouts.values()):
             from ..embedding._tiered import HostTables
 
