@@ -118,7 +118,8 @@ def test_profile_of_a_run_measures_every_part_and_writes_it_whole(tmp_path, caps
         assert parts[p] > 0, p
     assert parts["collectives"] == 0 and result.unattributed_events == 0
     assert result.bytes["embedding_lookup"] > 0 and result.gbps("embedding_lookup") > 0
-    assert result.copy_gbps > 0 and result.flops > 0
+    assert result.copy_gbps > 0 and result.flops > 0 and result.gather_gbps > 0
+    assert parts["host_tables"] == 0  # no host-executed tables here
     # measured, none a remainder: never more than the step (on a tiny step the tracer's
     # own cost is most of the traced time, so no lower bound here)
     assert 0 < result.coverage <= 1.05
@@ -131,6 +132,7 @@ def test_profile_of_a_run_measures_every_part_and_writes_it_whole(tmp_path, caps
     traces = [f for _, _, fs in os.walk(out / "trace") for f in fs]
     assert any(f.endswith(".xplane.pb") for f in traces) and "perfetto_trace.json.gz" in traces
     assert "embedding lookup" in (out / "summary.txt").read_text()
+    assert "% of gather" in (out / "summary.txt").read_text()
     ckpts = tmp_path / "p" / "checkpoints"
     assert not ckpts.exists() or not os.listdir(ckpts)  # profiling saves nothing
 

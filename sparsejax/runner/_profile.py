@@ -3,7 +3,8 @@
 The run is built as `sparsejax train` builds it (resuming its checkpoint, if any), trained
 `warmup` steps to compile, then `steps` more, one at a time and timed in three phases:
 waiting for the input pipeline, the host side of the step (tiered tables' cache
-exchange, placing the batch on the mesh), and the compiled step on the device. Those
+exchange, placing the batch on the mesh), host-executed tables' lookup and update on the
+host's CPU, and the compiled step on the device. Those
 `steps` run twice, untraced (the step time) and under `jax.profiler` (the split of the
 device phase): each traced device event (an XLA thunk or kernel) is charged to the
 named scope of its HLO instruction's `op_name` (`PROFILE_SCOPES`, put on by the library:
@@ -18,7 +19,9 @@ untraced step time is reported beside it: the tracer's cost). With several devic
 device parts are one device's, the mean over the devices.
 
 Beside the times it reports the bytes the embedding parts move per step (byte model in
-`embedding_bytes`) as GB/s against a device copy (`x + c`) measured in the same run, and
+`embedding_bytes`) as GB/s against a device copy (`x + c`) and a gather of uniformly
+random rows of the run's width (`gather_bandwidth`: what random row reads give; the
+copy is what streaming gives), both measured in the same run, and
 the step's FLOPs (XLA's cost analysis) per second of the dense part. It writes
 `RUN/profile/`: `trace/` (TensorBoard's profile plugin and `perfetto_trace.json.gz` for
 ui.perfetto.dev), `summary.txt`, `summary.json` and `summary.png`, only once the whole
@@ -96,6 +99,10 @@ class StepProfile:
     """Bytes moved per step by the embedding parts (`embedding_bytes`)."""
     copy_gbps: float
     """Read + write bandwidth of `x + c` over a large array on the same device."""
+    gather_gbps: float | None
+    """GB/s (the lookup's byte model) of `embedding_bag` over uniformly random rows of
+    the run's row width in a table larger than the caches, same device: what random
+    row reads give here (`gather_bandwidth`); None when not measured."""
     flops: float | None
     """The step's floating-point operations (XLA cost analysis), if known."""
     device: str
@@ -130,7 +137,12 @@ class StepProfile:
             if gbps is not None:
                 rate = (
                     f"{self.bytes[p] / 1e6:.1f} MB, {gbps:.1f} GB/s "
-                    f"({100 * gbps / self.copy_gbps:.0f}% of copy)"
+                    f"({100 * gbps / self.copy_gbps:.0f}% of copy"
+                    + (
+                        f", {100 * gbps / self.gather_gbps:.0f}% of gather)"
+                        if self.gather_gbps
+                        else ")"
+                    )
                 )
             elif p == "dense" and self.dense_gflops is not None:
                 rate = f"{self.dense_gflops:.1f} GFLOP/s (the step's FLOPs over dense + optimizer)"
@@ -141,6 +153,11 @@ class StepProfile:
             f"{100 * self.coverage:6.1f}%  (the rest: unaccounted)"
         )
         lines.append(f"device copy (x + c): {self.copy_gbps:.1f} GB/s read + write")
+        if self.gather_gbps:
+            lines.append(
+                f"random row gather (embedding_bag, uniform ids, the run's row width): "
+                f"{self.gather_gbps:.1f} GB/s"
+            )
         if self.trace_dir:
             lines.append(f"trace: {self.trace_dir} (TensorBoard profile, perfetto_trace.json.gz)")
         return "\n".join(lines)
@@ -382,6 +399,33 @@ def copy_bandwidth(samples: int = 10, nbytes: int | None = None) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def gather_bandwidth(dim: int, dtype="float32", samples: int = 10) -> float:
+    """GB/s of `sparsejax.ops.embedding_bag` (one id per bag) over uniformly random rows
+    of `dim` columns in a table of 256 MiB (CPU) or 2 GiB (accelerator), counted as
+    `embedding_bytes` counts a lookup: the ceiling that random row reads set for the
+    embedding parts, beside the copy's streaming one (median of `samples`, rotating
+    ids)."""
+    from .. import ops
+
+    cpu = jax.default_backend() == "cpu"
+    row = dim * jnp.dtype(dtype).itemsize
+    rows = ((256 << 20) if cpu else (2 << 30)) // row
+    n = min(rows // 4, (1 << 17) if cpu else (1 << 21))
+    table = jnp.zeros((rows, dim), dtype) + jnp.asarray(1, dtype)  # touched: no lazy pages
+    segs = jnp.arange(n, dtype=jnp.int32)
+    rng = np.random.default_rng(0)
+    ids = [jnp.asarray(rng.integers(0, rows, n, dtype=np.int32)) for _ in range(4)]
+    f = jax.jit(lambda t, i: ops.embedding_bag(t, i, segs, n, combiner="sum"))
+    jax.block_until_ready(f(table, ids[0]))
+    times = []
+    for k in range(samples):
+        t = time.perf_counter()
+        jax.block_until_ready(f(table, ids[k % len(ids)]))
+        times.append(time.perf_counter() - t)
+    nbytes = n * (row + 8) + n * dim * 4
+    return nbytes / statistics.median(times) / 1e9
+
+
 # ----------------------------------------------------------------------- the profile
 def profile_run(
     run,
@@ -425,8 +469,11 @@ def profile_run(
         state, metrics = step_fn(state, batch)
         jax.block_until_ready((state, metrics))
         t4 = time.perf_counter()
-        state = jax.block_until_ready(trainer.finish_train(state))
-        times = (t1 - t0, t3 - t2, t2 - t1 + time.perf_counter() - t4, t4 - t3)
+        host_tables = 0.0
+        if trainer.host_exec is not None:
+            state = jax.block_until_ready(trainer.finish_train(state))
+            host_tables = t2 - t1 + time.perf_counter() - t4
+        times = (t1 - t0, t3 - t2, host_tables, t4 - t3)
         return state, times, batch
 
     tmp = None
@@ -481,6 +528,7 @@ def profile_run(
             parts=parts,
             bytes=nbytes,
             copy_gbps=copy_bandwidth(),
+            gather_gbps=gather_bandwidth(max(t.dim for t in run.data.tables)),
             flops=flops,
             device=_device_text(dev),
             unattributed_events=unknown,
@@ -571,9 +619,9 @@ def plot_profile(p: StepProfile, path: str) -> None:
     )
     ax.set_xlim(0, max(values) * 1.45 if max(values) > 0 else 1)
     rates = {k: p.gbps(k) for k in ("embedding_lookup", "sparse_update")}
-    labels = ["copy", "lookup", "sparse update"]
-    gbps = [p.copy_gbps, *[v or 0.0 for v in rates.values()]]
-    bx.bar(labels, gbps, color=["#999999", "#4878a8", "#d1854a"])
+    labels = ["copy", "random\ngather", "lookup", "sparse\nupdate"]
+    gbps = [p.copy_gbps, p.gather_gbps or 0.0, *[v or 0.0 for v in rates.values()]]
+    bx.bar(labels, gbps, color=["#999999", "#bbbbbb", "#4878a8", "#d1854a"])
     for x, v in enumerate(gbps):
         bx.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
     bx.set_ylabel("GB/s")
