@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 
 from ..embedding import TableStore
+from ..embedding._store import subtree
 from ..nn._embedding import EmbeddingBagCollection
 
 Layouts = Mapping[tuple[str, ...], TableStore]
@@ -51,13 +52,6 @@ def layer_key(path: tuple[str, ...]) -> str:
     return "/".join(path) or "<root>"
 
 
-def _subtree(tables: Mapping, path: tuple[str, ...]):
-    node = tables
-    for k in path:
-        node = node[k]
-    return node
-
-
 @functools.lru_cache(maxsize=64)
 def _export(store: TableStore):
     """`store.export_tables`, jitted once per store (one compile instead of one per
@@ -70,7 +64,7 @@ def _export(store: TableStore):
 def tables_by_name(layouts: Layouts, tables: Mapping) -> dict:
     """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection."""
     return {
-        layer_key(path): _export(store)(_subtree(tables, path)) for path, store in layouts.items()
+        layer_key(path): _export(store)(subtree(tables, path)) for path, store in layouts.items()
     }
 
 

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._device_store import DeviceTableStore
 from ._spec import FeatureSpec, TableSpec
-from ._store import StoreBase, default_mesh
+from ._store import StoreBase, default_mesh, subtree, with_subtree
 
 HOST = "host"
 """The placement of a host-executed table, and the name of its state part."""
@@ -296,7 +296,7 @@ class HostExecution:
         the batch's pooled host rows on the mesh. `train`: a train step's, whose
         update `finish` applies (else an eval's)."""
         for path in self.stores:
-            host_tables = _subtree(tables, path)[HOST]
+            host_tables = subtree(tables, path)[HOST]
             if ROWS in host_tables:  # looked up already
                 continue
             ahead = self._ahead.pop(path, None) if train else None
@@ -311,7 +311,8 @@ class HostExecution:
                 rows, lks = self._look_up(path, host_tables, batch)
             if train:
                 self._lookups[path] = (host_tables, lks)
-            tables = _replace(tables, path, {ROWS: jax.device_put(rows, self.rows_sharding)})
+            rows = jax.device_put(rows, self.rows_sharding)
+            tables = with_host_part(tables, path, {ROWS: rows})
         return tables
 
     def finish(self, tables: Mapping, step: jax.Array, next_batch=None) -> dict:
@@ -324,10 +325,10 @@ class HostExecution:
             if next_batch is not None and self.look_ahead:
                 rows, nxt = self._look_up(path, host_tables, next_batch)
                 self._ahead[path] = _Ahead(next_batch, rows, nxt, lks)
-            grads = jax.device_put(_subtree(tables, path)[HOST][ROWS], self._cpu)
+            grads = jax.device_put(subtree(tables, path)[HOST][ROWS], self._cpu)
             new = self._jit_apply[path](host_tables, lks, grads, step)
             self._latest[path] = new
-            tables = _replace(tables, path, new)
+            tables = with_host_part(tables, path, new)
         return tables
 
 
@@ -378,17 +379,10 @@ def _fix(host: DeviceTableStore, tables, rows, lookups, previous) -> dict:
     return out, recomputed
 
 
-def _subtree(tree: Mapping, path: tuple) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _replace(tree: Mapping, path: tuple, host_part) -> dict:
-    """`tree` with the `"host"` entry of the layer at `path` set to `host_part`."""
-    if not path:
-        return {**tree, HOST: host_part}
-    return {**tree, path[0]: _replace(tree[path[0]], path[1:], host_part)}
+def with_host_part(tables: Mapping, path: tuple, value: Any) -> dict:
+    """`tables` (the "embedding" collection) with the `"host"` part of the layer at
+    `path` set to `value`."""
+    return with_subtree(tables, (*path, HOST), value)
 
 
 __all__ = ["HOST", "HostExecution", "HybridTableStore"]

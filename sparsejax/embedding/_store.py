@@ -26,6 +26,21 @@ State = Any
 pytree of arrays."""
 
 
+def subtree(tree: Mapping, path: Sequence[str]) -> Any:
+    """The node of a nested mapping at `path` (a layer's state in the "embedding"
+    collection, by module path)."""
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def with_subtree(tree: Mapping, path: Sequence[str], value: Any) -> dict:
+    """`tree` with the node at `path` replaced by `value` (the other nodes shared)."""
+    if not path:
+        return value
+    return {**tree, path[0]: with_subtree(tree[path[0]], path[1:], value)}
+
+
 def default_mesh() -> Mesh:
     """One device (the default one) on a "data" axis: the mesh when none is given."""
     return Mesh(np.array(jax.devices()[:1]), ("data",))

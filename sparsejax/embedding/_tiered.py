@@ -43,6 +43,7 @@ from ._spec import (
     truncated_normal_init,
     uniform_init,
 )
+from ._store import subtree, with_subtree
 
 
 class TieredInputError(ValueError):
@@ -774,18 +775,6 @@ class _Layer:
         return out
 
 
-def _subtree(tree: Mapping, path: tuple):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _with_subtree(tree: Mapping, path: tuple, value: Mapping) -> dict:
-    if not path:
-        return {**tree, **value}
-    return {**tree, path[0]: _with_subtree(tree[path[0]], path[1:], value)}
-
-
 def _pad(a: np.ndarray, n: int, fill=0) -> np.ndarray:
     out = np.full((n, *a.shape[1:]), fill, a.dtype)
     out[: a.shape[0]] = a
@@ -905,7 +894,7 @@ class HostTables:
         """Per stack, one padded index of the rows entering the cache (each table's load
         slots, then each default row that needs (re)writing): train gathers what those
         slots hold first (written back at the next call), then scatters the new rows."""
-        layer_state = _subtree(state_tables, layer.path)
+        layer_state = subtree(state_tables, layer.path)
         sub = {k: layer_state[k] for k in layer.stacks}
         loads, segments = {}, {}
         for stack in layer.stacks:
@@ -946,12 +935,14 @@ class HostTables:
             loads[stack] = {"index": index, "weights": weights, "slots": slots}
             segments[stack] = segs
         if not train:
-            return _with_subtree(state_tables, layer.path, layer.scatter_copy(sub, loads))
+            new = layer.scatter_copy(sub, loads)
+            return with_subtree(state_tables, layer.path, {**layer_state, **new})
         evicted = layer.gather(sub, {k: v["index"] for k, v in loads.items()})
         for leaf in jax.tree.leaves(evicted):
             leaf.copy_to_host_async()
         self._pending.append((layer, segments, evicted))
-        return _with_subtree(state_tables, layer.path, layer.scatter(sub, loads))
+        new = layer.scatter(sub, loads)
+        return with_subtree(state_tables, layer.path, {**layer_state, **new})
 
     def _write_back(self) -> None:
         """Store the rows the previous exchanges moved out of the cache."""
@@ -973,7 +964,7 @@ class HostTables:
         host holds every table's current state (the cache keeps its rows)."""
         self._write_back()
         for path, layer in self.layers.items():
-            sub = _subtree(state_tables, path)
+            sub = subtree(state_tables, path)
             sub = {k: sub[k] for k in layer.stacks}
             for name, ht in layer.tables.items():  # one gather per table: flushes are rare
                 p = layer.place[name]

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from ..embedding._compose import Expansion, expand
 from ..embedding._spec import FeatureSpec, TableSpec
-from ..embedding._store import TableStore, make_store
+from ..embedding._store import TableStore, make_store, subtree, with_subtree
 
 EMBEDDING = "embedding"
 """Variable collection of the tables (the table store's state)."""
@@ -192,27 +192,15 @@ def apply_embedding_gradients(
         if l2:
             kw["l2"] = l2
         updated = lk.store.apply_gradients(
-            _subtree(tables, layer),
+            subtree(tables, layer),
             lk.residuals,
-            _subtree(grads, layer),
+            subtree(grads, layer),
             step=step,
             learning_rate=learning_rate,
             **kw,
         )
-        new = _replace_subtree(new, layer, {**_subtree(tables, layer), **updated})
+        new = with_subtree(new, layer, {**subtree(tables, layer), **updated})
     return new
-
-
-def _subtree(tree: Mapping, path: tuple) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _replace_subtree(tree: Mapping, path: tuple, value) -> dict:
-    if not path:
-        return value
-    return {**tree, path[0]: _replace_subtree(tree[path[0]], path[1:], value)}
 
 
 def _unfreeze(tree):

@@ -571,11 +571,11 @@ def _without_host(trainer, state):
     """`state` without host-executed tables (the jitted step never takes them)."""
     if trainer.host_exec is None:
         return state
-    from ..embedding._host_store import _replace
+    from ..embedding._host_store import with_host_part
 
     tables = state.tables
     for path in trainer.host_exec.stores:
-        tables = _replace(tables, path, {})
+        tables = with_host_part(tables, path, {})
     return state.replace(tables=tables)
 
 

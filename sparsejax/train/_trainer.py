@@ -159,11 +159,11 @@ class Trainer:
         sharding = self.state_sharding()
         if self.host_exec is None:
             return sharding
-        from ..embedding._host_store import _replace
+        from ..embedding._host_store import with_host_part
 
         tables = sharding.tables
         for path in self.host_exec.stores:
-            tables = _replace(tables, path, self._replicated())
+            tables = with_host_part(tables, path, self._replicated())
         return sharding.replace(tables=tables)
 
     def put_state(self, state: TrainState) -> TrainState:
