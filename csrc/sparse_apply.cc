@@ -252,6 +252,8 @@ SJ_INLINE void PrefetchRowState(const ApplyCtx& c, int64_t r) {
 
 // Unique rows prefetched ahead in sparse_apply (table row + slot rows, for write).
 constexpr int kApplyPrefetchRuns = 16;
+// Entries whose gradient rows are prefetched ahead.
+constexpr int kApplyPrefetchEntries = 32;
 
 // Processes unique runs [run_begin, run_end): keys[run_start[i] .. run_start[i+1]).
 void ApplyRuns(const ApplyCtx& c, const uint64_t* keys, const int64_t* run_start,
@@ -270,6 +272,13 @@ void ApplyRuns(const ApplyCtx& c, const uint64_t* keys, const int64_t* run_start
   for (int64_t i = run_begin; i < std::min(run_end, run_begin + kApplyPrefetchRuns); ++i) {
     PrefetchRowState(c, static_cast<int64_t>(keys[run_start[i]] >> 32));
   }
+  // The entries' gradient rows: sorted by id they are random rows of `grad`, read
+  // kApplyPrefetchEntries entries ahead.
+  const int64_t entry_end = run_start[run_end];
+  for (int64_t e = run_start[run_begin];
+       e < std::min(entry_end, run_start[run_begin] + kApplyPrefetchEntries); ++e) {
+    PrefetchBytes<0>(c.grad + static_cast<int64_t>(c.seg[keys[e] & 0xffffffffu]) * d, d * 4);
+  }
   for (int64_t i = run_begin; i < run_end; ++i) {
     if (i + kApplyPrefetchRuns < run_end) {
       PrefetchRowState(c, static_cast<int64_t>(keys[run_start[i + kApplyPrefetchRuns]] >> 32));
@@ -277,6 +286,10 @@ void ApplyRuns(const ApplyCtx& c, const uint64_t* keys, const int64_t* run_start
     const int64_t r = static_cast<int64_t>(keys[run_start[i]] >> 32);
     for (int64_t j = 0; j < d; ++j) g[j] = 0.0f;
     for (int64_t e = run_start[i]; e < run_start[i + 1]; ++e) {
+      if (e + kApplyPrefetchEntries < entry_end) {
+        const int64_t ahead = static_cast<int64_t>(keys[e + kApplyPrefetchEntries] & 0xffffffffu);
+        PrefetchBytes<0>(c.grad + static_cast<int64_t>(c.seg[ahead]) * d, d * 4);
+      }
       const int64_t k = static_cast<int64_t>(keys[e] & 0xffffffffu);
       const float cf = c.coef[k];
       const float* SJ_RESTRICT gr = c.grad + static_cast<int64_t>(c.seg[k]) * d;

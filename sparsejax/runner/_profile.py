@@ -411,7 +411,7 @@ def gather_bandwidth(dim: int, dtype="float32", samples: int = 10) -> float:
     row = dim * jnp.dtype(dtype).itemsize
     rows = ((256 << 20) if cpu else (2 << 30)) // row
     n = min(rows // 4, (1 << 17) if cpu else (1 << 21))
-    table = jnp.zeros((rows, dim), dtype) + jnp.asarray(1, dtype)  # touched: no lazy pages
+    table = jax.device_put(np.ones((rows, dim), jnp.dtype(dtype)))  # as tables are placed
     segs = jnp.arange(n, dtype=jnp.int32)
     rng = np.random.default_rng(0)
     ids = [jnp.asarray(rng.integers(0, rows, n, dtype=np.int32)) for _ in range(4)]
