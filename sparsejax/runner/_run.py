@@ -539,9 +539,11 @@ def train_loader(run: Run, *, epochs: int | None, position: dict | None = None) 
         epochs=epochs,
         prefetch=cfg.data.prefetch,
         shuffle_buffer=cfg.data.shuffle_buffer,
-        # tiered tables: the host maps the raw int64 ids to cache slots first; tables
-        # placed on a mesh: the trainer splits the host batch per device
+        # tiered tables: the host maps the raw int64 ids to cache slots first;
+        # host-executed tables: the host looks their ids up; tables placed on a mesh:
+        # the trainer splits the host batch per device
         device_put=getattr(run.trainer, "host_tables", None) is None
+        and getattr(run.trainer, "host_exec", None) is None
         and not run.trainer.shards_batch,
         position=position,
     )
