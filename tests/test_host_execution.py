@@ -13,7 +13,7 @@ import pytest
 
 from sparsejax import runner
 from sparsejax.data import PaddedIds, SparseBatch
-from sparsejax.embedding import FeatureSpec, HostCache, TableSpec
+from sparsejax.embedding import Composition, FeatureSpec, HostCache, TableSpec
 from sparsejax.embedding._host_store import HybridTableStore
 from sparsejax.nn import DLRM
 from sparsejax.ops.optimizers import SGD, RowWiseAdagrad
@@ -138,6 +138,35 @@ def test_host_tables_train_bit_for_bit_as_on_the_device(host, look_ahead):
         assert stats["bags_looked_ahead"] > 0 and 0 < stats["recomputed_fraction"] < 1
     else:
         assert stats["bags_looked_ahead"] == 0
+
+
+def test_composed_host_tables_train_as_on_the_device():
+    """A quotient-remainder table on the host: the host splits the feature's ids into
+    its parts' as the layer does, so it trains as the same composed table on the device."""
+    opt = RowWiseAdagrad(learning_rate=0.2)
+    compose = {  # "items" pools bags (sum, max): its table's parts are concatenated
+        "user": Composition(kind="qr", fraction=0.5),
+        "item": Composition(kind="qr", fraction=0.5, op="concat"),
+    }
+
+    def tables(host):
+        return tuple(
+            dataclasses.replace(t, compose=compose.get(t.name)) for t in _tables(opt, host)
+        )
+
+    batches = _batches(8)
+    ref = _trainer(tables(()))
+    ref_state, ref_losses, _ = _train(ref, batches)
+    hybrid = _trainer(tables(("user", "item")))
+    state, losses, _ = _train(hybrid, batches, look_ahead=True)
+    assert set(hybrid.layouts[("embedding",)].host.tables) == {
+        "user.q",
+        "user.r",
+        "item.q",
+        "item.r",
+    }
+    np.testing.assert_array_equal(losses, ref_losses)
+    _assert_same_tables(_tables_of(hybrid, state), _tables_of(ref, ref_state))
 
 
 def test_a_look_ahead_of_another_batch_or_state_is_not_used():

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 
 from ..embedding import TableStore
+from ..embedding._compose import Expansion
 from ..embedding._store import subtree
 from ..nn._embedding import EmbeddingBagCollection
 
@@ -35,16 +36,25 @@ def embedding_layouts(model: nn.Module, batch) -> dict[tuple[str, ...], TableSto
 
 def trace_layouts(model: nn.Module, batch) -> tuple[dict, Mapping]:
     """`embedding_layouts` and the shapes of the model's variables, from one trace."""
+    layouts, _, shapes = trace_layers(model, batch)
+    return layouts, shapes
+
+
+def trace_layers(model: nn.Module, batch) -> tuple[dict, dict, Mapping]:
+    """`embedding_layouts`, each layer's `Expansion` (its composed tables as the plain
+    ones its store holds) and the shapes of the model's variables, from one trace."""
     found: dict[tuple[str, ...], TableStore] = {}
+    expansions: dict[tuple[str, ...], Expansion] = {}
 
     def interceptor(next_fun, args, kwargs, context):
         if isinstance(context.module, EmbeddingBagCollection) and context.method_name == "__call__":
             found[tuple(context.module.path)] = context.module.store
+            expansions[tuple(context.module.path)] = context.module.expansion
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
         shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), batch))
-    return found, shapes
+    return found, expansions, shapes
 
 
 def layer_key(path: tuple[str, ...]) -> str:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._compose import Expansion
 from ._device_store import DeviceTableStore
 from ._spec import FeatureSpec, TableSpec
 from ._store import StoreBase, default_mesh, subtree, with_subtree
@@ -233,6 +234,8 @@ class HostExecution:
     Args:
       stores: `{layer path: store}` of the model's layers; the hybrid ones are run here.
       mesh: the mesh of the jitted step (the rows are replicated on it).
+      expansions: `{layer path: Expansion}`: how each layer turns its batch's features
+        into its store's (composed tables' parts); None: as they are.
       schedule, l2: the trainer's `sparse_schedule` and `sparse_l2`.
     """
 
@@ -241,6 +244,7 @@ class HostExecution:
         stores: Mapping[tuple, Any],
         mesh: Mesh,
         *,
+        expansions: Mapping[tuple, Expansion] | None = None,
         schedule: Callable | None = None,
         l2: float = 0.0,
     ):
@@ -259,11 +263,17 @@ class HostExecution:
         self._jit_lookup = {}
         self._jit_fix = {}
         self._jit_apply = {}
+        self._inputs: dict[tuple, tuple[str, ...]] = {}  # the batch features each reads
         for path, store in self.stores.items():
             host = store.host
+            ex = (expansions or {}).get(path)
+            split = (lambda f: f) if ex is None else ex.split_features
+            parts = {p: name for name, c in (ex.composed if ex else {}).items() for p in c[4]}
+            self._inputs[path] = tuple(sorted({parts.get(f, f) for f in host.features}))
 
-            def lookup(tables, layout, buffers, batch_size, host=host):
-                return host.lookup(tables, _unpack(layout, buffers), batch_size)
+            def lookup(tables, layout, buffers, batch_size, host=host, split=split):
+                features = split(_unpack(layout, buffers))
+                return host.lookup(tables, {f: features[f] for f in host.features}, batch_size)
 
             def apply(tables, residuals, grads, step, host=host):
                 scale = None if schedule is None else schedule(step - 1)
@@ -285,7 +295,7 @@ class HostExecution:
 
     def _look_up(self, path: tuple, tables, batch):
         """The host lookup of `batch`'s features of the layer at `path`: `(rows, lookups)`."""
-        feats = {n: batch.features[n] for n in self.stores[path].host.features}
+        feats = {n: batch.features[n] for n in self._inputs[path]}
         layout, buffers = _pack(feats)
         return self._jit_lookup[path](
             tables, layout, jax.device_put(buffers, self._cpu), batch.batch_size

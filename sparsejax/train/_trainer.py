@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..checkpoint._layout import Layouts, tables_by_name, tables_from_layers, trace_layouts
+from ..checkpoint._layout import Layouts, tables_by_name, tables_from_layers, trace_layers
 from ..data import SparseBatch
 from ..embedding import default_mesh
 from ..nn._embedding import (
@@ -342,7 +342,7 @@ class Trainer:
                 padding_batch(jax.tree.map(np.asarray, batch), self._local_devices()[0])
             )
         with tables_on(self.mesh):
-            layouts, shapes = trace_layouts(self.model, batch)
+            layouts, expansions, shapes = trace_layers(self.model, batch)
         unknown = set(shapes) - {"params", EMBEDDING, EMBEDDING_GRADS, EMBEDDING_LOOKUPS}
         if unknown:
             raise ValueError(
@@ -369,7 +369,11 @@ class Trainer:
                     "place them on the devices to train across processes"
                 )
             self.host_exec = HostExecution(
-                self._stores(), self.mesh, schedule=self.sparse_schedule, l2=self.sparse_l2
+                self._stores(),
+                self.mesh,
+                expansions=expansions,
+                schedule=self.sparse_schedule,
+                l2=self.sparse_l2,
             )
         if any(getattr(store, "tiered_tables", {}) for store in layouts.values()):
             from ..embedding._tiered import HostTables
