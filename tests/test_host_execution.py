@@ -169,6 +169,26 @@ def test_composed_host_tables_train_as_on_the_device():
     _assert_same_tables(_tables_of(hybrid, state), _tables_of(ref, ref_state))
 
 
+def test_host_tables_beside_a_host_cached_device_table():
+    """A device table behind a host cache (`HostTables` exchanges its rows) in the same
+    layer as host-executed tables: both host sides run, in their order, each step."""
+    opt = RowWiseAdagrad(learning_rate=0.2)
+
+    def tables(host):
+        cached = HostCache(rows=24)
+        return tuple(
+            dataclasses.replace(t, cache=cached) if t.name == "plain" else t
+            for t in _tables(opt, host)
+        )
+
+    batches = _batches(8)
+    ref_state, ref_losses, _ = _train(_trainer(tables(())), batches)
+    hybrid = _trainer(tables(("user", "item")))
+    state, losses, _ = _train(hybrid, batches, look_ahead=True)
+    assert hybrid.host_tables is not None and hybrid.host_exec is not None
+    np.testing.assert_array_equal(losses, ref_losses)
+
+
 def test_a_look_ahead_of_another_batch_or_state_is_not_used():
     """The next call's batch or state differs from what `finish` saw: a full lookup."""
     opt = SGD(learning_rate=0.3)

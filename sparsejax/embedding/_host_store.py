@@ -60,10 +60,10 @@ class HybridTableStore(StoreBase):
     """Device tables and host-executed tables (`placement="host"`) of one layer.
     Implements `TableStore`; the state is the device store's parts plus `"host"`.
 
-    Outside a `Trainer` (a custom loop, `jax.jit` of the whole step), the host part is
-    looked up and updated inside the step like a device table (on a GPU, that reads
-    the host tables through the step's inputs: correct, not fast). The trainer's
-    `HostExecution` runs it on the host instead (module docstring).
+    Inside one jitted step with the host tables as inputs (a custom loop on a CPU-only
+    machine), the host part is looked up and updated like a device table. Beside an
+    accelerator a jit cannot take arrays of both, so the host part runs through
+    `HostExecution`, as the `Trainer` does (module docstring).
     """
 
     def __init__(
