@@ -172,17 +172,16 @@ class HybridTableStore(StoreBase):
         return outputs, residuals
 
     def split(self, outputs: Mapping[str, jax.Array], batch_size: int) -> dict[str, jax.Array]:
-        host = {g[len(_PREFIX) :]: v for g, v in outputs.items() if g.startswith(_PREFIX)}
+        dev, host = _by_part(outputs)
         out = self.host.split(host, batch_size)
         if self.device is not None:
-            dev = {g: v for g, v in outputs.items() if not g.startswith(_PREFIX)}
             out.update(self.device.split(dev, batch_size))
         return {name: out[name] for name in self.features}
 
     def apply_gradients(self, state, residuals, grads, *, step, learning_rate=None, **kw):
         new = {}
+        dev_grads, host_grads = _by_part(grads)
         if self.device is not None:
-            dev_grads = {g: v for g, v in grads.items() if not g.startswith(_PREFIX)}
             new = dict(
                 self.device.apply_gradients(
                     _device_part(state),
@@ -193,7 +192,6 @@ class HybridTableStore(StoreBase):
                     **kw,
                 )
             )
-        host_grads = {g[len(_PREFIX) :]: v for g, v in grads.items() if g.startswith(_PREFIX)}
         if residuals[HOST] is None:  # the rows came from the host: so goes their gradient
             new[HOST] = {ROWS: host_grads}
         else:
@@ -210,6 +208,14 @@ class HybridTableStore(StoreBase):
 
 def _device_part(state: Mapping) -> dict:
     return {k: v for k, v in state.items() if k != HOST}
+
+
+def _by_part(outputs: Mapping) -> tuple[dict, dict]:
+    """Per-group outputs (or their gradients) as `(device groups', host groups')`, the
+    host groups' keys without `_PREFIX`."""
+    dev = {g: v for g, v in outputs.items() if not g.startswith(_PREFIX)}
+    host = {g[len(_PREFIX) :]: v for g, v in outputs.items() if g.startswith(_PREFIX)}
+    return dev, host
 
 
 @dataclasses.dataclass

@@ -131,7 +131,7 @@ def plan_model(
         kept = {t.name for t in tables}
         features = [f for f in features if f.table in kept]
         pinned = {n: p for n, p in pinned.items() if n not in host}
-    return plan_tables(
+    plan = plan_tables(
         tables,
         features,
         batch_size=cfg.data.batch_size,
@@ -141,6 +141,7 @@ def plan_model(
         pinned=pinned,
         follow={t: lead for t, lead in follow.items() if lead not in host},
     )
+    return dataclasses.replace(plan, on_host=tuple(sorted(host)))
 
 
 def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
@@ -225,14 +226,6 @@ def _specs(cfg: RunConfig) -> tuple[list, list]:
     return tables, features
 
 
-def _host_tables(cfg: RunConfig) -> list[str]:
-    """The tables `cfg` pins to the host (the specs are built only if it pins any)."""
-    if not any(tc.placement == "host" for tc in (cfg.tables or {}).values()):
-        return []
-    names = [t.name for t in _specs(cfg)[0]]
-    return sorted(n for n, p in pinned_placements(cfg, names).items() if p == "host")
-
-
 def plan_config(
     cfg: RunConfig,
     *,
@@ -300,9 +293,6 @@ def plan_command(
         device_memory=device_memory,
     )
     print(plan.table())
-    host = _host_tables(cfg)
-    if host:
-        print(f"host-executed tables (placement host, in host memory, not planned): {host}")
     if devices is None and hosts is None and plan.devices == 1:
         pinned = pinned_placements(cfg, list(plan.placements))
         if not pinned:

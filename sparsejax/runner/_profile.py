@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -365,19 +366,15 @@ def _embedding_bytes(run, host_features: Mapping, batch_size: int) -> dict[str, 
     """`embedding_bytes` of the run's device tables, and of its host-executed tables
     (`placement: host`) as `"host_tables"` (their lookup and update run on the host)."""
     on_host = {t.name for t in run.model.tables if t.placement == "host"}
-    out = {}
-    for part, keep in (
-        ("device", lambda t: t.name not in on_host),
-        ("host", lambda t: t.name in on_host),
-    ):
-        tables = [t for t in run.data.tables if keep(t)]
-        names = {t.name for t in tables}
-        features = [f for f in run.data.features if f.table in names]
-        nbytes = embedding_bytes(tables, features, host_features, batch_size)
-        if part == "device":
-            out.update(nbytes)
-        elif tables:
-            out["host_tables"] = sum(nbytes.values())
+
+    def of(host: bool) -> dict[str, int]:
+        tables = [t for t in run.data.tables if (t.name in on_host) == host]
+        features = [f for f in run.data.features if (f.table in on_host) == host]
+        return embedding_bytes(tables, features, host_features, batch_size)
+
+    out = of(False)
+    if on_host:
+        out["host_tables"] = sum(of(True).values())
     return out
 
 
@@ -390,13 +387,19 @@ def copy_bandwidth(samples: int = 10, nbytes: int | None = None) -> float:
     x = jnp.ones((nbytes // 4,), jnp.float32)
     c = jnp.float32(0.0)  # a runtime operand, so XLA cannot fold the add away
     f = jax.jit(lambda x, c: x + c)
-    jax.block_until_ready(f(x, c))
+    return 2 * nbytes / _median_seconds(lambda _: f(x, c), samples) / 1e9
+
+
+def _median_seconds(call: Callable[[int], Any], samples: int) -> float:
+    """Median wall time of `call(k)` for k in range(samples), waited for, after one
+    untimed `call(0)` (compilation)."""
+    jax.block_until_ready(call(0))
     times = []
-    for _ in range(samples):
+    for k in range(samples):
         t = time.perf_counter()
-        jax.block_until_ready(f(x, c))
+        jax.block_until_ready(call(k))
         times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times) / 1e9
+    return statistics.median(times)
 
 
 def gather_bandwidth(dim: int, dtype="float32", samples: int = 10) -> float:
@@ -416,14 +419,8 @@ def gather_bandwidth(dim: int, dtype="float32", samples: int = 10) -> float:
     rng = np.random.default_rng(0)
     ids = [jnp.asarray(rng.integers(0, rows, n, dtype=np.int32)) for _ in range(4)]
     f = jax.jit(lambda t, i: ops.embedding_bag(t, i, segs, n, combiner="sum"))
-    jax.block_until_ready(f(table, ids[0]))
-    times = []
-    for k in range(samples):
-        t = time.perf_counter()
-        jax.block_until_ready(f(table, ids[k % len(ids)]))
-        times.append(time.perf_counter() - t)
     nbytes = n * (row + 8) + n * dim * 4
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / _median_seconds(lambda k: f(table, ids[k % len(ids)]), samples) / 1e9
 
 
 # ----------------------------------------------------------------------- the profile

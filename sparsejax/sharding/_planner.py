@@ -169,6 +169,8 @@ class Plan:
     pinned: frozenset[str] = frozenset()
     follows: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Tables placed with another (a model's first-order twin): name -> leader."""
+    on_host: tuple[str, ...] = ()
+    """Tables left out of the plan: host-executed (`placement: host`), in host memory."""
 
     @property
     def devices(self) -> int:
@@ -269,6 +271,11 @@ class Plan:
             f"{format_bytes(self.bytes_per_host)} per host ({self.devices_per_host} "
             f"device{'s' * (self.devices_per_host != 1)})"
         )
+        if self.on_host:
+            lines.append(
+                f"host-executed tables (placement host, in host memory, not planned): "
+                f"{list(self.on_host)}"
+            )
         return "\n".join(lines)
 
 
