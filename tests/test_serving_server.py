@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -485,6 +486,55 @@ def test_hot_reload_of_version_folders_and_a_failed_reload_keeps_the_old_model(t
     assert 'sparsejax_model_reloads_total{result="success"} 1.0' in steps[8]
     assert 'sparsejax_model_info{task="binary",version="12"} 1.0' in steps[8]
     assert sum("still serving 12" in line for line in logs) == 2
+
+
+def test_served_version_deleted_falls_back_past_corrupt_ones_to_the_newest_that_loads(tmp_path):
+    """As at start-up: once the served version's folder is gone, the next versions are tried
+    newest first, each corrupt one logged once, and /healthz says where the served model
+    came from and whether that folder is still there."""
+    write_model(tmp_path / "1", version="1", offset=1)
+    write_model(tmp_path / "2", version="2", broken=True)
+    write_model(tmp_path / "3", version="3", broken=True)
+    write_model(tmp_path / "4", version="4", offset=4)
+    logs = []
+    app = make_app(str(tmp_path), loader=load, poll_seconds=None, log=logs.append)
+    server = app[SERVER_KEY]
+
+    async def go(client):
+        async def health():
+            r = await client.get("/healthz")
+            h = await r.json()
+            return h["model_version"], h["model_dir"], h["model_dir_on_disk"]
+
+        steps = [await health()]
+        shutil.rmtree(tmp_path / "4")
+        r = await client.post("/v1/reload")
+        steps += [(r.status, await r.json()), await health()]
+        r = await client.post("/v1/predict", json={"example": {"a": 1}})
+        steps.append(await r.json())
+        shutil.rmtree(tmp_path / "1")  # now every version left is corrupt
+        n_logs = len(logs)
+        steps += [await server.check(), await server.check(), await health()]
+        steps.append(logs[n_logs:])
+        return steps
+
+    steps = run_client(app, go)
+    assert steps[0] == ("4", str(tmp_path / "4"), True)
+    assert steps[1] == (200, {"reloaded": True, "model_version": "1", "previous_version": "4"})
+    assert steps[2] == ("1", str(tmp_path / "1"), True)
+    assert steps[3] == {"scores": [2.0], "model_version": "1"}
+    failed = [line for line in logs[:-1] if "cannot load" in line]
+    assert [line.split(": ")[1] for line in failed] == [
+        f"cannot load {tmp_path / v}" for v in ("3", "2")
+    ]
+    assert failed[0].endswith("; still serving 4 (its folder is gone)")
+    assert logs[len(failed)] == f"sparsejax serve: now serving 1 from {tmp_path / '1'} (was 4)"
+    # 1 gone too: 1 keeps serving from memory, the corrupt ones are not logged again,
+    # and /healthz says that its folder is gone
+    assert steps[4]["reloaded"] is False and steps[4]["model_version"] == "1"
+    assert steps[5] == {"reloaded": False, "model_version": "1"}
+    assert steps[6] == ("1", str(tmp_path / "1"), False)
+    assert steps[7] == []
 
 
 def test_polling_swaps_a_new_version_in_under_load_without_dropping_a_request(tmp_path):

@@ -7,7 +7,8 @@ Endpoints (JSON in and out; every error is `{"error": "<one line>"}`):
                      -> {"scores": [p, ...], "model_version": "..."}
   POST /v1/retrieve  {"user": {feature: value, ...}, "k": 10} (two-tower models)
                      -> {"items": [raw item id, ...], "scores": [...], "model_version": "..."}
-  GET  /healthz      -> {"status": "ok", "model_version": ..., "task": ..., ...}
+  GET  /healthz      -> {"status": "ok", "model_version": ..., "task": ..., "model_dir": the
+                     folder the served model came from, "model_dir_on_disk": bool, ...}
   GET  /v1/model     -> the model's info (path, version, format, quantization, features)
   GET  /metrics      Prometheus text: requests by endpoint and code, errors by kind,
                      latency histograms, batch sizes, model calls, model version, reloads
@@ -29,9 +30,11 @@ path is checked: a newer version (or the served dir's files changing) is loaded 
 warmed up in a background thread, then swapped into the batcher; requests in flight
 finish on the old model, none is dropped. A load that fails keeps the old model serving,
 logs one line and counts `sparsejax_model_reloads_total{result="failure"}`; that version
-is not tried again until its files change. Removing the newest version folder rolls back
-to the next one. Write a version under a temporary name and rename it into place, so the
-server never sees half a model.
+is not tried again until its files change. When the served version's folder is gone
+(removed, say), the newest version that loads is served, as at start-up: each one that
+fails is logged once and skipped; if none loads, the old model keeps serving and /healthz
+says `"model_dir_on_disk": false`. Write a version under a temporary name and rename it
+into place, so the server never sees half a model.
 """
 
 from __future__ import annotations
@@ -325,6 +328,13 @@ class ModelServer:
         server = runner.server
         self.connections = lambda: len(server.connections)
 
+    def _on_disk(self) -> bool | None:
+        """Whether the served model's dir still holds its model.json (None: no dir, the
+        predictor was given)."""
+        if self.model_dir is None:
+            return None
+        return os.path.isfile(os.path.join(self.model_dir, "model.json"))
+
     def _senders(self) -> int:
         connections = self.connections
         return sys.maxsize if connections is None else connections()
@@ -368,8 +378,11 @@ class ModelServer:
                 self._unreadable[source] = str(e)
                 return self._failure(source, None, e, current)
             self._unreadable.pop(source, None)  # readable again: a later failure is logged
-            for d in dirs:  # the newest first; those older than the served one only
-                # if it is gone (a rollback)
+            # The served dir gone (or another path): as at start-up, the newest that loads,
+            # past failing ones. Else the newest, if newer than the served one.
+            fall_back = self.model_dir not in dirs
+            first_failure = None
+            for d in dirs:  # the newest first; older than the served one only if it is gone
                 sig = _signature(d)
                 failed = not retry_failed and d in self._failed and self._failed[d] == sig
                 if d == self.model_dir and (sig == self._signature or failed):
@@ -381,7 +394,11 @@ class ModelServer:
                 try:
                     predictor = await loop.run_in_executor(self._load_pool, self.loader, d)
                 except Exception as e:
-                    return self._failure(d, sig, e, current)
+                    failure = self._failure(d, sig, e, current)
+                    if not fall_back:
+                        return failure
+                    first_failure = first_failure or failure
+                    continue
                 self._failed.pop(d, None)
                 self.batcher.swap(predictor)
                 self.source, self.model_dir, self._signature = source, d, sig
@@ -396,7 +413,7 @@ class ModelServer:
                     "model_version": predictor.version,
                     "previous_version": current.version,
                 }
-            return {"reloaded": False, "model_version": current.version}
+            return first_failure or {"reloaded": False, "model_version": current.version}
 
     def _failure(self, where: str, sig: Any, e: Exception, current: Any) -> dict:
         """Log and count a failed load; a model dir's `sig` is remembered so that polling
@@ -405,7 +422,8 @@ class ModelServer:
             self._failed[where] = sig
         self.metrics.reloads.labels("failure").inc()
         message = f"cannot load {where}: {_one_line(e)}"
-        self.log(f"sparsejax serve: {message}; still serving {current.version}")
+        gone = " (its folder is gone)" if self._on_disk() is False else ""
+        self.log(f"sparsejax serve: {message}; still serving {current.version}{gone}")
         return {"reloaded": False, "model_version": current.version, "error": message}
 
     async def _poll(self) -> None:
@@ -565,6 +583,7 @@ class ModelServer:
                 "model_version": predictor.version,
                 "task": predictor.task,
                 "model_dir": self.model_dir,
+                "model_dir_on_disk": self._on_disk(),
                 "max_batch": self.batcher.max_batch,
                 "max_wait_ms": self.batcher.max_wait_ms,
                 "pending": self.batcher.pending,
