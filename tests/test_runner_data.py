@@ -752,3 +752,78 @@ def test_parquet_split_by_time(tmp_path):
         20,
     )
     assert data.train_source.num_dense == 0  # ts was read only to split
+
+
+def _avazu_eval_config(tmp_path, *overrides):
+    return _load(
+        "csv_example.yaml",
+        tmp_path,
+        "data.train=avazu/train_part1.csv",
+        "data.eval=avazu/train_part2.csv",
+        "data.split=null",
+        *overrides,
+    )
+
+
+def test_a_headerless_eval_file_takes_the_train_files_header(tmp_path, monkeypatch):
+    """Train files with a header, an eval file without: the eval file's columns are the
+    train header's, by default (its line 1 is data: it does not look like a header) and
+    with `data.eval_header: false`; with `true` its line 1 would be taken as a header."""
+    clicks = _avazu(tmp_path)
+    monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path))
+    for extra in ([], ["data.eval_header=false"]):
+        data = runner.build_data(_avazu_eval_config(tmp_path, *extra))
+        assert (len(data.train_source), len(data.eval_examples)) == (150, 150)
+        np.testing.assert_array_equal(data.eval_examples.labels, clicks[150:])
+        assert "skipped" not in data.report
+    with pytest.raises(ConfigError) as e:
+        runner.build_data(_avazu_eval_config(tmp_path, "data.eval_header=true"))
+    msg = str(e.value)
+    assert msg.startswith("data.eval: ") and "train_part2.csv" in msg and "\n" not in msg
+    assert "column 'hour' is not in the file's columns" in msg
+    assert "data.eval_header=false reads it as data" in msg
+
+
+def test_eval_and_test_files_with_and_without_a_header_beside_headerless_train_files(
+    tmp_path, monkeypatch
+):
+    """Header-less train files (`schema.columns`), a headed eval file (`eval_header:
+    true`: its line 1 is skipped, not a malformed row) and a header-less test file."""
+    clicks = _avazu(tmp_path)
+    monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path))
+    rows = (tmp_path / "avazu" / "train_part2.csv").read_text().splitlines()
+    (tmp_path / "avazu" / "t.csv").write_text("\n".join(rows[:100]) + "\n")
+    (tmp_path / "avazu" / "e.csv").write_text(",".join(AVAZU_COLS) + "\n" + "\n".join(rows[100:]))
+    cfg = _avazu_eval_config(
+        tmp_path,
+        "data.train=avazu/t.csv",
+        "data.eval=avazu/e.csv",
+        "data.test=avazu/t.csv",
+        "data.eval_header=true",
+        "data.schema.header=false",
+        f"data.schema.columns={AVAZU_COLS}",
+    )
+    data = runner.build_data(cfg)
+    assert (len(data.train_source), len(data.eval_examples), len(data.test_examples)) == (
+        100,
+        50,
+        100,
+    )
+    np.testing.assert_array_equal(data.eval_examples.labels, clicks[250:])
+    assert "skipped" not in data.report
+    unset = runner.build_data(
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_header=None))
+    )
+    assert len(unset.eval_examples) == 50 and "skipped 1" in unset.report  # its header line
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.kind=criteo", "data.schema=null"], "data.eval_header is for data.kind='delimited'"),
+        (["data.eval=null"], "data.eval_header needs data.eval files"),
+    ],
+)
+def test_eval_header_where_it_does_not_apply(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _avazu_eval_config(tmp_path, "data.eval_header=false", *overrides)

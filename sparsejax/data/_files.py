@@ -21,7 +21,9 @@ of whole lines, and how processes share them.
 * `first_line(path)` and `delimited_header(...)`: a delimited table split over several
   files with the header on the first file only (a later file whose line 1 equals the
   header skips it; one without a header is read whole; one whose header differs is an
-  error naming both files and the first differing column).
+  error naming both files and the first differing column). `starts_with_header(...)`:
+  the same judgement of one file's line 1 (the runner's eval and test files, read
+  apart from the train files, take the train header when they have none).
 """
 
 from __future__ import annotations
@@ -434,6 +436,16 @@ def delimited_header(
             )
         skips.append(0)
     return names, skips
+
+
+def starts_with_header(path: str, names: Sequence[str], *, delimiter: str) -> bool:
+    """Whether line 1 of `path` is a header, judged as `delimited_header` judges a later
+    file's line 1 against the first file's header `names`: it equals them, shares a
+    column name with them, or has no numeric field (a data line has a label at least)."""
+    line = first_line(path)
+    if line.decode(errors="replace").split(delimiter) == list(names):
+        return True
+    return _looks_like_header(line.split(delimiter.encode()), {n.encode() for n in names})
 
 
 def _at(xs: list[str], i: int) -> str | None:

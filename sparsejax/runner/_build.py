@@ -36,7 +36,7 @@ import numpy as np
 from .. import data as sd
 from ..data import BatchPacker, Examples, Loader, SparseBatch
 from ..data import _transforms as tf
-from ..data._files import delimited_header, open_file
+from ..data._files import delimited_header, first_line, open_file, starts_with_header
 from ..data._labels import LabelRule
 from ..data._text import stable_hash_bytes
 from ..embedding import Composition, FeatureSpec, TableSpec, uniform_init
@@ -173,7 +173,11 @@ def check_data_config(d: DataConfig) -> None:
             )
 
     file_keys = [k for k in ("path", "train", "eval", "test") if getattr(d, k) is not None]
-    file_opts = [k for k in ("split", "train_rows", "label") if getattr(d, k) is not None]
+    file_opts = [
+        k
+        for k in ("split", "train_rows", "label", "eval_header", "test_header")
+        if getattr(d, k) is not None
+    ]
     file_opts += [
         k for k in ("features", "joins", "indicator_bags", "field_map", "stream") if getattr(d, k)
     ]
@@ -212,6 +216,16 @@ def check_data_config(d: DataConfig) -> None:
             )
     if d.shuffle_buffer < 1:
         raise ConfigError(f"data.shuffle_buffer must be >= 1, got {d.shuffle_buffer}")
+    for split in ("eval", "test"):
+        if getattr(d, f"{split}_header") is None:
+            continue
+        if d.kind != "delimited":
+            raise ConfigError(
+                f"data.{split}_header is for data.kind='delimited' (criteo and libsvm files "
+                f"have no header line, parquet names its columns), not {d.kind!r}"
+            )
+        if getattr(d, split) is None:
+            raise ConfigError(f"data.{split}_header needs data.{split} files")
     if d.split is not None and d.eval is not None:
         raise ConfigError(
             "data.split divides one source, but data.eval names eval files; remove one"
@@ -304,7 +318,8 @@ def _check_events(d: DataConfig) -> None:
             "data.kind='events' needs data.events (the log's columns, history_length, "
             "split, negatives, eval_negatives; see sparsejax.data.SequenceConfig)"
         )
-    for k in ("eval", "test", "split", "train_rows", "label", "schema"):
+    held_out = ("eval", "test", "eval_header", "test_header")
+    for k in (*held_out, "split", "train_rows", "label", "schema"):
         if getattr(d, k) is not None:
             raise ConfigError(
                 f"data.{k} does not apply to data.kind='events': the event log's split, "
@@ -954,11 +969,40 @@ def _read(kind: str, files: list[str], *, schema, label, strict: bool, key: str,
     return ex, [rep]
 
 
-def _read_split(d: DataConfig, files: list[str], schema, label, key: str):
-    """Read the files of one split into raw-id `Examples` and their `ParseReport`s."""
+def _read_split(d: DataConfig, files: list[str], schema, label, key: str, train_files=()):
+    """Read the files of one split into raw-id `Examples` and their `ParseReport`s; an
+    eval or test split (`train_files` given) with the header its `<split>_header` says."""
+    if train_files and schema is not None and d.kind == "delimited":
+        schema = _held_out_schema(schema, files, key, getattr(d, f"{key[5:]}_header"), train_files)
     return _read(
         d.kind, files, schema=schema, label=label, strict=d.strict, key=key, field_map=d.field_map
     )
+
+
+def _held_out_schema(schema, files: list[str], key: str, header: bool | None, train_files):
+    """The schema of eval or test files read apart from the train files: with a header
+    line (their own column names) or without (`schema.columns`, else the train files'
+    header); `header` None decides by their line 1 (see `DataConfig.eval_header`)."""
+    delim, names = schema.delimiter, None
+    if schema.header:
+        names = first_line(train_files[0]).decode(errors="replace").split(delim)
+    if header is None:
+        header = names is not None and starts_with_header(files[0], names, delimiter=delim)
+    if header == schema.header:
+        out = schema
+    elif header:
+        out = dataclasses.replace(schema, header=True)
+    else:
+        return dataclasses.replace(schema, header=False, columns=schema.columns or tuple(names))
+    if out.header and out.columns is None:
+        try:
+            out.check_columns(first_line(files[0]).decode(errors="replace").split(delim))
+        except ValueError as e:
+            raise ConfigError(
+                f"{key}: {files[0]}: {e} (line 1 is read as its header; {key}_header=false "
+                f"reads it as data, with the train files' columns)"
+            ) from None
+    return out
 
 
 def _read_schema(d: DataConfig):
@@ -1060,7 +1104,7 @@ def _read_splits(cfg: RunConfig, schema, drop) -> _Splits:
     dense_names = _dense_names(d, schema, train)
     test = None
     if eval_files is not None:
-        ev, r = _read_split(d, eval_files, schema, label, "data.eval")
+        ev, r = _read_split(d, eval_files, schema, label, "data.eval", train_files)
         reports += r
     else:
         s = d.split
@@ -1081,7 +1125,7 @@ def _read_splits(cfg: RunConfig, schema, drop) -> _Splits:
                     f"({len(train) + len(ev) + (len(test) if test else 0)} rows read)"
                 )
     if test_files is not None:
-        test, r = _read_split(d, test_files, schema, label, "data.test")
+        test, r = _read_split(d, test_files, schema, label, "data.test", train_files)
         reports += r
     for name, part in (("train", train), ("eval", ev)):
         if len(part) == 0:
@@ -1445,10 +1489,12 @@ def _build_stream(cfg: RunConfig, table_kw: dict, schema, drop, joins, side_repo
         raise ConfigError(f"data.kind={d.kind!r} needs data.train (the files to stream)")
     train_files = resolve_files(source, key)
     label = _label_rule(d)
-    ev, reports = _read_split(d, resolve_files(d.eval, "data.eval"), schema, label, "data.eval")
+    eval_files = resolve_files(d.eval, "data.eval")
+    ev, reports = _read_split(d, eval_files, schema, label, "data.eval", train_files)
     test = None
     if d.test is not None:
-        test, r = _read_split(d, resolve_files(d.test, "data.test"), schema, label, "data.test")
+        test_files = resolve_files(d.test, "data.test")
+        test, r = _read_split(d, test_files, schema, label, "data.test", train_files)
         reports += r
     dense_names = _dense_names(d, schema, ev)
     plain = tf.ColumnTransform(dense_names, indicator_bags=d.indicator_bags, joins=joins, drop=drop)

@@ -141,6 +141,15 @@ class DataConfig:
     """Eval (model selection) files; evaluated during training."""
     test: str | tuple[str, ...] | None = None
     """Test files, kept apart from model selection (`sparsejax eval` on the test split)."""
+    eval_header: bool | None = None
+    """delimited: whether the eval files start with a header line, when it differs from
+    the train files (`schema.header`): false reads line 1 as data, the columns named by
+    `schema.columns` or else the train files' header; true reads line 1 as the eval
+    files' own header. null: with headed train files, line 1 is a header when it equals
+    the train header or looks like one (shares a column name with it, or holds no
+    number), else data; with header-less train files, data."""
+    test_header: bool | None = None
+    """delimited: as `eval_header`, for the `test` files."""
     split: SplitConfig | None = None
     """How one source splits (default: the first 80% train, the rest evaluates)."""
     batch_size: int = 1024
