@@ -215,11 +215,42 @@ def test_users_with_too_few_events_are_dropped_and_counted():
     assert list(data.user_ids) == ["c"]
     rep = data.report
     assert (rep.users_dropped, rep.events_dropped, rep.train_positives) == (2, 3, 2)
-    assert "3 of 2 users with too few events dropped" in str(rep)
+    assert "3 events of 2 users dropped because those users have fewer than 3" in str(rep)
     with pytest.raises(EventLogError, match="min_user_events must be >= 3"):
         SequenceConfig(min_user_events=1)
-    with pytest.raises(EventLogError, match="no events left"):
+    with pytest.raises(
+        EventLogError,
+        match=r"no events left \(7 read, 0 below min_rating, 7 events of 3 users with fewer "
+        r"than 5 events\)",
+    ):
         build_sequences(log, SequenceConfig(min_user_events=5))
+
+
+def test_the_report_says_what_each_count_counts():
+    # a: 1 event, b: 2, e: 1 left after min_rating (users dropped); c: 4, d: 3 left (kept)
+    rows = [("a", 6, 5), ("b", 7, 5), ("b", 8, 5), ("e", 9, 5), ("e", 10, 1), ("e", 11, 1)]
+    rows += [("c", 1, 5), ("c", 2, 5), ("c", 3, 5), ("c", 4, 5)]
+    rows += [("d", 1, 5), ("d", 5, 1), ("d", 2, 5), ("d", 3, 5)]
+    user, item, rating = zip(*rows, strict=True)
+    log = EventLog(user=user, item=item, rating=rating)
+    cfg = SequenceConfig(
+        rating="rating", min_rating=4, history_length=1, negatives=1, eval_negatives=0
+    )
+    rep = build_sequences(log, cfg).report
+    fields = (rep.events, rep.rating_filtered, rep.events_dropped, rep.users_dropped)
+    assert fields == (14, 3, 4, 3)
+    assert (rep.users, rep.items, rep.train_positives, rep.train_rows) == (2, 4, 3, 6)
+    assert (rep.valid_users, rep.test_users, rep.histories_truncated) == (2, 2, 3)
+    assert (rep.empty_histories, rep.negatives_relaxed) == (0, 0)
+    assert str(rep) == (
+        "events: 14 read; 3 events dropped because their rating is below min_rating; "
+        "4 events of 3 users dropped because those users have fewer than 3 events "
+        "(min_user_events); kept 7 events of 2 users, 4 items; train 3 positive events "
+        "(6 rows with their negatives); valid 2 users, test 2 users (one held-out event "
+        "each); 3 of 7 histories truncated to the last 1 items (history_length); "
+        "0 held-out events without history; 0 rows of negatives that could not avoid "
+        "seen items or repeats"
+    )
 
 
 def test_config_from_dict_names_unknown_keys():
@@ -330,3 +361,58 @@ def test_synthetic_log_round_trips_through_csv(tmp_path):
     np.testing.assert_array_equal(again.item, log.item)
     data = build_sequences(back, SequenceConfig(eval_negatives=20))
     assert data.test.num_users == 50
+
+
+def _sasrec_file(path, sep=" "):
+    """A SASRec-style log: `user item` per line, no header, each user's events in order;
+    users interleaved and item ids not in event order, so only the file order is right."""
+    events = [(1, 30), (2, 7), (1, 10), (1, 20), (2, 9), (2, 8), (1, 40), (2, 6), (1, 5)]
+    path.write_text("".join(f"{u}{sep}{i}\n" for u, i in events))
+    by_user = {}
+    for u, i in events:
+        by_user.setdefault(u, []).append(i)
+    return by_user
+
+
+@pytest.mark.parametrize("sep", [" ", "\t"])
+def test_a_log_without_a_time_column_keeps_the_file_order(tmp_path, sep):
+    by_user = _sasrec_file(tmp_path / "seq.txt", sep)
+    cfg = SequenceConfig(
+        header=False, columns=("user", "item"), delimiter=sep, time=None, eval_negatives=2
+    )
+    data, _ = sd.load_sequences(tmp_path / "seq.txt", cfg)
+    want = {u: (items[-1], tuple(items[:-1])) for u, items in by_user.items()}
+    assert {u: (i, h) for u, i, h in _held(data, data.test)} == want
+    # the API: an EventLog without times is in its order (time = position in the log)
+    log = EventLog(user=[1, 2, 1, 2, 1, 2], item=[9, 3, 2, 1, 7, 8])
+    assert list(log.time) == [0, 1, 2, 3, 4, 5]
+    data = build_sequences(log, SequenceConfig(time=None, eval_negatives=1))
+    assert _held(data, data.test) == [(1, 7, (9, 2)), (2, 8, (3, 1))]
+    # a time split needs times
+    with pytest.raises(EventLogError, match="split='time' needs a time column"):
+        SequenceConfig(time=None, split="time", test_time=5)
+
+
+def test_a_log_without_a_time_column_from_a_run_config(tmp_path, monkeypatch):
+    from sparsejax import runner
+
+    by_user = _sasrec_file(tmp_path / "seq.txt")
+    monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path))
+    (tmp_path / "run.yaml").write_text(
+        "data:\n  kind: events\n  train: seq.txt\n  events:\n"
+        "    delimiter: ' '\n    header: false\n    columns: [user, item]\n"
+        "    time: null\n    eval_negatives: 2\n"
+    )
+    cfg = runner.load_config([tmp_path / "run.yaml"], [f"out_dir={tmp_path / 'runs'}"])
+    assert cfg.data.events.time is None
+    data = runner.build_data(cfg)
+    seq = data.sequences
+    want = {u: (items[-1], tuple(items[:-1])) for u, items in by_user.items()}
+    assert {u: (i, h) for u, i, h in _held(seq, seq.test)} == want
+    # left at its default, the missing `time` column says how to use the file order
+    (tmp_path / "run.yaml").write_text(
+        (tmp_path / "run.yaml").read_text().replace("    time: null\n", "")
+    )
+    cfg = runner.load_config([tmp_path / "run.yaml"], [f"out_dir={tmp_path / 'runs'}"])
+    with pytest.raises(EventLogError, match=r"no column 'time'.*time: null.*file order"):
+        runner.build_data(cfg)

@@ -68,10 +68,13 @@ class SequenceConfig:
     """Column of the user id (integers or any strings)."""
     item: str = "item"
     """Column of the item id (integers or any strings)."""
-    time: str = "time"
+    time: str | None = "time"
     """Column of the event time: a number (e.g. Unix seconds) or an ISO date/time
     ("2024-01-31", "2024-01-31T12:30:00"). A user's events are ordered by time, ties by
-    their order in the log."""
+    their order in the log. None: the log has no time column and its order is the time
+    (a user's events in the order of their lines, files in the order given; e.g.
+    SASRec's `user item` files); not with split="time". Left at "time", a log without
+    that column is an error that says so."""
     rating: str | None = None
     """Optional column of a rating or strength; used by `min_rating`."""
     min_rating: float | None = None
@@ -150,6 +153,10 @@ class SequenceConfig:
                     "SequenceConfig: valid_time/test_time apply to split='time' only"
                 )
         else:
+            if self.time is None:
+                raise EventLogError(
+                    "SequenceConfig: split='time' needs a time column (time is None: file order)"
+                )
             if self.test_time is None:
                 raise EventLogError("SequenceConfig: split='time' needs test_time")
             vt, tt = (
@@ -182,7 +189,7 @@ class SequenceConfig:
 
     @property
     def used_columns(self) -> tuple[str, ...]:
-        return (self.user, self.item, self.time) + ((self.rating,) if self.rating else ())
+        return tuple(c for c in (self.user, self.item, self.time, self.rating) if c is not None)
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -215,15 +222,18 @@ def _time_value(name: str, value) -> float | None:
 @dataclasses.dataclass(frozen=True, eq=False)
 class EventLog:
     """Raw events as parallel arrays: user and item ids (integers or strings), times
-    (numbers; `read_events` turns dates into Unix seconds) and optional ratings."""
+    (numbers; `read_events` turns dates into Unix seconds) and optional ratings. Without
+    times, an event's time is its position in the log (0, 1, ...): the log's order."""
 
     user: np.ndarray  # [n] raw user ids
     item: np.ndarray  # [n] raw item ids
-    time: np.ndarray  # f64[n] (or any numeric)
+    time: np.ndarray | None = None  # f64[n] (or any numeric); None: positions 0..n-1
     rating: np.ndarray | None = None  # f64[n]
 
     def __post_init__(self):
         n = np.shape(self.user)[0] if np.ndim(self.user) else -1
+        if self.time is None:
+            object.__setattr__(self, "time", np.arange(max(n, 0), dtype=np.float64))
         for name in ("user", "item", "time", "rating"):
             a = getattr(self, name)
             if a is None:
@@ -293,9 +303,10 @@ def read_events(
     def where(k: int) -> str:
         return f"{files[cat['file'][k]]}:{cat['line'][k]}"
 
-    times = _parse_times(cat["time"], where, cfg.time, strict)
+    # no time column: the file order (EventLog numbers the events it is given)
+    times = None if cfg.time is None else _parse_times(cat["time"], where, cfg.time, strict)
     rating = None
-    ok = ~np.isnan(times)
+    ok = np.ones(len(cat["user"]), bool) if times is None else ~np.isnan(times)
     if cfg.rating:
         rating = _parse_floats(cat["rating"], where, cfg.rating, strict)
         ok &= ~np.isnan(rating)
@@ -321,7 +332,7 @@ def read_events(
     log = EventLog(
         user=_ids(cat["user"])[ok],
         item=_ids(cat["item"])[ok],
-        time=times[ok],
+        time=None if times is None else times[ok],
         rating=None if rating is None else rating[ok],
     )
     return log, report
@@ -361,6 +372,8 @@ def _read_file(path: str, file_index: int, cfg: SequenceConfig, strict: bool, fi
         if col is not None and col not in names:
             close = difflib.get_close_matches(col, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
+            if field == "time" and not close:
+                hint = "; set time: null to order each user's events by the file order"
             raise EventLogError(
                 f"{path}: the event log has no column {col!r} (data.events.{field}); "
                 f"its columns are {names}{hint}"
@@ -599,41 +612,59 @@ class CandidateSets:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceReport:
-    """What `build_sequences` kept, dropped and sampled. `str(report)` is one line."""
+    """What `build_sequences` kept, dropped and sampled. `str(report)` is one line that
+    names what each count counts (events, users, rows)."""
 
     events: int
     """Events in the log."""
     rating_filtered: int
     """Events dropped by `min_rating`."""
     users_dropped: int
-    """Users with fewer than `min_user_events` events, dropped with all their events."""
+    """Users with fewer than `min_user_events` events (after `min_rating`), dropped with
+    all their events."""
     events_dropped: int
     """Events of those users."""
+    min_user_events: int
+    """The config's `min_user_events` (what the dropped users fell short of)."""
     users: int
+    """Users kept."""
     items: int
+    """Distinct items of the kept events."""
     train_positives: int
+    """Train events (one positive example each)."""
     train_rows: int
     """Train examples: positives plus their negatives."""
     valid_users: int
+    """Users with a validation event (one candidate set each)."""
     test_users: int
+    """Users with a test event (one candidate set each)."""
+    history_length: int
+    """The config's `history_length`."""
     histories_truncated: int
     """Examples (train events and held-out events) with more prior events than
     `history_length` (their histories keep the last `history_length`)."""
     empty_histories: int
     """Held-out events with no prior event (the user's history is empty)."""
     negatives_relaxed: int
-    """Candidate rows where the sampler could not avoid the user's seen items (the user
-    has seen nearly every item) or could not draw distinct items."""
+    """Rows of negatives (a train positive's, or a candidate set's) where the sampler
+    could not avoid the user's seen items (the user has seen nearly every item) or
+    could not draw distinct items."""
 
     def summary(self) -> str:
+        kept = self.events - self.rating_filtered - self.events_dropped
+        histories = self.train_positives + self.valid_users + self.test_users
         return (
-            f"events: {self.events:,} read, {self.rating_filtered:,} below min_rating, "
-            f"{self.events_dropped:,} of {self.users_dropped:,} users with too few events "
-            f"dropped; {self.users:,} users, {self.items:,} items; train {self.train_positives:,} "
-            f"positives ({self.train_rows:,} rows), valid {self.valid_users:,} users, test "
-            f"{self.test_users:,} users; {self.histories_truncated:,} histories truncated, "
-            f"{self.empty_histories:,} held-out events without history, "
-            f"{self.negatives_relaxed:,} negative rows relaxed"
+            f"events: {self.events:,} read; {self.rating_filtered:,} events dropped because "
+            f"their rating is below min_rating; {self.events_dropped:,} events of "
+            f"{self.users_dropped:,} users dropped because those users have fewer than "
+            f"{self.min_user_events:,} events (min_user_events); kept {kept:,} events of "
+            f"{self.users:,} users, {self.items:,} items; train {self.train_positives:,} "
+            f"positive events ({self.train_rows:,} rows with their negatives); valid "
+            f"{self.valid_users:,} users, test {self.test_users:,} users (one held-out event "
+            f"each); {self.histories_truncated:,} of {histories:,} histories truncated to the "
+            f"last {self.history_length:,} items (history_length); {self.empty_histories:,} "
+            f"held-out events without history; {self.negatives_relaxed:,} rows of negatives "
+            f"that could not avoid seen items or repeats"
         )
 
     def __str__(self) -> str:
@@ -721,7 +752,7 @@ def build_sequences(log: EventLog, config: SequenceConfig | Mapping | None = Non
     if user.size == 0:
         raise EventLogError(
             f"build_sequences: no events left ({n_read} read, {rating_filtered} below "
-            f"min_rating, {events_dropped} of users with fewer than "
+            f"min_rating, {events_dropped} events of {users_dropped} users with fewer than "
             f"{cfg.min_user_events} events)"
         )
     user_ids, u = np.unique(user, return_inverse=True)
@@ -808,12 +839,14 @@ def build_sequences(log: EventLog, config: SequenceConfig | Mapping | None = Non
         rating_filtered=rating_filtered,
         users_dropped=users_dropped,
         events_dropped=events_dropped,
+        min_user_events=cfg.min_user_events,
         users=n_users,
         items=n_items,
         train_positives=int(train_idx.size),
         train_rows=len(train),
         valid_users=0 if sets[_VALID] is None else sets[_VALID].num_users,
         test_users=0 if sets[_TEST] is None else sets[_TEST].num_users,
+        history_length=cfg.history_length,
         histories_truncated=int((pos[held] > cfg.history_length).sum()),
         empty_histories=empty,
         negatives_relaxed=relaxed,
