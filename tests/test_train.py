@@ -108,6 +108,55 @@ def test_resume_after_process_restart_is_bit_identical(tmp_path):
     assert steps == [5, 10, 12, 15, 20, 24]  # 12: the end of the first run
 
 
+class _Killed(Exception):
+    """What `_KillAfter` raises: the run dies as a killed process would, unsaved."""
+
+
+class _KillAfter(train.Hook):
+    def __init__(self, step):
+        self.step = step
+
+    def after_step(self, step, state, metrics):
+        if step == self.step:
+            raise _Killed(step)
+
+
+def _training_records(run_dir):
+    """metrics.jsonl's records without the throughput (which no two runs share)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k != "samples_per_s"} for x in lines]
+
+
+def test_metrics_of_a_killed_and_resumed_run_match_an_uninterrupted_run(tmp_path, monkeypatch):
+    """Checkpoint 7 of log_every 5, killed at step 9, resumed: the record of step 10
+    averages steps 6-10 (the losses of 6 and 7 come from the checkpoint), as the
+    uninterrupted run's does."""
+    knobs = ["steps=20", "checkpoint_every=7", "log_every=5", "eval_every=10"]
+    fit = runner._run.fit
+    with monkeypatch.context() as m:
+        m.setattr(
+            runner._run,
+            "fit",
+            lambda *a, hooks=(), **kw: fit(*a, hooks=[*hooks, _KillAfter(9)], **kw),
+        )
+        with pytest.raises(_Killed):
+            runner.train(_cfg(tmp_path, "name=split", *knobs), log=lambda *_: None)
+    logs = []
+    runner.train(_cfg(tmp_path, "name=split", *knobs), log=logs.append)
+    assert any("resumed from" in line and "/7 " in line for line in logs)
+    runner.train(_cfg(tmp_path, "name=whole", *knobs), log=lambda *_: None)
+    split, whole = _training_records(tmp_path / "split"), _training_records(tmp_path / "whole")
+    assert [(r["kind"], r["step"]) for r in whole] == [
+        ("train", 5),
+        ("train", 10),
+        ("eval", 10),
+        ("train", 15),
+        ("train", 20),
+        ("eval", 20),
+    ]
+    assert split == whole
+
+
 def test_truncated_checkpoint_is_named_and_earlier_ones_stay_usable(tmp_path):
     cfg = _cfg(tmp_path, "name=t", "steps=10", "checkpoint_every=5")
     runner.train(cfg, log=lambda *_: None)

@@ -95,6 +95,9 @@ class Run:
     state: TrainState
     checkpointer: Checkpointer
     position: dict
+    log_window: list = dataclasses.field(default_factory=list)
+    """The losses since the last log record of the restored checkpoint (`fit`'s
+    `log_window`)."""
 
     @property
     def total_steps(self) -> int:
@@ -329,6 +332,7 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
         **_host_kw(trainer, full_every=cfg.checkpoint_full_every),
     )
     position: dict = {"epoch": 0, "batch": 0}
+    log_window: list = []
     if cfg.resume and ckpt.latest_step() is not None:
         state, meta, skipped = ckpt.restore_readable(state, warn=lambda m: log(f"warning: {m}"))
         if jax.process_index() == 0:  # the run directory is process 0's
@@ -340,8 +344,9 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
             multihost_utils.sync_global_devices("sparsejax: unreadable checkpoints set aside")
         state = trainer.put_state(state)
         position = _own_position(meta["data_position"])
+        log_window = list((meta.get("extra") or {}).get("log_window", []))
         log(f"resumed from {ckpt.directory}/{int(state.step)} (data position {position})")
-    return Run(cfg, data, model, trainer, state, ckpt, position)
+    return Run(cfg, data, model, trainer, state, ckpt, position, log_window)
 
 
 def _own_position(position: dict | None) -> dict | None:
@@ -614,6 +619,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             log_every=cfg.log_every,
             hooks=[*reports, knobs, *windows],
             evaluate=run_evaluator(run),
+            log_window=run.log_window,
         )
     finally:
         loader.close()

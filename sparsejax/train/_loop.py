@@ -93,6 +93,7 @@ def fit(
     log_every: int | None = None,
     hooks: Sequence[Hook] = (),
     evaluate: Callable[[TrainState], Mapping] | None = None,
+    log_window: Sequence[float] = (),
 ) -> FitResult:
     """Train `state` from its step to `steps`, on `batches` (an iterable of batches from
     the data position matching the state's step; training ends early if it runs out).
@@ -100,7 +101,10 @@ def fit(
     Every `eval_every` steps it evaluates on `eval_batches` (and at the end, if it
     trained or never evaluated); every `checkpoint_every` steps it saves through
     `checkpointer` (and at the end, if it trained), with `data_position()` and
-    `checkpoint_extra` in the checkpoint's record. Each step's loss is checked while the
+    `checkpoint_extra` in the checkpoint's record, and the losses of the steps since the
+    last log record as the record's `extra["log_window"]`: give them back as
+    `log_window` when resuming from it, so the first record after a resume averages the
+    same steps as an uninterrupted run's. Each step's loss is checked while the
     next step runs, and before every log, eval and checkpoint: a NaN/inf loss raises
     `NonFiniteLossError` naming the step and the last good checkpoint. `evaluate(state)`
     replaces what an eval computes (default `trainer.evaluate(state, eval_batches)`),
@@ -115,7 +119,7 @@ def fit(
     hooks = list(hooks)
     start = int(state.step)
     pending = None  # (step, loss) not yet checked
-    window: list[float] = []
+    window: list[float] = list(log_window) if log_every is not None else []
     eval_result: dict = {}
     t_start, timed, batch_size, paused = None, 0, 0, 0.0
 
@@ -137,8 +141,13 @@ def fit(
         checkpointer.save(
             state,
             data_position=None if data_position is None else data_position(),
-            extra=checkpoint_extra,
+            extra={**(checkpoint_extra or {}), "log_window": window},
         )
+
+    def check(step, loss):  # a step's loss, checked, into the log window
+        value = _check_finite(step, loss, checkpointer)
+        if log_every is not None:
+            window.append(value)
 
     def rate():  # samples/s of training since the first step (evals and saves excluded)
         elapsed = time.perf_counter() - t_start - paused
@@ -166,7 +175,7 @@ def fit(
         else:
             state, metrics = trainer.train_step(state, batch)
         if pending is not None:  # the previous step, checked while this one runs
-            window.append(_check_finite(*pending, checkpointer))
+            check(*pending)
         pending = (step, metrics["loss"])
         if t_start is None:
             jax.block_until_ready(metrics["loss"])
@@ -181,7 +190,7 @@ def fit(
         is_ckpt = checkpointer is not None and due(checkpoint_every, step) and not last
         is_log = log_every is not None and (due(log_every, step) or last)
         if is_log or is_eval or is_ckpt or last:
-            window.append(_check_finite(*pending, checkpointer))
+            check(*pending)
             pending = None
         if is_log:
             log(step)
@@ -197,7 +206,7 @@ def fit(
         if stop:
             break
     if pending is not None:  # only when the data ran out
-        window.append(_check_finite(*pending, checkpointer))
+        check(*pending)
         if log_every is not None:
             log(step)
     samples_per_s = rate() if timed else None
