@@ -9,6 +9,7 @@ import pytest
 from sparsejax import nn as snn
 from sparsejax import runner
 from sparsejax.data import PaddedIds
+from sparsejax.nn._layers import l2_normalize
 
 
 def test_dot_interaction_is_all_pairs_row_major():
@@ -129,3 +130,49 @@ def test_model_learns(tmp_path, name, extra, metric, floor):
         leaf.shape and leaf.shape[0] >= 200 and leaf.ndim == 2 and leaf.shape[1] == 8
         for leaf in jax.tree.leaves(run.state.params)
     )
+
+
+def test_l2_normalize_has_finite_gradients_at_zero():
+    """A zero tower output (e.g. an empty history through zero-bias layers) normalizes to
+    zero with a finite gradient; `x / max(norm(x), eps)` back-propagates NaN there."""
+    x = jnp.array([[0.0, 0.0, 0.0], [3.0, 0.0, 4.0]])
+    np.testing.assert_allclose(l2_normalize(x), [[0, 0, 0], [0.6, 0, 0.8]], rtol=1e-6)
+    g = jax.grad(lambda v: (l2_normalize(v) * jnp.array([1.0, 2.0, 3.0])).sum())(x)
+    assert np.isfinite(np.asarray(g)).all()
+    # away from zero it is the exact gradient of x / |x|
+    ref = jax.grad(lambda v: (v / jnp.linalg.norm(v) * jnp.array([1.0, 2.0, 3.0])).sum())(x[1])
+    np.testing.assert_allclose(g[1], ref, rtol=1e-6)
+
+
+def test_two_tower_over_the_history_alone_trains_with_empty_histories():
+    """user_features=[history]: users whose history is empty (their first event) pool to
+    a zero vector; training stays finite (it gave NaN at step 2 at any learning rate)."""
+    import optax
+
+    from sparsejax import data as sd
+    from sparsejax import train
+
+    log = sd.synthetic_events(num_users=60, num_items=50, events_per_user=(3, 6), seed=1)
+    seq = sd.build_sequences(
+        log, sd.SequenceConfig(history_length=5, negatives=0, eval_negatives=5)
+    )
+    assert (seq.train.sparse["history"].lengths == 0).sum() >= 60  # each user's first event
+    tables, features = seq.specs(dim=8)
+    model = snn.TwoTower(
+        tables=tables,
+        features=features,
+        user_features=("history",),
+        item_features=("item",),
+        tower=(16, 8),
+    )
+    trainer = train.Trainer(model, optax.adam(1e-3))
+    packer = sd.BatchPacker(tables, features, batch_size=64)
+    with sd.Loader(seq.train, packer, seed=0, epochs=None, drop_remainder=True) as loader:
+        it = iter(loader)
+        batch = next(it)
+        state = trainer.init(jax.random.key(0), batch)
+        for _ in range(5):
+            state, metrics = trainer.train_step(state, batch)
+            assert np.isfinite(float(metrics["loss"]))
+            batch = next(it)
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(state.params))

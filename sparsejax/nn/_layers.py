@@ -107,3 +107,11 @@ class TargetAttention(nn.Module):
         score = nn.Dense(1, dtype=self.dtype, name="att_out")(h)[..., 0]
         score = jnp.where(mask, score, 0.0)
         return jnp.einsum("bl,bld->bd", score, keys)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """`x / max(|x|, eps)` along the last axis, with finite gradients at `x = 0`: the
+    norm's square is clamped before the root (the gradient of `|x|` at 0 is 0/0, and
+    `jnp.maximum` still multiplies it by 0, which gives NaN)."""
+    sq = jnp.sum(x * x, axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(jnp.maximum(sq, eps * eps))

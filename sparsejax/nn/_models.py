@@ -17,7 +17,14 @@ import jax.numpy as jnp
 
 from ..embedding._spec import FeatureSpec, TableSpec
 from ._embedding import EmbeddingBagCollection
-from ._layers import MLP, CrossNetwork, DotInteraction, FactorizationMachine, TargetAttention
+from ._layers import (
+    MLP,
+    CrossNetwork,
+    DotInteraction,
+    FactorizationMachine,
+    TargetAttention,
+    l2_normalize,
+)
 
 
 def sequence_mask(jagged, batch_size: int, max_len: int) -> jax.Array:
@@ -287,7 +294,7 @@ class TwoTower(nn.Module):
             x = jnp.concatenate([emb[f].astype(self.dtype or jnp.float32) for f in feats], 1)
             tower = MLP(self.tower, dropout=self.dropout, dtype=self.dtype, name=f"{side}_tower")
             x = tower(x, train=train).astype(jnp.float32)
-            out.append(x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-6))
+            out.append(l2_normalize(x))  # finite gradient at 0 (e.g. an empty history)
         return out[0], out[1]
 
     @nn.compact
