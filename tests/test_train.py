@@ -4,6 +4,7 @@ process restart, clear errors for truncated or mismatched checkpoints, NaN stops
 import dataclasses
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -155,6 +156,46 @@ def test_metrics_of_a_killed_and_resumed_run_match_an_uninterrupted_run(tmp_path
         ("eval", 20),
     ]
     assert split == whole
+
+
+def _tensorboard_scalars(logdir):
+    """`{tag: [(step, value)]}` of the event files in `logdir`, read with tensorboardX's
+    protos and the TFRecord framing (u64 length, u32 its crc, the data, u32 its crc)."""
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for name in sorted(os.listdir(logdir)):
+        data, i = (logdir / name).read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+            i += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def test_tensorboard_event_files_hold_the_metrics_of_metrics_jsonl(tmp_path, monkeypatch):
+    runner.train(_cfg(tmp_path, "name=tb", "steps=12", "eval_every=5"), log=lambda *_: None)
+    expected = {}
+    for r in _training_records(tmp_path / "tb"):  # the throughput aside
+        for k, v in r.items():
+            if k not in ("kind", "step"):
+                expected.setdefault(f"{r['kind']}/{k}", []).append((r["step"], np.float32(v)))
+    assert {"train/loss", "eval/auc", "eval/logloss"} <= expected.keys()
+    scalars = _tensorboard_scalars(tmp_path / "tb" / "tensorboard")
+    assert [s for s, _ in scalars.pop("train/samples_per_s")] == [5, 10, 12]
+    assert scalars == expected  # float32 in the event file
+    # without tensorboardX: one line says how to get it; the run trains as before
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    logs = []
+    runner.train(_cfg(tmp_path, "name=no_tb", "steps=2"), log=logs.append)
+    assert [line for line in logs if line.startswith("tensorboard")] == [
+        "tensorboard: no event files (tensorboardX is not installed; pip install "
+        "tensorboardX, or sparsejax[tensorboard]); metrics.jsonl has the same metrics"
+    ]
+    assert not (tmp_path / "no_tb" / "tensorboard").exists()
+    assert (tmp_path / "no_tb" / "summary.json").exists()
 
 
 def test_truncated_checkpoint_is_named_and_earlier_ones_stay_usable(tmp_path):

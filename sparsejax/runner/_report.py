@@ -1,5 +1,6 @@
 """A run's reporting: `metrics.jsonl` (one JSON object per logged step or eval), the
-console or progress bar, `curves.png` and `summary.json`. The first two are
+same metrics as TensorBoard event files (`tensorboard/`, with tensorboardX), the console
+or progress bar, `curves.png` and `summary.json`. The first three are
 `sparsejax.train.Hook`s of the training loop."""
 
 from __future__ import annotations
@@ -59,6 +60,59 @@ class MetricsLog(Hook):
 
     def on_eval(self, step: int, result: Mapping) -> None:
         self._write({"kind": "eval", "step": step, **plain(result)})
+
+
+TENSORBOARD_DIR = "tensorboard"
+"""Where a run's TensorBoard event files go, beside metrics.jsonl
+(`tensorboard --logdir RUN/tensorboard`)."""
+
+
+class TensorBoardLog(Hook):
+    """The records of `MetricsLog` as TensorBoard scalars at their step: `train/<key>`
+    (loss, samples_per_s) and `eval/<metric>`. Written through tensorboardX's
+    `SummaryWriter` (a background thread; flushed after each eval and at `close`). On
+    resume the event file tells TensorBoard to drop the earlier files' events past the
+    restored step (`purge_step`), as `MetricsLog` drops its records."""
+
+    def __init__(self, logdir: str, resume_step: int):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(
+            logdir=logdir, purge_step=resume_step + 1 if resume_step else None
+        )
+
+    def _scalars(self, prefix: str, step: int, record: Mapping) -> None:
+        for k, v in plain(record).items():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(f"{prefix}/{k}", v, step)
+
+    def on_log(self, step: int, record: Mapping) -> None:
+        self._scalars("train", step, record)
+
+    def on_eval(self, step: int, result: Mapping) -> None:
+        self._scalars("eval", step, result)
+        self.writer.flush()
+
+    def on_end(self, step, state) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.writer.close()  # idempotent
+
+
+def tensorboard_log(
+    run_dir: str, resume_step: int, log: Callable[[str], None]
+) -> TensorBoardLog | None:
+    """A `TensorBoardLog` writing to `RUN/tensorboard/`; without tensorboardX, None and one
+    log line saying how to install it (the run goes on without event files)."""
+    try:
+        return TensorBoardLog(os.path.join(run_dir, TENSORBOARD_DIR), resume_step)
+    except ImportError:
+        log(
+            "tensorboard: no event files (tensorboardX is not installed; pip install "
+            "tensorboardX, or sparsejax[tensorboard]); metrics.jsonl has the same metrics"
+        )
+        return None
 
 
 class Console(Hook):

@@ -39,6 +39,7 @@ from ._report import (
     format_metrics,
     plain,
     plot_curves,
+    tensorboard_log,
     write_summary,
 )
 from ._schema import RunConfig, config_from_dict, load_config
@@ -438,8 +439,8 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
 
     In many processes (`sparsejax launch`, `jax.distributed`) every process calls this
     with the same config: process 0 locks and checks the run directory and writes its
-    files (run.json, config.yaml, run.log, metrics.jsonl, summary.json, curves.png, the
-    console), then tells the others whether the run starts (they raise its error when
+    files (run.json, config.yaml, run.log, metrics.jsonl, tensorboard/, summary.json,
+    curves.png, the console), then tells the others whether the run starts (they raise its error when
     it does not); every process builds the same run, feeds its share of each global
     batch and takes part in every checkpoint save.
 
@@ -602,7 +603,8 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     loader = train_loader(run, epochs=epochs, position=run.position)
     # the run directory's files and the terminal are process 0's
     console = Console(log, progress=cfg.progress and primary, total=total, start=start)
-    reports = [metrics_log, console] if primary else []
+    board = tensorboard_log(cfg.run_dir, start, log) if primary else None  # RUN/tensorboard/
+    reports = [r for r in (metrics_log, board, console) if r is not None] if primary else []
     windows = _profile_window(run, log)
     try:
         result = fit(
@@ -624,6 +626,8 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     finally:
         loader.close()
         console.close()
+        if board is not None:
+            board.close()
         knobs.close()
         for w in windows:  # a run that fails inside the window leaves no partial trace
             w.close()
@@ -644,7 +648,8 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         plot_curves(metrics_path, os.path.join(cfg.run_dir, "curves.png"))
     log(
         f"done: step {summary['step']}, run dir {cfg.run_dir} (metrics.jsonl, curves.png, "
-        f"checkpoints/)"
+        + ("tensorboard/, " if board is not None else "")
+        + "checkpoints/)"
     )
     return summary
 
