@@ -440,9 +440,9 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
     In many processes (`sparsejax launch`, `jax.distributed`) every process calls this
     with the same config: process 0 locks and checks the run directory and writes its
     files (run.json, config.yaml, run.log, metrics.jsonl, tensorboard/, summary.json,
-    curves.png, the console), then tells the others whether the run starts (they raise its error when
-    it does not); every process builds the same run, feeds its share of each global
-    batch and takes part in every checkpoint save.
+    curves.png, the console), then tells the others whether the run starts (they raise
+    its error when it does not); every process builds the same run, feeds its share of
+    each global batch and takes part in every checkpoint save.
 
     Returns the summary (final eval metrics, steps, throughput). Raises
     `NonFiniteLossError` naming the step when the loss becomes NaN/inf; the run
