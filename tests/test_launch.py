@@ -173,6 +173,8 @@ def test_a_second_launch_on_a_running_run_directory_is_refused(tmp_path):
 class _Scripted:
     """A child that exits with `code` once `at` polls have passed (None: runs on)."""
 
+    pid = -1  # no such process (never frozen)
+
     def __init__(self, code, at):
         self.code, self.at, self.polls = code, at, 0
 
@@ -184,6 +186,9 @@ class _Scripted:
         self.code, self.at = -signal.SIGTERM, 0
 
     kill = terminate
+
+    def send_signal(self, sig):
+        pass
 
     def wait(self, timeout=None):
         return self.code
@@ -217,6 +222,35 @@ def test_the_launcher_reports_the_failure_at_its_source(tmp_path, p0, reported):
     assert ("stopped process 0" in lines[-1]) == (p0[0] is None)
     if "process 1" in reported:  # its error, not the last line of its log
         assert "error: run directory r is in use" in lines[-1] and "Gloo" not in lines[-1]
+
+
+def test_a_frozen_process_is_named_not_the_one_its_silence_aborted(tmp_path):
+    """Process 1 stopped (SIGSTOP): its heartbeats stop and the coordination service
+    aborts process 0. The launcher names process 1 as the cause, and ends it at once
+    (SIGTERM, then SIGCONT) rather than after the SIGKILL grace."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    p1 = subprocess.Popen(sleeper)
+    os.kill(p1.pid, signal.SIGSTOP)
+    p0 = subprocess.Popen([sys.executable, "-c", "import os; os.abort()"])
+    log = tmp_path / "p1.log"
+    log.write_text("=== pid 1\n")
+    lines = []
+    t0 = time.monotonic()
+    try:
+        code = _launch._watch(
+            [p0, p1], {1: str(log)}, timeout=None, grace=30, linger=30, say=lines.append, poll=0.01
+        )
+    finally:
+        p1.kill()
+        p1.wait()
+    assert time.monotonic() - t0 < 15  # neither the linger nor the grace waited for it
+    assert code == 128 + signal.SIGABRT
+    assert lines == [
+        f"sparsejax launch: process 1 of 2 was frozen (stopped by a signal such as SIGSTOP; "
+        f"log {log}), then process 0 was killed by SIGABRT (its output is above); "
+        "stopped process 1"
+    ]
+    assert p1.returncode == -signal.SIGTERM
 
 
 def test_launch_refuses_a_bad_config_before_starting(tmp_path, capsys):

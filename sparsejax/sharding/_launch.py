@@ -14,7 +14,10 @@ it gives the others `linger` seconds to end on their own, stops those still runn
 line naming the process, how it ended and where its output is (with the last line of
 that output when it exited with a status: its error); when process 0 also exited with
 the same status meanwhile, that is process 0 (other processes relay its start-up
-errors, and may exit first). With `timeout`, it stops them all
+errors, and may exit first). A process that is frozen (stopped by SIGSTOP, Ctrl-Z or a
+debugger: Linux state T or t) when another fails is named as the cause instead: its
+heartbeats stop, and the coordination service then aborts the others (process 0 by
+SIGABRT). With `timeout`, it stops them all
 when they run longer. Ctrl-C (or SIGTERM to the launcher) stops them all. Children
 also get SIGTERM if the launcher itself dies (Linux `PR_SET_PDEATHSIG`), so no process
 outlives it. Status 0 only when every process exits 0.
@@ -124,16 +127,29 @@ def _last_line(path: str, limit: int = 200) -> str | None:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _frozen(pid: int) -> bool:
+    """Whether process `pid` is stopped (Linux `/proc/PID/stat` state T, or t when
+    traced): it runs nothing, heartbeats included, until continued. False elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
+
+
 class _Stop(Exception):
     """SIGTERM to the launcher."""
 
 
 def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every running child, SIGKILL those still running after `grace` s."""
+    """SIGTERM every running child, SIGKILL those still running after `grace` s. A
+    stopped child is continued after its SIGTERM, so it ends now rather than at SIGKILL."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 p.terminate()
+                p.send_signal(signal.SIGCONT)
     end = time.monotonic() + grace
     for p in procs:
         try:
@@ -268,23 +284,35 @@ def _watch(procs, logs, *, timeout, grace, linger, say, poll) -> int:
             return 124
         time.sleep(poll)
     end = time.monotonic() + linger  # the others often fail the same way: let them say so
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
+    while time.monotonic() < end and any(p.poll() is None and not _frozen(p.pid) for p in procs):
         time.sleep(poll)
     running = [j for j, p in enumerate(procs) if p.poll() is None]
+    frozen = [j for j in running if _frozen(procs[j].pid)]  # the cause: its heartbeats stopped
     if i > 0 and code > 0 and procs[0].poll() == code:
         i = 0  # the same failure on process 0 (often relayed from it): its output is above
     _stop(procs, grace)
-    if i == 0:
-        where = "its output is above"
-    else:
-        where = f"log {logs[i]}"
-        last = _last_line(logs[i]) if code > 0 else None  # its error line
-        if last:
-            where += f": {last}"
+    what = f"process {i} of {n} {_ended(code)} ({_where(i, code, logs)})"
+    if frozen:
+        who = f"process{'es' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))} of {n}"
+        logs_of = "; ".join(_where(j, 0, logs) for j in frozen)
+        what = (
+            f"{who} {'were' if len(frozen) > 1 else 'was'} frozen (stopped by a signal such "
+            f"as SIGSTOP; {logs_of}), then process {i} {_ended(code)} "
+            f"({_where(i, code, logs)})"
+        )
     stopped = (
         f"; stopped process{'es' if len(running) > 1 else ''} {', '.join(map(str, running))}"
         if running
         else ""
     )
-    say(f"sparsejax launch: process {i} of {n} {_ended(code)} ({where}){stopped}")
+    say(f"sparsejax launch: {what}{stopped}")
     return code if code > 0 else 128 - code
+
+
+def _where(i: int, code: int, logs: dict[int, str]) -> str:
+    """Where process `i`'s output is; with its error line when it exited with `code` > 0."""
+    if i == 0:
+        return "its output is above"
+    where = f"log {logs[i]}"
+    last = _last_line(logs[i]) if code > 0 else None
+    return f"{where}: {last}" if last else where
