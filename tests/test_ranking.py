@@ -2,6 +2,7 @@
 of candidates), candidate scoring of any model in fixed-shape batches, full-corpus
 retrieval through a two-tower model's towers, and saved predictions."""
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -245,3 +246,103 @@ def test_two_tower_full_corpus_retrieval_through_its_towers(events):
     with pytest.raises(ValueError, match="full-corpus retrieval needs a two-tower model"):
         din = train.Trainer(snn.DIN(tables=tables, features=features), optax.sgd(0.1))
         train.evaluate_retrieval(din, state, sets, packer)
+
+
+def _trained(model, data, steps=15):
+    tables, features = data.specs(dim=8)
+    trainer = train.Trainer(model(tables, features), optax.adam(1e-2))
+    packer = sd.BatchPacker(tables, features, batch_size=128)
+    sparse, labels, dense = data.train.take(np.arange(128))
+    batch = packer.pack(sparse, labels=labels, dense=dense)
+    state = trainer.init(jax.random.key(0), batch)
+    for _ in range(steps):
+        state, _ = trainer.train_step(state, batch)
+    return trainer, state, packer
+
+
+_FACTORED = {
+    "two_tower": lambda tables, features: snn.TwoTower(
+        tables=tables,
+        features=features,
+        user_features=("user", "history"),
+        item_features=("item",),
+        tower=(16, 8),
+    ),
+    "din": lambda tables, features: snn.DIN(
+        tables=tables, features=features, hidden=(16,), attention_hidden=(8,)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FACTORED))
+def test_factored_scoring_gives_the_scores_of_one_row_per_candidate(name):
+    """Each user and each distinct candidate encoded once (two-tower: the towers; DIN:
+    the history looked up once per user) scores as every (user, candidate) packed as its
+    own row did: same scores up to float rounding, identical HR@10 / NDCG@10."""
+    log = sd.synthetic_events(num_users=150, num_items=120, events_per_user=(4, 12), seed=3)
+    data = build_sequences(log, SequenceConfig(history_length=6, eval_negatives=30))
+    trainer, state, _ = _trained(_FACTORED[name], data)
+    tables, features = data.specs(dim=8)
+    packer = sd.BatchPacker(tables, features, batch_size=100)  # DIN: 3 users a step
+    sets = data.test
+    rows = train.score_candidates(trainer, state, sets, packer, method="rows")
+    assert len([k for k in trainer._steps if k[0] == "eval"]) == 1
+    trainer._steps = {k: v for k, v in trainer._steps.items() if k[0] != "eval"}
+    factored = train.score_candidates(trainer, state, sets, packer, method="factored")
+    assert not [k for k in trainer._steps if k[0] == "eval"]  # no per-row eval step
+    np.testing.assert_allclose(factored, rows, rtol=1e-5, atol=1e-5)
+    assert np.abs(rows).max() > 1e-2  # not all zeros
+    auto = train.score_candidates(trainer, state, sets, packer)
+    np.testing.assert_array_equal(auto, factored)
+    got = {
+        m: train.evaluate_ranking(trainer, state, sets, packer, method=m)
+        for m in ("rows", "factored")
+    }
+    for key in ("hr@10", "ndcg@10"):
+        assert got["factored"][key] == got["rows"][key]
+    few = train.score_candidates(trainer, state, sets, packer, max_negatives=4)
+    np.testing.assert_allclose(few, rows[:, :5], rtol=1e-5, atol=1e-5)
+
+
+def test_models_that_cannot_be_factored_score_row_by_row(events):
+    tables, features = events.specs(dim=4)
+    trainer = train.Trainer(_ItemPlusUser(tables, features), optax.sgd(0.1))
+    packer = sd.BatchPacker(tables, features, batch_size=64)
+    sparse, labels, _ = events.test.rows(0, 64)
+    state = trainer.init(jax.random.key(0), packer.pack(sparse, labels=labels))
+    with pytest.raises(ValueError, match="_ItemPlusUser cannot be scored factored"):
+        train.score_candidates(trainer, state, events.test, packer, method="factored")
+    with pytest.raises(ValueError, match="method must be one of"):
+        train.score_candidates(trainer, state, events.test, packer, method="fast")
+    # a DIN whose item table is projected to the model's dim: rows (auto) as well
+    projected = [dataclasses.replace(t, dim=6) if t.name == "item" else t for t in tables]
+    din = snn.DIN(tables=projected, features=features, embedding_dim=4, hidden=(8,))
+    assert train._ranking._factored_scorer(train.Trainer(din, optax.sgd(0.1))) is None
+
+
+def test_ranking_on_a_sample_of_users(events):
+    tables, features = events.specs(dim=4)
+    trainer = train.Trainer(_ItemPlusUser(tables, features), optax.sgd(0.1))
+    packer = sd.BatchPacker(tables, features, batch_size=64)
+    sparse, labels, _ = events.test.rows(0, 64)
+    state = trainer.init(jax.random.key(0), packer.pack(sparse, labels=labels))
+    sets = events.test
+    sample = sets.sample(12, seed=5)
+    assert (
+        sample.num_users == 12 and sets.sample(12, seed=5).users.tolist() == sample.users.tolist()
+    )
+    assert sets.sample(12, seed=6).users.tolist() != sample.users.tolist()
+    assert sets.sample(30) is sets and sets.sample(99) is sets
+    m = np.searchsorted(sets.users, sample.users)  # users are in their order, distinct
+    np.testing.assert_array_equal(sample.items, sets.items[m])
+    for a, b in ((sample.history, sets.history), (sample.seen, sets.seen)):
+        offsets = np.r_[0, np.cumsum(b.lengths)]
+        want = [b.values[offsets[i] : offsets[i + 1]].tolist() for i in m]
+        got = np.split(a.values, np.cumsum(a.lengths)[:-1])
+        assert [g.tolist() for g in got] == want
+    all_scores = train.score_candidates(trainer, state, sets, packer)
+    report = train.evaluate_ranking(trainer, state, sets, packer, max_users=12, seed=5)
+    assert report == pytest.approx(train.ranking_report(all_scores[m]))
+    assert report["users"] == 12
+    with pytest.raises(ValueError, match="num_users must be >= 1"):
+        sets.sample(0)

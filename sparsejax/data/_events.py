@@ -601,6 +601,25 @@ class CandidateSets:
         sparse, labels, dense = self.rows(0, self.num_users * c, max_negatives=max_negatives)
         return Examples(labels=labels, dense=dense, sparse=sparse)
 
+    def sample(self, num_users: int, *, seed: int = 0) -> CandidateSets:
+        """A random `num_users` of these users (without replacement, in their order, drawn
+        by `seed`) with their candidate sets: a cheaper evaluation of large logs. All users
+        when `num_users` is at least their number."""
+        if num_users < 1:
+            raise ValueError(f"CandidateSets.sample: num_users must be >= 1, got {num_users}")
+        if num_users >= self.num_users:
+            return self
+        m = np.sort(np.random.default_rng([seed, 0x5A]).permutation(self.num_users)[:num_users])
+        jagged = Examples(
+            labels=np.zeros(self.num_users, np.float32),
+            dense=np.zeros((self.num_users, 0), np.float32),
+            sparse={"history": self.history, "seen": self.seen},
+        )
+        sparse, _, _ = jagged.take(m)
+        return CandidateSets(
+            self.users[m], sparse["history"], self.items[m], self.times[m], sparse["seen"]
+        )
+
     @property
     def _per_user(self) -> Examples:
         ex = self.__dict__.get("_per_user_cache")

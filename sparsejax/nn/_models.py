@@ -230,7 +230,11 @@ class DIN(_CTRModel):
     hidden: Sequence[int] = (200, 80)
 
     @nn.compact
-    def __call__(self, batch, *, train: bool = False) -> jax.Array:
+    def __call__(self, batch, *, train: bool = False, candidates=None) -> jax.Array:
+        """`[B]` logits; with `candidates` (`[B, C, D]`: rows of the target's table, as its
+        embedding layer gives them, at the model's embedding dim) the `[B, C]` logits of
+        each example's user and history against each of its C candidates in place of its
+        target: the history is looked up once per user, not once per candidate."""
         specs = {f.name: f for f in self.features}
         for name, want_seq in ((self.target, False), (self.history, True)):
             if name not in specs or specs[name].is_sequence != want_seq:
@@ -241,15 +245,22 @@ class DIN(_CTRModel):
         emb = self.embed(batch)
         hist = specs[self.history]
         mask = sequence_mask(batch.features[self.history], batch.batch_size, hist.max_ids)
-        attended = TargetAttention(self.attention_hidden, dtype=self.dtype, name="attention")(
-            emb[self.history], emb[self.target], mask
-        )
+        keys, target = emb[self.history], emb[self.target]
         others = [emb[f.name] for f in self.features if not f.is_sequence and f.name != self.target]
-        x = jnp.concatenate(
-            [attended, emb[self.target], *others, batch.dense.astype(attended.dtype)], axis=1
+        dense = batch.dense.astype(target.dtype)
+        if candidates is not None:  # each user's row repeated for each of its candidates
+            b, c = candidates.shape[:2]
+            keys, mask, dense, *others = (
+                jnp.repeat(x, c, axis=0) for x in (keys, mask, dense, *others)
+            )
+            target = candidates.reshape(b * c, -1).astype(target.dtype)
+        attended = TargetAttention(self.attention_hidden, dtype=self.dtype, name="attention")(
+            keys, target, mask
         )
+        x = jnp.concatenate([attended, target, *others, dense], axis=1)
         mlp = MLP((*self.hidden, 1), dropout=self.dropout, dtype=self.dtype, name="mlp")
-        return mlp(x, train=train)[:, 0].astype(jnp.float32)
+        out = mlp(x, train=train)[:, 0].astype(jnp.float32)
+        return out if candidates is None else out.reshape(b, c)
 
 
 class TwoTower(nn.Module):

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import csv
 import os
 import weakref
@@ -29,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..data import BatchPacker, Examples, JaggedIds
-from ..data._events import CandidateSets
-from ..nn._embedding import EMBEDDING
+from ..data._events import HISTORY, ITEM, CandidateSets
+from ..nn._embedding import EMBEDDING, EmbeddingBagCollection, tables_on
+from ..nn._models import DIN, TwoTower
 from . import _metrics
 from ._trainer import Trainer, TrainState
 
@@ -42,15 +44,46 @@ def score_candidates(
     packer: BatchPacker,
     *,
     max_negatives: int | None = None,
+    method: str = "auto",
 ) -> np.ndarray:
     """`f32[users, candidates]`: the model's score of every candidate of every user
     (column 0 the held-out item). `max_negatives` scores only the first few negatives of
-    each set."""
+    each set.
+
+    `method`: "factored" encodes each user once and each distinct candidate item once (a
+    two-tower: the user tower on the users, the item tower on the items, scores their dot
+    product / temperature; DIN: each user's features and history looked up once and
+    attended by all its candidates); "rows" scores every (user, candidate) as its own
+    packed row (any model; the reference); "auto" (default): factored where the model
+    allows, else rows. Both give the same scores up to float rounding."""
+    if method not in SCORING_METHODS:
+        raise ValueError(
+            f"score_candidates: method must be one of {SCORING_METHODS}, got {method!r}"
+        )
     c = (
         sets.num_candidates
         if max_negatives is None
         else 1 + min(max_negatives, sets.num_candidates - 1)
     )
+    scorer = None if method == "rows" else _factored_scorer(trainer)
+    if scorer is None and method == "factored":
+        raise ValueError(
+            f"score_candidates: {type(trainer.model).__name__} cannot be scored factored (a "
+            "two-tower with the item tower over 'item' alone, or a DIN over 'item' and "
+            "'history', on a trainer without host or sharded tables); use method='rows'"
+        )
+    if scorer is not None:
+        return scorer(trainer, state, sets, packer, c)
+    return _score_rows(trainer, state, sets, packer, c, max_negatives)
+
+
+SCORING_METHODS = ("auto", "factored", "rows")
+
+
+def _score_rows(trainer, state, sets, packer, c, max_negatives) -> np.ndarray:
+    """Every (user, candidate) a packed row of `packer`'s batch size (the last padded), so
+    the eval step compiles once. CTR models score a row by their logit; retrieval models
+    (whose output is the `[B, B]` in-batch score matrix) by its diagonal."""
     total, b = sets.num_users * c, packer.batch_size
     scores = np.empty(total, np.float32)
     pending = None  # the previous batch's output: packing overlaps the device step
@@ -72,6 +105,113 @@ def score_candidates(
     return scores.reshape(sets.num_users, c)
 
 
+def _factored_scorer(trainer: Trainer) -> Callable | None:
+    """The factored scorer of the trainer's model, or None where it has none: a model
+    other than a two-tower or DIN reading the candidate sets' features, or tables the
+    host executes, caches or shards (their lookups go through `Trainer.eval_step`)."""
+    if trainer.host_exec is not None or trainer.host_tables is not None or trainer.shards_batch:
+        return None
+    model = trainer.model
+    if isinstance(model, TwoTower):
+        if tuple(model.item_features) == (ITEM,) and ITEM not in model.user_features:
+            return _two_tower_scores
+        return None
+    if isinstance(model, DIN) and (model.target, model.history) == (ITEM, HISTORY):
+        dims = {t.name: t.dim for t in model.tables}
+        table = next((f.table for f in model.features if f.name == ITEM), None)
+        if model.embedding_dim is None or dims.get(table) == model.embedding_dim:
+            return _din_scores
+    return None
+
+
+def _item_ids_of(sets: CandidateSets, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(distinct items, i32[users, c] index of each candidate among them)`."""
+    items, inverse = np.unique(sets.items[:, :c], return_inverse=True)
+    return items, inverse.reshape(sets.num_users, c).astype(np.int32)
+
+
+def _two_tower_scores(trainer, state, sets, packer, c) -> np.ndarray:
+    """User tower on each user, item tower on each distinct candidate item, then each
+    user's dot product with its candidates' item vectors / temperature."""
+    items, index = _item_ids_of(sets, c)
+    user, _ = tower_embeddings(trainer, state, sets.user_examples(), packer)
+    _, item = tower_embeddings(trainer, state, _item_examples(packer, ITEM, items), packer)
+    scores = np.empty((sets.num_users, c), np.float32)
+    for start in range(0, sets.num_users, 4096):  # bounded [chunk, c, D] gathers
+        stop = start + 4096
+        dots = np.einsum("md,mcd->mc", user[start:stop], item[index[start:stop]])
+        scores[start:stop] = dots / np.float32(trainer.model.temperature)
+    return scores
+
+
+_DIN_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _din_fns(trainer: Trainer) -> tuple[Callable, Callable]:
+    """Jitted `(target rows of a batch's item feature, [B, C] logits of candidates)`."""
+    fns = _DIN_FNS.get(trainer)
+    if fns is None:
+        model = trainer.model
+
+        def variables(state):
+            return {"params": state.params, EMBEDDING: state.tables}
+
+        def rows(state, batch):
+            with tables_on(trainer.mesh):
+                _, aux = model.apply(
+                    variables(state),
+                    batch,
+                    capture_intermediates=lambda mdl, name: (
+                        isinstance(mdl, EmbeddingBagCollection) and mdl.name == EMBEDDING
+                    ),
+                    mutable=["intermediates"],
+                )
+            return aux["intermediates"][EMBEDDING]["__call__"][0][ITEM]
+
+        def logits(state, batch, table, index):
+            with tables_on(trainer.mesh):
+                return model.apply(variables(state), batch, candidates=table[index])
+
+        fns = _DIN_FNS[trainer] = (jax.jit(rows), jax.jit(logits))
+    return fns
+
+
+def _din_scores(trainer, state, sets, packer, c) -> np.ndarray:
+    """Each distinct candidate's row of the item table looked up once; each user's
+    features and history packed and looked up once per batch of users, and attended by
+    all its candidates (`DIN(..., candidates=...)`), `packer.batch_size // c` users (about
+    `batch_size` rows) a step."""
+    rows_fn, logits_fn = _din_fns(trainer)
+    items, index = _item_ids_of(sets, c)
+    examples = _item_examples(packer, ITEM, items)
+    b = packer.batch_size
+    parts = []
+    for start in range(0, len(examples), b):
+        sparse, labels, dense = examples.take(np.arange(start, min(start + b, len(examples))))
+        batch = packer.pack(sparse, labels=labels, dense=dense)
+        parts.append(rows_fn(state, batch)[: labels.shape[0]])
+    table = jnp.concatenate(parts)
+    per_step = max(1, b // c)
+    users = copy.copy(packer)  # the same specs, `per_step` users a batch
+    users.batch_size = per_step
+    user_examples = sets.user_examples()
+    scores = np.empty((sets.num_users, c), np.float32)
+    pending = None  # the previous step's output: packing overlaps the device step
+    for start in range(0, sets.num_users, per_step):
+        idx = np.arange(start, min(start + per_step, sets.num_users))
+        sparse, labels, dense = user_examples.take(idx)
+        batch = users.pack(sparse, labels=labels, dense=dense, first_example=start)
+        cand = np.zeros((per_step, c), np.int32)
+        cand[: idx.size] = index[idx]
+        out = logits_fn(state, batch, table, cand)
+        if pending is not None:
+            scores[pending[1]] = np.asarray(pending[0])[: pending[1].size]
+        pending = (out, idx)
+    if pending is not None:
+        scores[pending[1]] = np.asarray(pending[0])[: pending[1].size]
+    return scores
+
+
 def evaluate_ranking(
     trainer: Trainer,
     state: TrainState,
@@ -81,12 +221,21 @@ def evaluate_ranking(
     ks: int | Sequence[int] = (10,),
     ties: str = "average",
     max_negatives: int | None = None,
+    max_users: int | None = None,
+    seed: int = 0,
+    method: str = "auto",
 ) -> dict[str, float]:
     """Ranking metrics of the model on `sets`: `hr@k` and `ndcg@k` for each k, `mrr`,
     and over the same rows (label 1 for the held-out item) the global `auc` and the
     per-user `gauc`; plus `users` and `candidates` (per user). Ties: see
-    `sparsejax.train.ranking_metrics`."""
-    scores = score_candidates(trainer, state, sets, packer, max_negatives=max_negatives)
+    `sparsejax.train.ranking_metrics`. `max_users`: a random sample of that many users
+    (drawn by `seed`, `CandidateSets.sample`), a cheaper estimate on large logs.
+    `method`: see `score_candidates`."""
+    if max_users is not None:
+        sets = sets.sample(max_users, seed=seed)
+    scores = score_candidates(
+        trainer, state, sets, packer, max_negatives=max_negatives, method=method
+    )
     return ranking_report(scores, ks=ks, ties=ties)
 
 
@@ -156,13 +305,14 @@ def tower_embeddings(
     return cat(users), cat(items)
 
 
-def _corpus_examples(packer: BatchPacker, item_feature: str, n_items: int) -> Examples:
-    """Every item row in `item_feature`; every other feature an empty bag (the item
-    tower reads only the item feature)."""
+def _item_examples(packer: BatchPacker, item_feature: str, items: np.ndarray) -> Examples:
+    """One example per item row of `items` in `item_feature`; every other feature an
+    empty bag (an item tower, or an item table's lookup, reads only the item feature)."""
+    n_items = items.shape[0]
     sparse = {}
     for spec in packer.features:
         if spec.name == item_feature:
-            sparse[spec.name] = JaggedIds(np.ones(n_items, np.int64), np.arange(n_items))
+            sparse[spec.name] = JaggedIds(np.ones(n_items, np.int64), items.astype(np.int64))
         else:
             sparse[spec.name] = JaggedIds(
                 np.zeros(n_items, np.int64),
@@ -209,7 +359,7 @@ def evaluate_retrieval(
     n_items = packer.vocab[specs[item_feature].table]
     user_emb, _ = tower_embeddings(trainer, state, sets.user_examples(), packer)
     _, item_emb = tower_embeddings(
-        trainer, state, _corpus_examples(packer, item_feature, n_items), packer
+        trainer, state, _item_examples(packer, item_feature, np.arange(n_items)), packer
     )
     exclude = (sets.seen.lengths, sets.seen.values) if exclude_seen else None
     out = _metrics.full_corpus_recall(
