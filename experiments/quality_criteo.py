@@ -73,7 +73,7 @@ def sparsejax_run(config: Path, seed: int, epochs: int, out_dir: str, data: str)
 
 def sparsejax_auc(model: str, seed: int, epochs: int, out_dir: str, data: str) -> float:
     summary = sparsejax_run(config_path(f"{model}_criteo"), seed, epochs, out_dir, data)
-    return summary["eval"]["auc"]
+    return summary["last_eval"]["auc"]
 
 
 def compare_configs(names_in: list[str], seeds: list[int], epochs: int, data: str) -> None:
@@ -86,7 +86,7 @@ def compare_configs(names_in: list[str], seeds: list[int], epochs: int, data: st
         for seed in seeds:  # seed-major: a slow drift of the machine hits every config
             for n in names:
                 summary = sparsejax_run(paths[n], seed, epochs, tmp, data)
-                aucs[n].append(summary["eval"]["auc"])
+                aucs[n].append(summary["last_eval"]["auc"])
                 if summary.get("tables") and n not in tables:
                     tables[n] = summary["tables"]
                 print(f"seed {seed} {n}: eval AUC {aucs[n][-1]:.4f}", flush=True)

@@ -329,7 +329,7 @@ def test_a_config_composes_its_tables_and_trains(tmp_path):
     # its own entry over "*", key by key (fraction stays, unused with rows)
     assert t["C3"].compose == Composition(kind="multihash", rows=100, op="concat", fraction=0.25)
     summary = runner.train(cfg, log=lambda _: None)
-    assert summary["step"] == 3 and np.isfinite(summary["eval"]["loss"])
+    assert summary["step"] == 3 and np.isfinite(summary["last_eval"]["loss"])
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -383,7 +383,7 @@ def test_mixed_dims_follow_the_power_law_and_stacked_models_project_them(tmp_pat
     assert projected == {f"project_{n}" for n in t if t[n].dim != 16}
     assert params[("project_C5", "kernel")].shape == (12, 16)
     summary = runner.train_run(run, log=lambda _: None)
-    assert np.isfinite(summary["eval"]["loss"])
+    assert np.isfinite(summary["last_eval"]["loss"])
 
 
 def test_other_dims_without_mixed_dims_are_refused_naming_the_option(tmp_path):

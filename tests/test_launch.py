@@ -101,8 +101,8 @@ def test_two_processes_train_one_run_with_the_losses_of_one(tmp_path):
     a, b = _losses(one), _losses(two)
     assert list(a) == list(b) == list(range(1, 7))
     np.testing.assert_allclose(list(b.values()), list(a.values()), rtol=0, atol=1e-5)
-    ea = json.loads((one / "summary.json").read_text())["eval"]
-    eb = json.loads((two / "summary.json").read_text())["eval"]
+    ea = json.loads((one / "summary.json").read_text())["last_eval"]
+    eb = json.loads((two / "summary.json").read_text())["last_eval"]
     assert ea["examples"] == eb["examples"] == 64
     assert abs(ea["loss"] - eb["loss"]) < 1e-5
 

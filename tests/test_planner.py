@@ -435,4 +435,4 @@ def test_a_run_on_a_mesh_trains_as_on_one_device(tmp_path, capsys):
     two = runner.train(mesh, log=lines.append)
     capsys.readouterr()
     np.testing.assert_allclose(_losses(two["run_dir"]), _losses(one["run_dir"]), rtol=1e-5)
-    assert np.isclose(two["eval"]["loss"], one["eval"]["loss"], rtol=1e-5)
+    assert np.isclose(two["last_eval"]["loss"], one["last_eval"]["loss"], rtol=1e-5)

@@ -149,7 +149,7 @@ def test_eval_from_another_directory_with_step_overrides_and_predictions(
     argv = ["eval", str(run), "--step", "4", "data.prefetch=2", "--predictions"]
     assert main([*argv, "p.parquet"]) == 0
     out = capsys.readouterr().out
-    final = json.loads((run / "summary.json").read_text())["eval"]
+    final = json.loads((run / "summary.json").read_text())["last_eval"]
     # the same checkpoint on the same eval set gives the same AUC
     assert f"eval of {run} @ step 4: loss {final['loss']:.4f}, auc {final['auc']:.4f}" in out
     assert "wrote 64 predictions" in out

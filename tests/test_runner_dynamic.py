@@ -374,7 +374,7 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
     assert user["host_disk_bytes"] > 0 and item["host_disk_bytes"] == 0  # RAM 1 KiB: disk
     assert (pathlib.Path(cfg.run_dir) / "host_rows").is_dir()
     assert 0 < user["rows_live"] <= user["admitted"] and user["cache_rows"] > 0
-    assert math.isfinite(on_disk["eval"]["auc"])
+    assert math.isfinite(on_disk["last_eval"]["auc"])
     host = pathlib.Path(cfg.run_dir) / "checkpoints" / "host_tables"
     kinds = [json.loads((host / s / "manifest.json").read_text())["kind"] for s in ("2", "4")]
     assert kinds == ["full", "delta"]  # checkpoint_full_every=2

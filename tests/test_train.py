@@ -175,7 +175,9 @@ def _tensorboard_scalars(logdir):
     return out
 
 
-def test_tensorboard_event_files_hold_the_metrics_of_metrics_jsonl(tmp_path, monkeypatch):
+def test_tensorboard_event_files_and_summary_hold_the_metrics_of_metrics_jsonl(
+    tmp_path, monkeypatch
+):
     runner.train(_cfg(tmp_path, "name=tb", "steps=12", "eval_every=5"), log=lambda *_: None)
     expected = {}
     for r in _training_records(tmp_path / "tb"):  # the throughput aside
@@ -183,6 +185,18 @@ def test_tensorboard_event_files_hold_the_metrics_of_metrics_jsonl(tmp_path, mon
             if k not in ("kind", "step"):
                 expected.setdefault(f"{r['kind']}/{k}", []).append((r["step"], np.float32(v)))
     assert {"train/loss", "eval/auc", "eval/logloss"} <= expected.keys()
+    # without early_stopping summary.json names the best eval by auc (nothing kept)
+    evals = [r for r in _training_records(tmp_path / "tb") if r["kind"] == "eval"]
+    summary = json.loads((tmp_path / "tb" / "summary.json").read_text())
+    best = max(evals, key=lambda r: r["auc"])
+    assert [r["step"] for r in evals] == [5, 10, 12]
+    assert summary["last_eval"] == {k: v for k, v in evals[-1].items() if k != "kind"}
+    assert summary["best_eval"] == {
+        "metric": "auc",
+        "mode": "max",
+        "checkpoint": None,
+        **{k: v for k, v in best.items() if k != "kind"},
+    }
     scalars = _tensorboard_scalars(tmp_path / "tb" / "tensorboard")
     assert [s for s, _ in scalars.pop("train/samples_per_s")] == [5, 10, 12]
     assert scalars == expected  # float32 in the event file
@@ -276,7 +290,7 @@ def test_bfloat16_mixed_precision_trains(tmp_path):
     )
     first = run.trainer.evaluate(run.state, run.data.eval_batches)["loss"]
     summary = runner.train_run(run, log=lambda *_: None)
-    assert summary["eval"]["loss"] < first - 0.05
+    assert summary["last_eval"]["loss"] < first - 0.05
 
 
 def _small(tmp_path, *overrides):

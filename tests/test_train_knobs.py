@@ -29,7 +29,7 @@ from sparsejax.embedding import (
 from sparsejax.nn import MLP
 from sparsejax.ops.optimizers import SGD, RowWiseAdagrad
 from sparsejax.runner import ConfigError
-from sparsejax.runner._knobs import build_trainer, configure_model, eval_every
+from sparsejax.runner._knobs import RunKnobs, build_trainer, configure_model, eval_every
 from sparsejax.train import EarlyStopping, Schedule
 
 TINY = [
@@ -360,6 +360,9 @@ class _FakeCheckpointer:
         self.saved.remove(step)
         self.deleted.append(step)
 
+    def close(self):
+        pass
+
 
 @dataclasses.dataclass
 class _State:
@@ -379,7 +382,14 @@ def test_early_stopping_hook_tracks_the_best_and_stops_after_patience():
     assert stops == [False, False, False, False, False, True]
     assert (hook.best_step, hook.best_value, hook.stopped_at) == (4, 0.58, 6)
     assert ckpt.saved == [1, 2, 4]  # the fake keeps all; Checkpointer(max_to_keep=1) the last
-    assert hook.summary()["best"]["checkpoint"] == "/best/4"
+    assert hook.summary()["best_eval"] == {
+        "step": 4,
+        "metric": "logloss",
+        "mode": "min",
+        "checkpoint": "/best/4",
+        "logloss": 0.58,
+        "auc": 0.5,
+    }
     hook.on_eval(6, {"logloss": 0.1, "auc": 0.5})  # the same eval again is not counted
     assert hook.best_step == 4
     with pytest.raises(ValueError, match=r"no metric 'ndcg@10' \(they have \['auc'\]\)"):
@@ -392,6 +402,34 @@ def test_early_stopping_hook_tracks_the_best_and_stops_after_patience():
     resumed.after_step(6, _State(6), {})
     assert not resumed.on_eval(6, {"logloss": 0.3})
     assert ckpt.saved == [1, 2, 4, 6] and ckpt.deleted == [9]
+
+
+def test_keep_best_on_auc_warns_when_its_logloss_is_far_above_the_lowest():
+    """Far: more than 1% of the lowest logloss and more than 0.005 above it."""
+    evals = {1: (0.70, 0.450), 2: (0.72, 0.440), 3: (0.74, 0.470), 4: (0.73, 0.480)}
+
+    def kept(evals, checkpointer):
+        hook, logs = EarlyStopping("auc", checkpointer=checkpointer), []
+        knobs = RunKnobs(None, hook, logs.append)
+        for step, (auc, logloss) in evals.items():
+            knobs.after_step(step, _State(step), {})
+            knobs.on_eval(step, {"auc": auc, "logloss": logloss})
+        knobs.on_end(max(evals), _State(max(evals)))
+        return hook, [line for line in logs if line.startswith("warning")]
+
+    hook, warnings = kept(evals, _FakeCheckpointer())
+    assert hook.best_step == 3 and hook.lowest_logloss == (2, 0.44)
+    assert warnings == [
+        "warning: the best auc (step 3) has logloss 0.4700, 6.8% above the lowest logloss "
+        "0.4400 (step 2): its probabilities are overfit; early_stopping.metric=logloss "
+        "keeps the best calibrated state instead"
+    ]
+    near = {**evals, 3: (0.74, 0.4449)}  # 1.1% but under 0.005 above
+    assert kept(near, _FakeCheckpointer())[1] == []
+    assert kept(evals, None)[1] == []  # nothing kept: nothing to warn of
+    by_logloss = EarlyStopping("logloss")
+    by_logloss.on_eval(1, {"logloss": 0.4})
+    assert by_logloss.logloss_warning() is None
 
 
 @pytest.fixture(scope="module")
@@ -426,14 +464,23 @@ def test_runner_early_stopping_keeps_the_best_and_reports_best_and_last(knob_run
     summary, run_dir = run.summary, Path(run.cfg.run_dir)
     assert run.trainer.sparse_l2 == 0.001 and run.trainer.sparse_schedule is not None
     assert summary["stopped_at"] == 6 and summary["step"] == 6
-    assert summary["last"] == {"step": 6, "eval": summary["eval"]}
-    assert summary["best"]["step"] == 2 and summary["best"]["metric"] == "auc"
-    assert summary["best"]["eval"]["auc"] == summary["best"]["value"]
-    best_dir = run_dir / "checkpoints_best"
-    assert summary["best"]["checkpoint"] == str(best_dir.absolute() / "2")
-    assert sorted(os.listdir(best_dir)) == ["2"] and "6" in os.listdir(run_dir / "checkpoints")
-    assert json.loads((run_dir / "summary.json").read_text())["best"]["step"] == 2
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {
+        r["step"]: {k: v for k, v in r.items() if k != "kind"}
+        for r in records
+        if r["kind"] == "eval"
+    }
+    # summary.json says which eval is the last and which the best, by what metric
+    assert summary["last_eval"] == evals[6] and "eval" not in summary
+    best_dir = run_dir / "checkpoints_best"
+    assert summary["best_eval"] == {
+        "metric": "auc",
+        "mode": "max",
+        "checkpoint": str(best_dir.absolute() / "2"),
+        **evals[2],
+    }
+    assert sorted(os.listdir(best_dir)) == ["2"] and "6" in os.listdir(run_dir / "checkpoints")
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
     assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4, 6]  # 6 not twice
     assert [r["step"] for r in records if r["kind"] == "train"] == [5, 6]
     assert any("early stopping at step 6" in line for line in logs)

@@ -5,8 +5,8 @@ the hooks of the training loop (`early_stopping`, `eval_every: epoch`).
 
 `build_trainer` serves every job that builds a trainer (train and eval: the optimizer
 state of a checkpoint must have the structure the config gives); `run_knobs` is a
-`sparsejax.train.Hook` that `train_run` adds to `fit`, and reports `best` and `last` for
-summary.json.
+`sparsejax.train.Hook` that `train_run` adds to `fit`, and reports `last_eval` and
+`best_eval` for summary.json.
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def _past_evals(metrics_path: str, upto: int) -> list[tuple[int, dict]]:
 
 class RunKnobs(Hook):
     """The hooks a run's knobs add to `fit` (early stopping and keep-best), the resolved
-    `eval_every`, and the `best` / `last` entries of summary.json."""
+    `eval_every`, and the `last_eval` / `best_eval` entries of summary.json. Without
+    `early_stopping`, `early` only tracks the best eval (never stops, keeps nothing)."""
 
     def __init__(self, eval_every: int | None, early: EarlyStopping | None, log: Callable):
         self.eval_every = eval_every
@@ -138,6 +139,9 @@ class RunKnobs(Hook):
         if e.best_step is not None:
             where = f" (saved in {e.best_checkpoint})" if e.best_checkpoint else ""
             self.log(f"best {e.metric} {e.best_value:.4f} at step {e.best_step}{where}")
+        warning = e.logloss_warning() if e.best_checkpoint else None  # the kept model's
+        if warning:
+            self.log(f"warning: {warning}")
         self.close()
 
     def close(self) -> None:
@@ -145,10 +149,12 @@ class RunKnobs(Hook):
             self.early.checkpointer.close()
             self.early.checkpointer = None
 
-    def summary(self, summary: Mapping) -> dict:
-        """summary.json's additions: `last` (step, eval), and with early stopping `best`
-        (step, metric, value, eval, checkpoint) and `stopped_at`."""
-        out: dict = {"last": {"step": summary["step"], "eval": summary["eval"]}}
+    def summary(self, step: int, last: Mapping) -> dict:
+        """summary.json's evals: `last_eval` (its step and metrics: `last`, the eval of
+        the state after `step`), `best_eval` (step, metric, mode, checkpoint: where it was
+        kept or null, and its metrics; by `early_stopping.metric`, else by auc, or loss
+        for models without auc) and `stopped_at` (null: not stopped early)."""
+        out: dict = {"last_eval": {"step": step, **last}}
         if self.early is not None:
             out |= self.early.summary()
         return out
@@ -157,12 +163,14 @@ class RunKnobs(Hook):
 def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
     """The knobs of a built `Run` (`sparsejax.runner.build_run`) for its `fit`: resolves
     `eval_every`, and with `early_stopping` builds the `EarlyStopping` hook (its best
-    state in RUN/checkpoints_best when `keep_best`), resumed from the evals the run
+    state in RUN/checkpoints_best when `keep_best`), without it one that only tracks the
+    best eval (auc; loss for models without auc), either resumed from the evals the run
     directory's metrics.jsonl records up to the state's step."""
     cfg = run.cfg
     every = eval_every(cfg, run.data)
     es = cfg.early_stopping
-    early = None
+    # without early_stopping: the best eval is tracked (summary.json's best_eval) only
+    early = EarlyStopping("auc" if run.trainer.task == "binary" else "loss")
     if es is not None:
         if not run.data.eval_batches:
             raise ConfigError("early_stopping needs eval data (data.eval_batches > 0)")
@@ -199,6 +207,5 @@ def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
                 f"early_stopping.metric={es.metric!r} is not an eval metric of "
                 f"{cfg.model.name} (they are {sorted(k for k in names if k != 'examples')})" + hint
             )
-        start = int(run.state.step)
-        early.replay(_past_evals(os.path.join(cfg.run_dir, "metrics.jsonl"), start))
+    early.replay(_past_evals(os.path.join(cfg.run_dir, "metrics.jsonl"), int(run.state.step)))
     return RunKnobs(every, early, log)

@@ -444,7 +444,8 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
     its error when it does not); every process builds the same run, feeds its share of
     each global batch and takes part in every checkpoint save.
 
-    Returns the summary (final eval metrics, steps, throughput). Raises
+    Returns the summary, as summary.json: `step`, `last_eval` and `best_eval` (each
+    with its step; the best also by which metric, and where it was kept), throughput. Raises
     `NonFiniteLossError` naming the step when the loss becomes NaN/inf; the run
     directory keeps the last good checkpoint. `RunLockedError` when another process
     trains in the run directory; `ConfigError` for the config problems above.
@@ -632,13 +633,13 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
         for w in windows:  # a run that fails inside the window leaves no partial trace
             w.close()
     run.state = result.state
+    step = int(result.state.step)
     summary = {
-        "step": int(result.state.step),
-        "eval": plain(result.eval),
+        "step": step,
+        **knobs.summary(step, plain(result.eval)),  # last_eval, best_eval (by what metric)
         "train_samples_per_s": result.samples_per_s,
         "run_dir": os.path.abspath(cfg.run_dir),
     }
-    summary |= knobs.summary(summary)  # training knobs: best and last
     stats = table_stats(run.trainer)
     if stats is not None:
         summary["tables"] = stats

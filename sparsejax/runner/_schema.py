@@ -336,8 +336,10 @@ class OptimizerConfig:
 class EarlyStoppingConfig:
     """Model selection on an eval metric (`early_stopping`): the best eval is tracked,
     its state kept in RUN/checkpoints_best, and training stops after `patience` evals
-    without improvement. summary.json reports `best` and `last` (step and metrics).
-    Evals come every `eval_every` steps (or epoch) and at the end."""
+    without improvement. summary.json reports `best_eval` and `last_eval` (step, metric
+    and metrics); a kept best whose logloss is far (> 1% and > 0.005) above the lowest
+    seen is named in a warning. Evals come every `eval_every` steps (or epoch) and at the
+    end."""
 
     metric: str = "auc"
     """The eval metric watched: a key of the eval results (auc, logloss, loss,

@@ -11,6 +11,10 @@ from typing import Any
 from ._loop import Hook
 from ._trainer import TrainState
 
+LOGLOSS_FAR = (0.01, 0.005)
+"""(relative, absolute): the best eval's logloss is "far" above the lowest logloss seen
+when it exceeds it by more than 1% of it and by more than 0.005 (`logloss_warning`)."""
+
 
 class EarlyStopping(Hook):
     """Tracks the best eval of `metric`; saves the best state through `checkpointer` (if
@@ -70,6 +74,8 @@ class EarlyStopping(Hook):
         """The step training was stopped at (None: it was not stopped)."""
         self.last_step: int | None = None
         self.last_eval: dict = {}
+        self.lowest_logloss: tuple[int, float] | None = None
+        """(step, value) of the lowest eval logloss seen (None: no eval had one)."""
         self._state: TrainState | None = None
 
     def _improves(self, value: float) -> bool:
@@ -104,6 +110,11 @@ class EarlyStopping(Hook):
             return False
         value = self._value(result)
         self.last_step, self.last_eval = step, dict(result)
+        logloss = float(result.get("logloss", math.nan))
+        if math.isfinite(logloss) and (
+            self.lowest_logloss is None or logloss < self.lowest_logloss[1]
+        ):
+            self.lowest_logloss = (step, logloss)
         if self._improves(value):
             self.best_step, self.best_value, self.best_eval = step, value, dict(result)
             self.wait = 0
@@ -142,19 +153,37 @@ class EarlyStopping(Hook):
     def on_end(self, step: int, state: TrainState) -> None:
         self._state = None
 
+    def logloss_warning(self) -> str | None:
+        """A warning when the best eval (by another metric than logloss, e.g. AUC) has a
+        logloss far above the lowest seen (`LOGLOSS_FAR`): the model kept for its ranking
+        is overfit in its probabilities; None otherwise."""
+        kept = self.best_eval.get("logloss")
+        if self.metric == "logloss" or kept is None or self.lowest_logloss is None:
+            return None
+        step, lowest = self.lowest_logloss
+        relative, absolute = LOGLOSS_FAR
+        if not kept - lowest > max(relative * lowest, absolute):
+            return None
+        return (
+            f"the best {self.metric} (step {self.best_step}) has logloss {kept:.4f}, "
+            f"{100 * (kept - lowest) / lowest:.1f}% above the lowest logloss {lowest:.4f} "
+            f"(step {step}): its probabilities are overfit; early_stopping.metric=logloss "
+            f"keeps the best calibrated state instead"
+        )
+
     def summary(self) -> dict[str, Any]:
-        """`{"best": {step, metric, value, eval, checkpoint}, "stopped_at"}` as JSON."""
+        """`{"best_eval": {step, metric, mode, checkpoint, <the eval's metrics>} (None
+        before a best), "stopped_at"}` as JSON."""
         best = None
         if self.best_step is not None:
             best = {
                 "step": self.best_step,
                 "metric": self.metric,
                 "mode": self.mode,
-                "value": self.best_value,
-                "eval": _plain(self.best_eval),
                 "checkpoint": self.best_checkpoint,
+                **_plain(self.best_eval),
             }
-        return {"best": best, "stopped_at": self.stopped_at}
+        return {"best_eval": best, "stopped_at": self.stopped_at}
 
 
 def _plain(d: Mapping) -> dict:
