@@ -346,3 +346,59 @@ def test_ranking_on_a_sample_of_users(events):
     assert report["users"] == 12
     with pytest.raises(ValueError, match="num_users must be >= 1"):
         sets.sample(0)
+
+
+@pytest.mark.parametrize("model", ["two_tower", "din"])
+def test_runner_evals_on_candidate_sets_report_what_means_something(tmp_path, model):
+    """kind=events: an eval on sampled candidates reports the ranking metrics and, of the
+    row metrics, only those that mean something there: no calibration (the rows' positive
+    rate is set by the number of negatives) and no in-batch recall@k (it takes every
+    candidate row as a positive pair); a two-tower's loss is the softmax cross-entropy of
+    the held-out item among its candidates. `eval_users` samples the eval users."""
+    from sparsejax import runner
+
+    log = sd.synthetic_events(num_users=60, num_items=80, events_per_user=(4, 8), seed=2)
+    path = log.write_csv(tmp_path / "events.csv")
+    options = (
+        "{user_features: [user, history], item_features: [item], tower: [8]}"
+        if model == "two_tower"
+        else "{hidden: [8], attention_hidden: [4]}"
+    )
+    cfg = runner.load_config(
+        [],
+        [
+            "data.kind=events",
+            f"data.train={path}",
+            "data.events={columns: [user, item, time], history_length: 5, eval_negatives: 20, "
+            f"negatives: {0 if model == 'two_tower' else 1}}}",
+            "data.batch_size=32",
+            f"model.name={model}",
+            f"model.options={options}",
+            "model.embedding_dim=8",
+            "eval_users=25",
+            "steps=5",
+            f"out_dir={tmp_path}",
+        ],
+    )
+    run = runner.build_run(cfg, log=lambda *_: None)
+    sets = run.data.ranking["eval"]
+    assert sets.num_users == 25 and run.data.ranking["test"].num_users == 60
+    assert len(run.data.eval_examples) == 25 * 21  # the eval rows are the sample's
+    got = runner._run.run_evaluator(run)(run.state)
+    names = train._ranking.candidate_metric_names(run.trainer.task, cfg.eval_ks)
+    assert set(got) - {"examples", "users", "candidates"} == names
+    assert "calibration" not in got and not any(k.startswith("recall@") for k in got)
+    scores = train.score_candidates(run.trainer, run.state, sets, run.data.packer)
+    assert got["hr@10"] == train.ranking_report(scores)["hr@10"] and got["users"] == 25
+    if model == "two_tower":
+        want = np.mean([np.log(np.exp(s - s.max()).sum()) + s.max() - s[0] for s in scores])
+        assert got["loss"] == pytest.approx(want, rel=1e-6)
+    else:  # the candidate rows' own loss, AUC and logloss
+        rows = run.trainer.evaluate(run.state, run.data.eval_batches)
+        assert {k: got[k] for k in ("loss", "auc", "logloss")} == {
+            k: rows[k] for k in ("loss", "auc", "logloss")
+        }
+    with pytest.raises(ValueError, match="`eval_users` samples the users of candidate sets"):
+        runner.load_config([], ["eval_users=10"])
+    with pytest.raises(ValueError, match="`eval_users` must be >= 1, got 0"):
+        runner.load_config([], ["eval_users=0"])

@@ -1388,6 +1388,8 @@ def _build_events(cfg: RunConfig, table_kw: dict) -> DataBundle:
     _table_names_check(cfg, tables)
     packer, eval_packer = _packers(d, tables, features)
     sets = {"eval": seq.valid, "test": seq.test}
+    if cfg.eval_users is not None and seq.valid is not None:  # a sample of the eval users
+        sets["eval"] = seq.valid.sample(cfg.eval_users, seed=cfg.seed)
     examples = {k: None if v is None else v.to_examples() for k, v in sets.items()}
     if examples["eval"] is None or len(examples["eval"]) == 0:
         raise ConfigError(

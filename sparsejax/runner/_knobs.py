@@ -19,6 +19,7 @@ from typing import Any
 
 from ..checkpoint import Checkpointer
 from ..train import EarlyStopping, Hook, Trainer
+from ..train._ranking import candidate_metric_names
 from ._build import DataBundle, build_model
 from ._config import ConfigError
 from ._plan import shard_model
@@ -189,11 +190,11 @@ def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
             checkpointer=ckpt,
         )
         # the metric's name is checked now (one eval batch), not after the first eval
-        names = set(run.trainer.evaluate(run.state, run.data.eval_batches[:1]))
         ranked = (getattr(run.data, "ranking", None) or {}).get("eval") is not None
         if ranked:
-            names |= {f"{m}@{k}" for m in ("hr", "ndcg") for k in cfg.eval_ks}
-            names |= {"mrr", "gauc"}
+            names = candidate_metric_names(run.trainer.task, cfg.eval_ks)
+        else:
+            names = set(run.trainer.evaluate(run.state, run.data.eval_batches[:1]))
         if es.metric not in names:
             if ckpt is not None:
                 ckpt.close()

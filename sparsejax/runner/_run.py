@@ -516,21 +516,20 @@ def _agree_on_start(failure: BaseException | None) -> None:
 
 
 def run_evaluator(run: Run) -> Callable[[TrainState], dict]:
-    """What the evals during training compute: the trainer's metrics on the eval batches,
-    plus hr@k/ndcg@k/mrr/gauc of the eval split's candidate sets when the data has them
-    (k from `eval_ks`), so early stopping can watch a ranking metric."""
+    """What the evals during training compute: the trainer's metrics on the eval batches;
+    on the eval split's candidate sets when the data has them, hr@k/ndcg@k/mrr/gauc (k
+    from `eval_ks`; early stopping can watch them) and only those row metrics that mean
+    something on sampled candidates (`sparsejax.train._ranking.candidate_eval`)."""
     sets = (getattr(run.data, "ranking", None) or {}).get("eval")
 
     def evaluate(state: TrainState) -> dict:
-        result = run.trainer.evaluate(state, run.data.eval_batches)
-        if sets is not None:
-            from ..train import evaluate_ranking
+        if sets is None:
+            return run.trainer.evaluate(state, run.data.eval_batches)
+        from ..train._ranking import candidate_eval
 
-            ranking = evaluate_ranking(
-                run.trainer, state, sets, run.data.packer, ks=tuple(run.cfg.eval_ks)
-            )
-            result |= {k: v for k, v in ranking.items() if k not in result}
-        return result
+        return candidate_eval(
+            run.trainer, state, sets, run.data.packer, run.data.eval_batches, ks=run.cfg.eval_ks
+        )
 
     return evaluate
 
@@ -699,13 +698,13 @@ def evaluate_run(
                 else ""
             )
         )
-    result = trainer.evaluate(state, batches)
     sets = (getattr(data, "ranking", None) or {}).get(split)
     if sets is not None:  # candidate sets: HR@k, NDCG@k, MRR, GAUC
-        from ..train import evaluate_ranking
+        from ..train._ranking import candidate_eval
 
-        ranking = evaluate_ranking(trainer, state, sets, data.packer, ks=tuple(ks))
-        result = {**result, **{k: v for k, v in ranking.items() if k not in result}}
+        result = candidate_eval(trainer, state, sets, data.packer, batches, ks=tuple(ks))
+    else:
+        result = trainer.evaluate(state, batches)
     label = f"{split} of {run_dir} @ step {int(state.step)}" + (" (best)" if step == "best" else "")
     log(f"{label}: {format_metrics(result)}")
     out = {"step": int(state.step), "split": split, **plain(result)}

@@ -562,6 +562,11 @@ class RunConfig:
     """Cut-offs k of the ranking metrics (hr@k, ndcg@k) the evals during training report
     when the data has candidate sets (data.kind: events); early_stopping.metric may name
     them, e.g. ndcg@10."""
+    eval_users: int | None = None
+    """data.kind=events: the eval split's candidate sets are a random sample of this many
+    of its users (drawn by `seed`; evals during training and `sparsejax eval --split
+    eval`), a cheaper eval of a large log; null: all of them. The test split is always
+    evaluated whole."""
     checkpoint_every: int | None = None
     """Steps between checkpoints (default: only at the end)."""
     keep_checkpoints: int = 3
@@ -632,12 +637,17 @@ class RunConfig:
                 "set eval_every=N steps"
             )
         fields = ("steps", "epochs", "log_every", "eval_every", "checkpoint_every")
-        for f in (*fields, "keep_checkpoints", "checkpoint_full_every"):
+        for f in (*fields, "keep_checkpoints", "checkpoint_full_every", "eval_users"):
             v = getattr(self, f)
             if isinstance(v, int) and v < 1:  # eval_every may be "epoch"
                 raise ValueError(f"`{f}` must be >= 1, got {v}")
         if not self.eval_ks or min(self.eval_ks) < 1:
             raise ValueError(f"`eval_ks` must be cut-offs >= 1, got {list(self.eval_ks)}")
+        if self.eval_users is not None and self.data.kind != "events":
+            raise ValueError(
+                f"`eval_users` samples the users of candidate sets (data.kind=events); "
+                f"data.kind={self.data.kind!r} has none: set eval_users=null"
+            )
         from ._build import check_tables_config  # the checks live with the code they guard
 
         check_tables_config(self)

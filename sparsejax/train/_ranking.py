@@ -2,10 +2,13 @@
 item plus sampled negatives per user), full-corpus recall@k of two-tower models through
 their towers, and per-example predictions to save.
 
-Candidate rows are scored in fixed-shape batches of the packer's batch size (the last
-one padded), so a model compiles its eval step once. CTR models (task "binary") score a
-row by their logit; retrieval models (task "retrieval", whose output is the `[B, B]`
-in-batch score matrix) by its diagonal, the row's own (user, item) score.
+Candidates are scored factored where the model allows (`score_candidates`): a two-tower
+encodes each user and each distinct candidate item once and scores their dot products; a
+DIN looks each user's history up once for all its candidates. Any other model scores each
+(user, candidate) as a packed row, in fixed-shape batches of the packer's batch size (the
+last one padded, so the eval step compiles once): CTR models (task "binary") by their
+logit, retrieval models (whose output is the `[B, B]` in-batch score matrix) by its
+diagonal, the row's own (user, item) score.
 
 Example::
 
@@ -237,6 +240,46 @@ def evaluate_ranking(
         trainer, state, sets, packer, max_negatives=max_negatives, method=method
     )
     return ranking_report(scores, ks=ks, ties=ties)
+
+
+def candidate_eval(
+    trainer: Trainer,
+    state: TrainState,
+    sets: CandidateSets,
+    packer: BatchPacker,
+    batches: Sequence = (),
+    *,
+    ks: int | Sequence[int] = (10,),
+    method: str = "auto",
+) -> dict[str, float]:
+    """An eval on candidate sets with only the metrics that mean something there:
+    `evaluate_ranking`'s, and
+
+    * a CTR model (task "binary"): `loss`, `auc` and `logloss` of the candidate rows
+      (`batches`, by `Trainer.evaluate`), but not `calibration`: the rows' positive rate
+      is 1 / candidates by construction (the number of sampled negatives), so predicted
+      over observed CTR measures the sampling, not the model;
+    * a retrieval model: `loss`, the softmax cross-entropy of the held-out item among its
+      candidates, instead of `Trainer.evaluate`'s in-batch loss and recall@k, which take
+      every candidate row, negatives included, as a positive pair.
+    """
+    scores = score_candidates(trainer, state, sets, packer, method=method)
+    ranking = ranking_report(scores, ks=ks)
+    if trainer.task == "binary":
+        rows = trainer.evaluate(state, batches)
+        rows = {k: v for k, v in rows.items() if k in ("loss", "auc", "logloss", "examples")}
+        return rows | {k: v for k, v in ranking.items() if k not in rows}
+    s = scores.astype(np.float64)
+    top = s.max(axis=1)
+    lse = top + np.log(np.exp(s - top[:, None]).sum(axis=1))
+    return {"loss": float(np.mean(lse - s[:, 0])), **ranking}
+
+
+def candidate_metric_names(task: str, ks: Sequence[int]) -> set[str]:
+    """The metrics `candidate_eval` reports for a model of `task` (early stopping may
+    watch them)."""
+    names = {"loss", "auc", "mrr", "gauc", *(f"{m}@{k}" for m in ("hr", "ndcg") for k in ks)}
+    return names | ({"logloss"} if task == "binary" else set())
 
 
 def ranking_report(
