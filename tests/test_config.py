@@ -210,3 +210,105 @@ def test_schema_reference_documents_every_top_level_key():
     for key in ("`steps` (int | null; default `300`)", "`data.batch_size`", "`optimizer.sparse`"):
         assert key in ref
     assert "`key!=value`" in ref and "!replace" in ref and "`data.prefetch`" in ref
+
+
+# ---------------------------------------------------------------------------------------
+# Values checked at load, before anything is created; late refusals leave nothing
+
+
+def _train_cli(tmp_path, capsys, *overrides) -> str:
+    """`sparsejax train` in-process: exit 2 and the one line it printed."""
+    from sparsejax.__main__ import main
+
+    code = main(["train", f"out_dir={tmp_path / 'runs'}", "progress=false", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, (code, err)
+    return err
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optimizer.sparse_learning_rate=-0.05", "'optimizer.sparse_learning_rate' must be > 0"),
+        ("optimizer.dense_learning_rate=-1e-3", "'optimizer.dense_learning_rate' must be > 0"),
+        ("model.embedding_dim=-1", "'model.embedding_dim' must be >= 1, got -1"),
+        ("seed=-1", "'seed' must be >= 0, got -1"),
+        ("data.zipf=0", "'data.zipf' must be > 0"),
+        ("optimizer.sparse_options={eps: -1}", "'optimizer.sparse_options.eps' must be >= 0"),
+        ("model.options={bottom: [-1, 16]}", "'model.options.bottom' must be >= 1, got [-1, 16]"),
+        ("model.options={top: [64, 8]}", "'model.options.top' must end with 1"),
+        ("model.options={bottom: wide}", "'model.options.bottom': expected a list, got 'wide'"),
+        ("model.options={embedding_dim: 8}", "unknown config key 'model.options.embedding_dim'"),
+        (
+            "data.synthetic_options={num_dense: -2}",
+            "'data.synthetic_options.num_dense' must be >= 0",
+        ),
+        ("data.synthetic_options={zipf: 2}", "unknown config key 'data.synthetic_options.zipf'"),
+        (
+            "tables={C1: {compose: {kind: qr, fraction: 1.5}}}",
+            "'tables.C1.compose.fraction' must be in (0, 1]",
+        ),
+    ],
+)
+def test_out_of_range_values_are_refused_at_load(tmp_path, capsys, override, message):
+    err = _train_cli(tmp_path, capsys, override)
+    assert message in err, err
+    assert not (tmp_path / "runs").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["optimizer.sparse=lazy_adam", "optimizer.sparse_options={b1: 1.5}"],
+            "'optimizer.sparse_options.b1' must be in [0, 1), got 1.5",
+        ),
+        (
+            ["model.name=two_tower", "model.options={temperature: -0.1}"],
+            "'model.options.temperature' must be > 0, got -0.1",
+        ),
+        (
+            ["model.name=dcnv2", "model.options={structure: stacke}"],
+            "'model.options.structure': 'stacke' is not one of ['stacked', 'parallel']",
+        ),
+        (
+            ["model.name=two_tower", "model.options={temperature: '5e-2'}"],
+            None,  # YAML 1.1 reads 5e-2 as a string: converted to the option's type
+        ),
+    ],
+)
+def test_options_are_typed_and_in_range_for_the_class_they_configure(overrides, message):
+    if message is None:
+        assert runner.load_config([], overrides).model.options == {"temperature": 0.05}
+        return
+    with pytest.raises(ConfigError) as e:
+        runner.load_config([], overrides)
+    assert message in str(e.value)
+
+
+def _minus_one_labels(tmp_path) -> list[str]:
+    """A Criteo file whose -1 labels stop the read: refused after the run directory was
+    made (the data is read after the lock is taken)."""
+    line = "\t".join(["-1", *["1"] * 13, *["a1"] * 26])
+    (tmp_path / "day.tsv").write_text(f"{line}\n" * 10)
+    return ["data.kind=criteo", f"data.path={tmp_path / 'day.tsv'}"]
+
+
+def test_a_late_refusal_leaves_no_run_directory(tmp_path, capsys):
+    """The directories this invocation made are removed, out_dir included."""
+    err = _train_cli(tmp_path, capsys, *_minus_one_labels(tmp_path))
+    assert "day.tsv: line 1: label -1" in err and "traceback in" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_late_refusal_keeps_the_previous_runs_files(tmp_path, capsys):
+    """In a run directory that was there before, only what this invocation added goes."""
+    run = tmp_path / "runs" / "default"
+    run.mkdir(parents=True)
+    (run / "notes.txt").write_text("mine\n")
+    (run / "run.log").write_text("an earlier attempt\n")
+    _train_cli(tmp_path, capsys, *_minus_one_labels(tmp_path))
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "run.log"]
+    assert (run / "notes.txt").read_text() == "mine\n"
+    log = (run / "run.log").read_text()  # the refused attempt is appended to its log
+    assert log.startswith("an earlier attempt\n") and "day.tsv: line 1: label -1" in log

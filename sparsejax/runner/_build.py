@@ -50,7 +50,7 @@ from ..embedding._spec import (
     HostCache,
 )
 from ..nn import MODELS
-from ._config import ConfigError, from_dict, to_dict, unknown_key_error
+from ._config import ConfigError, from_dict, to_dict
 from ._schema import (
     DATA_DIR_ENV,
     AdmissionConfig,
@@ -59,7 +59,9 @@ from ._schema import (
     RunConfig,
     SplitConfig,
     TableConfig,
+    check_range,
     sparse_optimizer,
+    typed_options,
 )
 
 FILE_KINDS = ("criteo", "delimited", "libsvm", "parquet", "events")
@@ -121,13 +123,16 @@ def _side_schema_dict(join, main_schema, key: str) -> dict:
 
 
 def _check_generator_options(d: DataConfig) -> None:
-    """`data.synthetic_options` must be fields of the generator `data.kind` names."""
+    """`data.synthetic_options` must be fields of the generator `data.kind` names, of
+    their types, which the generator accepts (it checks its values)."""
     cls = sd.SyntheticCriteo if d.kind == "synthetic" else sd.SyntheticBehavior
     fixed = {"seed"} | ({"max_vocab", "zipf_exponent"} if d.kind == "synthetic" else set())
-    valid = {f.name for f in dataclasses.fields(cls) if f.init} - fixed
-    for k in d.synthetic_options:
-        if k not in valid:
-            raise unknown_key_error("data.synthetic_options.", str(k), valid)
+    options = typed_options("data.synthetic_options.", cls, d.synthetic_options, fixed)
+    object.__setattr__(d, "synthetic_options", options)
+    try:
+        cls(**options)
+    except ValueError as e:
+        raise ConfigError(f"data.synthetic_options: {e}") from None
 
 
 def check_data_config(d: DataConfig) -> None:
@@ -523,6 +528,9 @@ def _table_config(opts, prefix: str) -> TableConfig:
     for k, (v, lo) in positive.items():
         if v is not None and v < lo:
             raise ConfigError(f"{prefix}.{k} must be >= {lo}, got {v}")
+    if tc.compose is not None:
+        for k, rule in (("rows", ">=1"), ("fraction", "(0,1]"), ("hashes", ">=1")):
+            check_range(f"{prefix}.compose.{k}", getattr(tc.compose, k), rule)
     ram = None if tc.ram_bytes is None else parse_bytes(tc.ram_bytes, f"{prefix}.ram_bytes")
     return dataclasses.replace(tc, cache_rows=cache_rows, ram_bytes=ram)
 

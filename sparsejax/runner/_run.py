@@ -435,7 +435,9 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
     `RESUMABLE_KEYS` may change on resume); `restart=True` moves the old run aside to
     `RUN.replaced-<time>` and starts over. Everything logged goes to `RUN/run.log` too,
     with the traceback of an error that ends the run (its path in the exception's
-    `run_log` attribute).
+    `run_log` attribute). A start refused before it trains (a config or data error)
+    removes what it created: the run directory when it made it, else the entries it
+    added (a previous run's files stay; its run.log keeps the refused attempt).
 
     In many processes (`sparsejax launch`, `jax.distributed`) every process calls this
     with the same config: process 0 locks and checks the run directory and writes its
@@ -454,10 +456,12 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
     primary = jax.process_index() == 0
     lock = RunLock(cfg.run_dir, log=log) if primary else None
     notes, entry, failure = [], {}, None
+    made, before = _first_missing(cfg.run_dir), set()  # what a refused start removes
     if lock is not None:  # process 0 owns the run directory
         try:
             lock.acquire()
             notes, entry = _prepare_run_dir(cfg, restart=restart)
+            before = set(os.listdir(cfg.run_dir)) - {LOCK_NAME} if made is None else set()
         except Exception as e:
             lock.release()
             failure = e
@@ -465,6 +469,7 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
     if failure is not None:
         raise failure
     run_log = _RunLogFile(os.path.join(cfg.run_dir, "run.log")) if primary else None
+    run = None
     try:
         if run_log is not None:
             log = run_log.tee(log)
@@ -475,9 +480,9 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
         )
         for line in notes:
             log(line)
+        run = build_run(cfg, log=log)
         if primary:
             _record_start(cfg, {**entry, "processes": many} if many > 1 else entry)
-        run = build_run(cfg, log=log)
         try:
             return train_run(run, log=log)
         finally:
@@ -486,10 +491,50 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
         if run_log is not None:
             run_log.write("".join(traceback.format_exception(e)))
             e.run_log = run_log.path  # type: ignore[attr-defined]
+        # refused (a config or data error) before it trained, as opposed to a failure
+        # in training or a bug, whose traceback stays in run.log
+        refused = isinstance(e, ValueError) and (run is None or isinstance(e, ConfigError))
+        if primary and refused and _no_new_checkpoint(cfg, entry):
+            _remove_new(cfg.run_dir, made, before)
+            if made is not None:
+                e.run_log = None  # type: ignore[attr-defined]  # removed with the run
         raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of `path` that does not exist yet (None: `path` exists)."""
+    path, first = os.path.abspath(path), None
+    while not os.path.exists(path):
+        first, path = path, os.path.dirname(path)
+    return first
+
+
+def _no_new_checkpoint(cfg: RunConfig, entry: dict) -> bool:
+    """No checkpoint newer than the one the run started from (`entry`'s step)."""
+    steps = _checkpoint_steps(cfg.run_dir)
+    return not steps or steps[-1] <= entry.get("step", 0)
+
+
+def _remove_new(run_dir: str, made: str | None, before: set[str]) -> None:
+    """Remove what a refused start created: the directories it made (`made`, the
+    outermost: out_dir too when it was new), else the run directory's entries that were
+    not in `before`. A previous run's files stay; its run.log keeps the refused attempt."""
+    if made is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        while len(parent) >= len(made) and os.path.isdir(parent) and not os.listdir(parent):
+            os.rmdir(parent)  # only empty directories this start made
+            parent = os.path.dirname(parent)
+        return
+    for name in set(os.listdir(run_dir)) - before:
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
 
 
 def _agree_on_start(failure: BaseException | None) -> None:

@@ -26,11 +26,31 @@ from ..embedding import constant_init, normal_init, truncated_normal_init, unifo
 from ..nn import MODELS
 from ..ops import optimizers as sparse_optimizers
 from ..train._schedules import Schedule
-from ._config import from_dict, layered, unknown_key_error
+from ._config import ConfigError, convert, from_dict, layered, unknown_key_error
 
 DATA_DIR_ENV = "SPARSEJAX_DATA_DIR"
 """Environment variable: where relative `data.path` values are looked up after the
 working directory."""
+
+
+_RULES = {
+    ">0": (lambda x: x > 0, "> 0"),
+    ">=0": (lambda x: x >= 0, ">= 0"),
+    ">=1": (lambda x: x >= 1, ">= 1"),
+    "[0,1)": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "(0,1]": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "[0,1]": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+}
+
+
+def check_range(key: str, value, rule: str) -> None:
+    """`value` (a number, or each number of a list) must satisfy `rule`, a key of
+    `_RULES` (">0", ">=0", ">=1", "[0,1)", "(0,1]", "[0,1]"); else a `ConfigError` naming `key`
+    and the value. None passes (an unset value)."""
+    ok, text = _RULES[rule]
+    for x in value if isinstance(value, (list, tuple)) else [value]:
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not ok(x)):
+            raise ConfigError(f"config key {key!r} must be {text}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +75,9 @@ class SplitConfig:
     it, and falls after it."""
     seed: int | None = None
     """random: the shuffle's seed (default: the run's `seed`)."""
+
+    def __post_init__(self):
+        check_range("data.split.seed", self.seed, ">=0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,6 +228,7 @@ class DataConfig:
     """stream: rows shuffled together (a window of whole chunks); bounds the memory."""
 
     def __post_init__(self):
+        check_range("data.zipf", self.zipf, ">0")
         from ._build import check_data_config  # the checks live with the code they guard
 
         check_data_config(self)
@@ -272,16 +296,22 @@ class MixedDimsConfig:
 class ModelConfig:
     name: Literal["dlrm", "deepfm", "wide_deep", "dcnv2", "din", "two_tower"] = "dlrm"
     embedding_dim: int = 16
+    """Dim of the tables that set none of their own (>= 1)."""
     options: dict = dataclasses.field(default_factory=dict)
-    """Model-specific fields (e.g. dlrm: bottom, top; dcnv2: cross_layers, hidden)."""
+    """Model-specific fields (e.g. dlrm: bottom, top; dcnv2: cross_layers, hidden), each
+    of the type and range its model takes."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Computation dtype of the dense layers; bfloat16 = mixed precision."""
     table_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage dtype of the embedding tables."""
     implementation: Literal["xla", "cpu_ffi", "pallas"] | None = None
     """Sparse kernel choice; None picks the platform's best."""
-    embedding_init: EmbeddingInitConfig = dataclasses.field(default_factory=EmbeddingInitConfig)
-    """Initializer of the embedding tables (default: TorchRec's U(+-sqrt(1/vocab_size)))."""
+    embedding_init: EmbeddingInitConfig = dataclasses.field(
+        default_factory=lambda: EmbeddingInitConfig(kind="normal", stddev=0.01)
+    )
+    """Initializer of the embedding tables: N(0, 0.01^2) unless set (measured on the
+    Criteo samples: experiments/RESULTS.md, "Defaults"); `!replace {kind: uniform}` gives
+    TorchRec's U(+-sqrt(1/vocab_size)), each table's own without the runner."""
     dropout: float = 0.0
     """Dropout rate after every hidden ReLU of the model's MLPs (two-tower: the towers),
     in training only; evaluation is deterministic."""
@@ -293,21 +323,28 @@ class ModelConfig:
     matrix. null: every stacked table has `embedding_dim`."""
 
     def __post_init__(self):
+        check_range("model.embedding_dim", self.embedding_dim, ">=1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout!r}")
+        object.__setattr__(self, "options", _model_options(self.name, self.options))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     sparse: Literal["sgd", "adagrad", "rowwise_adagrad", "lazy_adam", "ftrl", "adagrad_decay"] = (
-        "rowwise_adagrad"
+        "lazy_adam"
     )
-    """Optimizer of the embedding tables (touched rows only)."""
-    sparse_learning_rate: float = 0.05
+    """Optimizer of the embedding tables (touched rows only). The defaults, lazy_adam at
+    1e-3 (and `model.embedding_init` N(0, 0.01^2)), were measured on the Criteo samples
+    (experiments/RESULTS.md, "Defaults"): rowwise_adagrad at 0.05 overfit within 1-2
+    epochs. rowwise_adagrad keeps one slot value per row instead of two per element."""
+    sparse_learning_rate: float = 1e-3
+    """Learning rate of the tables' optimizer (> 0)."""
     sparse_options: dict = dataclasses.field(default_factory=dict)
     """Other fields of the sparse optimizer (e.g. eps, initial_accumulator_value)."""
     dense: Literal["adam", "adagrad", "sgd", "adamw"] = "adam"
     dense_learning_rate: float = 1e-3
+    """Learning rate of the dense parameters' optimizer (> 0)."""
     sparse_l2: float = 0.0
     """L2 regularization of the embedding rows a batch touches: the gradient of
     `0.5 * sparse_l2 * ||row||^2` is added once per touched row and step (however often
@@ -326,10 +363,20 @@ class OptimizerConfig:
     """Which optimizers follow `schedule`; the other keeps its constant rate."""
 
     def __post_init__(self):
+        for f in ("sparse_learning_rate", "dense_learning_rate"):
+            check_range(f"optimizer.{f}", getattr(self, f), ">0")
         for f in ("sparse_l2", "dense_weight_decay"):
             v = getattr(self, f)
             if v is not None and not v >= 0:
                 raise ValueError(f"`{f}` must be >= 0, got {v!r}")
+        options = typed_options(
+            "optimizer.sparse_options.",
+            _SPARSE[self.sparse],
+            self.sparse_options,
+            {"learning_rate"},
+        )
+        object.__setattr__(self, "sparse_options", options)
+        sparse_optimizer(self)  # the optimizer's own checks
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -607,6 +654,7 @@ class RunConfig:
     dynamic or host-cached tables."""
 
     def __post_init__(self):
+        check_range("seed", self.seed, ">=0")
         ps = self.profile_steps
         if ps is not None and (
             len(ps) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ps)
@@ -666,26 +714,75 @@ def load_config(
 
 def config_from_dict(data: dict) -> RunConfig:
     """Validate a merged config mapping into a `RunConfig` (errors name the key)."""
-    cfg = from_dict(RunConfig, data)
-    _check_model_options(cfg.model)
-    sparse_optimizer(cfg.optimizer)  # validates sparse_options
-    return cfg
+    return from_dict(RunConfig, data)
 
 
-def _check_model_options(m: ModelConfig) -> None:
-    cls = MODELS[m.name]
-    settable = {f.name for f in dataclasses.fields(cls) if f.init} - {
-        "tables",
-        "features",
-        "dtype",
-        "implementation",
-        "parent",
-        "name",
-        "dropout",  # model.dropout
-    }
-    for k in m.options:
-        if k not in settable:
-            raise unknown_key_error("model.options.", k, settable)
+_NOT_MODEL_OPTIONS = {"tables", "features", "dtype", "implementation", "parent", "name"}
+"""Model fields the runner sets (the data's specs, `model.dtype`, ...), and
+`dropout` and `embedding_dim`, which are `model.*` keys of their own."""
+
+OPTION_RULES = {
+    "bottom": ">=1",
+    "top": ">=1",
+    "hidden": ">=1",
+    "attention_hidden": ">=1",
+    "tower": ">=1",
+    "cross_layers": ">=1",
+    "rank": ">=1",
+    "temperature": ">0",
+    "eps": ">=0",
+    "initial_accumulator_value": ">=0",
+    "b1": "[0,1)",
+    "b2": "[0,1)",
+    "l1": ">=0",
+    "l2": ">=0",
+    "beta": ">=0",
+    "accumulator_decay_rate": "(0,1]",
+    "num_dense": ">=0",
+    "focus": "[0,1]",
+}
+"""The values an option of a model, sparse optimizer or generator may take, by name
+(see `check_range`)."""
+
+
+def option_fields(cls, exclude=()) -> list[dataclasses.Field]:
+    """The fields of a model, optimizer or generator class a config's options may set."""
+    return [f for f in dataclasses.fields(cls) if f.init and f.name not in exclude]
+
+
+def typed_options(prefix: str, cls, options: dict, exclude) -> dict:
+    """`options` checked against the fields of `cls`: an unknown key names the closest
+    one, each value is converted to the field's type and kept in `OPTION_RULES`' range."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    valid = {f.name for f in option_fields(cls, exclude)}
+    out = {}
+    for k, v in options.items():
+        if k not in valid:
+            raise unknown_key_error(prefix, str(k), valid)
+        v = convert(hints[k], v, prefix + k)
+        v = list(v) if isinstance(v, tuple) else v
+        if k in OPTION_RULES:
+            check_range(prefix + k, v, OPTION_RULES[k])
+        out[k] = v
+    return out
+
+
+def _model_options(name: str, options: dict) -> dict:
+    """`model.options` of model `name`, typed and in range (see `typed_options`)."""
+    exclude = _NOT_MODEL_OPTIONS | {"dropout", "embedding_dim"}
+    out = typed_options("model.options.", MODELS[name], options, exclude)
+    if name == "dlrm" and out.get("top", [1])[-1:] != [1]:
+        raise ConfigError(
+            f"config key 'model.options.top' must end with 1 (DLRM's output unit), got {out['top']}"
+        )
+    if name == "dcnv2" and out.get("structure", "stacked") not in ("stacked", "parallel"):
+        raise ConfigError(
+            f"config key 'model.options.structure': {out['structure']!r} is not one of "
+            f"['stacked', 'parallel']"
+        )
+    return out
 
 
 _SPARSE = {
@@ -700,13 +797,12 @@ _DENSE = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd, "adamw
 
 
 def sparse_optimizer(cfg: OptimizerConfig) -> sparse_optimizers.SparseOptimizer:
-    """The tables' optimizer of `optimizer.sparse*`; unknown options name the key."""
-    cls = _SPARSE[cfg.sparse]
-    valid = {f.name for f in dataclasses.fields(cls) if f.init} - {"learning_rate"}
-    for k in cfg.sparse_options:
-        if k not in valid:
-            raise unknown_key_error("optimizer.sparse_options.", k, valid)
-    return cls(learning_rate=cfg.sparse_learning_rate, **cfg.sparse_options)
+    """The tables' optimizer of `optimizer.sparse*` (the options checked by
+    `OptimizerConfig`; the optimizer's own checks name the option)."""
+    try:
+        return _SPARSE[cfg.sparse](learning_rate=cfg.sparse_learning_rate, **cfg.sparse_options)
+    except ValueError as e:
+        raise ConfigError(f"optimizer.sparse_options: {e}") from None
 
 
 def dense_optimizer(
