@@ -312,3 +312,23 @@ def test_a_late_refusal_keeps_the_previous_runs_files(tmp_path, capsys):
     assert (run / "notes.txt").read_text() == "mine\n"
     log = (run / "run.log").read_text()  # the refused attempt is appended to its log
     assert log.startswith("an earlier attempt\n") and "day.tsv: line 1: label -1" in log
+
+
+def test_a_directory_as_data_path_is_named_a_directory(tmp_path, capsys):
+    (tmp_path / "parts").mkdir()
+    err = _train_cli(tmp_path, capsys, "data.kind=criteo", f"data.path={tmp_path / 'parts'}")
+    assert f"{tmp_path / 'parts'} is a directory, not a file" in err and "no such file" not in err
+    assert "parts/*.csv" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_binary_config_file_is_named(tmp_path, capsys):
+    from sparsejax.__main__ import main
+
+    (tmp_path / "model.bin").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError) as e:
+        runner.load_config([tmp_path / "model.bin"])
+    assert str(e.value).startswith(f"config file {tmp_path / 'model.bin'} ")
+    assert main(["config", str(tmp_path / "model.bin")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.bin" in err

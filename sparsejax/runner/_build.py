@@ -869,13 +869,19 @@ def tiered_options(
 
 def resolve_data_path(path: str | os.PathLike, key: str = "data.path") -> str:
     """The file `path` names: as given if absolute; else in the working directory, then
-    in `$SPARSEJAX_DATA_DIR`. A missing file is a `ConfigError` naming `key`, the path
-    and where it looked."""
+    in `$SPARSEJAX_DATA_DIR`. A missing file (or a directory) is a `ConfigError` naming
+    `key`, the path and where it looked."""
     path = os.fspath(path)
     places = _places(path)
     for p in places:
         if os.path.isfile(p):
             return p
+    folder = next((p for p in places if os.path.isdir(p)), None)
+    if folder is not None:
+        raise ConfigError(
+            f"{key}={path!r}: {folder} is a directory, not a file; name its files with a "
+            f"glob ({os.path.join(path, '*.csv')!r}) or a list"
+        )
     raise ConfigError(
         f"{key}={path!r}: no such file (looked for {', '.join(places)}){_unset(path)}"
     )

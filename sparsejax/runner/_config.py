@@ -148,6 +148,11 @@ def load_yaml(path: str | os.PathLike, _seen: tuple = ()) -> dict:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"config file {path} is a directory") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not a text (UTF-8) file: byte {e.object[e.start]:#04x} at "
+            f"offset {e.start}; a config is YAML"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML ({_yaml_error(e)})") from None
     if not isinstance(data, Mapping):
