@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from sparsejax import runner
-from sparsejax.runner import ConfigError, _config
+from sparsejax.runner import ConfigError, _config, _schema
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -332,3 +332,60 @@ def test_a_binary_config_file_is_named(tmp_path, capsys):
     assert main(["config", str(tmp_path / "model.bin")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.bin" in err
+
+
+# ---------------------------------------------------------------------------------------
+# docs/config.md: every key, each model's options
+
+
+def _section(ref: str, head: str) -> str:
+    return ref.split(head, 1)[1].split("\n#", 1)[0]
+
+
+@pytest.mark.parametrize(
+    "kind_key,key,classes",
+    [
+        ("model.name", "model.options", runner.MODELS),
+        (
+            "optimizer.sparse",
+            "optimizer.sparse_options",
+            _schema._SPARSE,
+        ),
+    ],
+    ids=["model", "sparse_optimizer"],
+)
+def test_the_reference_documents_exactly_the_options_a_config_may_set(kind_key, key, classes):
+    """Per class: an option is documented (with its meaning) iff the config accepts it."""
+    import dataclasses
+
+    ref = runner.config_reference()
+    common = _section(ref, f"## `{key}` by `{kind_key}`")
+    for name, cls in classes.items():
+        section = common + _section(ref, f"### `{kind_key}: {name}` ({cls.__name__})")
+        for f in dataclasses.fields(cls):
+            documented = f"- `{key}.{f.name}` (" in section
+            try:
+                runner.load_config([], [f"{kind_key}={name}", f"{key}={{{f.name}: []}}"])
+                accepted = True
+            except ConfigError as e:
+                accepted = "unknown config key" not in str(e)
+            assert documented == accepted, (name, f.name, documented, accepted)
+        for line in section.splitlines():
+            if line.startswith(f"- `{key}."):
+                assert "): " in line, f"{line}: no description"
+
+
+def test_the_reference_documents_the_table_schema_and_generators():
+    import dataclasses
+
+    from sparsejax import data as sd
+
+    ref = runner.config_reference()
+    schema = _section(ref, "## `data.schema` (TableSchema)")
+    for f in dataclasses.fields(sd.TableSchema):
+        assert f"- `data.schema.{f.name}` (" in schema, f.name
+    behavior = _section(ref, "### `data.kind: behavior` (SyntheticBehavior)")
+    assert "- `data.synthetic_options.num_users` (int; default `10000`): " in behavior
+    assert "`data.synthetic_options.seed`" not in behavior  # the run's seed
+    dlrm = _section(ref, "### `model.name: dlrm` (DLRM)")
+    assert "`model.options.bottom` (list of int; default `[64, model.embedding_dim]`)" in dlrm

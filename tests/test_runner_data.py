@@ -827,3 +827,27 @@ def test_eval_and_test_files_with_and_without_a_header_beside_headerless_train_f
 def test_eval_header_where_it_does_not_apply(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         _avazu_eval_config(tmp_path, "data.eval_header=false", *overrides)
+
+
+def test_dlrm_without_dense_columns_says_it_ignores_bottom(tmp_path):
+    """A config that sets DLRM's `bottom` on data without dense columns: one warning
+    line in the log; unset, no warning (the default is unused silently)."""
+    _ratings_csv(tmp_path / "r.csv")
+    overrides = [
+        "data.kind=delimited",
+        f"data.train={tmp_path}/r.csv",
+        "data.schema={label: label, categorical: [user, time]}",
+        "data.batch_size=16",
+        "model.embedding_dim=4",
+    ]
+    said = {}
+    for name, extra in (("set", ["model.options={bottom: [8, 4]}"]), ("unset", [])):
+        lines = []
+        runner.build_run(
+            _load(None, tmp_path, *overrides, *extra, f"name={name}"), log=lines.append
+        )
+        said[name] = [ln for ln in lines if ln.startswith("warning: ")]
+    assert said["unset"] == [] and len(said["set"]) == 1
+    assert said["set"][0].startswith(
+        "warning: model.options.bottom=[8, 4] is ignored: the data has no dense columns"
+    )

@@ -21,8 +21,11 @@ from ._batch import JaggedIds
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SyntheticBehavior:
     num_users: int = 10_000
+    """Users, each with its own preferred categories."""
     num_items: int = 50_000
+    """Items; item i has category i % num_categories."""
     num_categories: int = 100
+    """Item categories (<= num_items)."""
     preferred: int = 3
     """Categories each user prefers."""
     max_history: int = 20

@@ -125,7 +125,11 @@ class DLRM(_CTRModel):
     pooled embedding, top MLP. The bottom MLP's last width must equal the tables' dim."""
 
     bottom: Sequence[int] = (64, 16)
+    """Widths of the bottom MLP over the dense features (ReLU after each layer); the last
+    must equal the embedding dim. Unused without dense features."""
     top: Sequence[int] = (64, 32, 1)
+    """Widths of the top MLP over [bottom output, pairwise dot products]; the last is the
+    output unit, 1."""
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
@@ -158,6 +162,7 @@ class DeepFM(_CTRModel):
     embeddings + an MLP on the concatenated embeddings and dense features."""
 
     hidden: Sequence[int] = (200, 200)
+    """Widths of the deep MLP's hidden layers (one output unit follows)."""
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
@@ -176,6 +181,7 @@ class WideAndDeep(_CTRModel):
     MLP over the embeddings and dense features."""
 
     hidden: Sequence[int] = (256, 128)
+    """Widths of the deep MLP's hidden layers (one output unit follows)."""
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
@@ -189,10 +195,13 @@ class DCNv2(_CTRModel):
     cross layers) or parallel (side by side), then one output unit."""
 
     cross_layers: int = 3
+    """Cross layers of the cross network."""
     rank: int | None = None
     """Low-rank cross layers (DCN-Mix style) when set."""
     hidden: Sequence[int] = (256, 128)
+    """Widths of the MLP's layers (ReLU after each; one output unit follows)."""
     structure: str = "stacked"
+    """"stacked": the MLP after the cross layers; "parallel": side by side."""
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
@@ -227,7 +236,9 @@ class DIN(_CTRModel):
     history: str = "history"
     """Sequence feature holding the behavior history; share the candidate's table."""
     attention_hidden: Sequence[int] = (36,)
+    """Widths of the attention unit's MLP, which weights each history item."""
     hidden: Sequence[int] = (200, 80)
+    """Widths of the final MLP's hidden layers (one output unit follows)."""
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False, candidates=None) -> jax.Array:
@@ -273,8 +284,11 @@ class TwoTower(nn.Module):
     user_features: Sequence[str] = ()
     """Features of the user tower (sequences enter as their mean)."""
     item_features: Sequence[str] = ()
+    """Features of the item tower."""
     tower: Sequence[int] = (128, 64)
+    """Widths of each tower's MLP; the last is the dim of the user and item vectors."""
     temperature: float = 0.05
+    """Scores are cosine similarities divided by this."""
     dtype: jnp.dtype | None = None
     implementation: str | None = None
     dropout: float = 0.0

@@ -135,7 +135,9 @@ class Adagrad(SparseOptimizer):
     """Element-wise Adagrad; matches `optax.adagrad` on touched rows."""
 
     initial_accumulator_value: float = 0.1
+    """Starting value of every squared-gradient accumulator."""
     eps: float = 1e-7
+    """Added to the accumulator inside the square root."""
     code: ClassVar[int] = 1
 
     def slots(self):
@@ -158,7 +160,9 @@ class RowWiseAdagrad(SparseOptimizer):
     """
 
     initial_accumulator_value: float = 0.0
+    """Starting value of every row's accumulator."""
     eps: float = 1e-8
+    """Added to the accumulator's square root."""
     code: ClassVar[int] = 2
 
     def slots(self):
@@ -181,8 +185,11 @@ class LazyAdam(SparseOptimizer):
     """
 
     b1: float = 0.9
+    """Decay of the first moment (the gradient's running mean)."""
     b2: float = 0.999
+    """Decay of the second moment (the squared gradient's running mean)."""
     eps: float = 1e-8
+    """Added to the second moment's square root."""
     code: ClassVar[int] = 3
 
     def slots(self):
@@ -206,9 +213,13 @@ class FTRL(SparseOptimizer):
     """FTRL-proximal (McMahan et al. 2013; TF `FtrlOptimizer` with lr_power=-0.5)."""
 
     l1: float = 0.0
+    """L1 regularization strength (weights with |z| <= l1 are exactly 0)."""
     l2: float = 0.0
+    """L2 regularization strength."""
     beta: float = 0.0
+    """FTRL's beta, added to the accumulator's square root in the per-coordinate rate."""
     initial_accumulator_value: float = 0.1
+    """Starting value of every squared-gradient accumulator."""
     code: ClassVar[int] = 4
 
     def slots(self):
@@ -242,8 +253,11 @@ class AdagradDecay(SparseOptimizer):
     """
 
     initial_accumulator_value: float = 0.1
+    """Starting value of every accumulator, and the floor its decay stops at (> 0)."""
     accumulator_decay_step: int = 100_000
+    """Global steps per decay period."""
     accumulator_decay_rate: float = 0.9
+    """Factor the accumulator is multiplied by per elapsed period."""
     code: ClassVar[int] = 5
 
     def __post_init__(self):

@@ -24,6 +24,7 @@ from ._build import absolute_data_paths as absolute_data_paths
 from ._build import build_data as build_data
 from ._build import build_model as build_model
 from ._build import first_train_batch as first_train_batch
+from ._build import model_warnings as model_warnings
 from ._build import resolve_data_path as resolve_data_path
 from ._build import resolve_files as resolve_files
 from ._config import ConfigError as ConfigError

@@ -53,6 +53,7 @@ from ..nn import MODELS
 from ._config import ConfigError, from_dict, to_dict
 from ._schema import (
     DATA_DIR_ENV,
+    GENERATORS,
     AdmissionConfig,
     DataConfig,
     FeatureConfig,
@@ -125,8 +126,7 @@ def _side_schema_dict(join, main_schema, key: str) -> dict:
 def _check_generator_options(d: DataConfig) -> None:
     """`data.synthetic_options` must be fields of the generator `data.kind` names, of
     their types, which the generator accepts (it checks its values)."""
-    cls = sd.SyntheticCriteo if d.kind == "synthetic" else sd.SyntheticBehavior
-    fixed = {"seed"} | ({"max_vocab", "zipf_exponent"} if d.kind == "synthetic" else set())
+    cls, fixed = GENERATORS[d.kind]
     options = typed_options("data.synthetic_options.", cls, d.synthetic_options, fixed)
     object.__setattr__(d, "synthetic_options", options)
     try:
@@ -1777,7 +1777,7 @@ def build_model(cfg: RunConfig, tables: Sequence[TableSpec], features: Sequence[
         if m.mixed_dims is not None:
             opts["embedding_dim"] = m.embedding_dim
     cls = MODELS[m.name]
-    if m.name == "dlrm" and "bottom" not in opts:
+    if m.name == "dlrm" and "bottom" not in opts:  # as _schema.OPTION_DEFAULTS says
         opts["bottom"] = (64, m.embedding_dim)
     dtype = None if m.dtype == "float32" else m.dtype
     return cls(
@@ -1787,6 +1787,19 @@ def build_model(cfg: RunConfig, tables: Sequence[TableSpec], features: Sequence[
         implementation=m.implementation,
         **opts,
     )
+
+
+def model_warnings(cfg: RunConfig, data: DataBundle) -> list[str]:
+    """Options the configured model will ignore on `data` (one line each, for the log):
+    DLRM's `bottom` MLP reads the dense features, so without any it is unused."""
+    bottom = cfg.model.options.get("bottom")
+    if cfg.model.name == "dlrm" and bottom is not None and data.packer.num_dense == 0:
+        return [
+            f"model.options.bottom={list(bottom)} is ignored: the data has no dense "
+            f"columns, which DLRM's bottom MLP reads (the top MLP takes the embeddings' "
+            f"dot products alone)"
+        ]
+    return []
 
 
 def first_train_batch(data: DataBundle) -> SparseBatch:

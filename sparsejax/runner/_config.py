@@ -304,24 +304,29 @@ def to_dict(obj) -> Any:
 
 
 def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (the string right after each field)."""
+    """Attribute docstrings of a dataclass (the string right after each field), its
+    base classes' too (a subclass's own win)."""
     import ast
     import inspect
     import textwrap
 
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    docs, body = {}, tree.body[0].body
-    for a, b in zip(body, body[1:], strict=False):
-        if (
-            isinstance(a, ast.AnnAssign)
-            and isinstance(a.target, ast.Name)
-            and isinstance(b, ast.Expr)
-            and isinstance(getattr(b, "value", None), ast.Constant)
-        ):
-            docs[a.target.id] = str(b.value.value).strip()
+    docs = {}
+    for c in reversed(cls.__mro__):
+        if c is object or not dataclasses.is_dataclass(c):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for a, b in zip(body, body[1:], strict=False):
+            if (
+                isinstance(a, ast.AnnAssign)
+                and isinstance(a.target, ast.Name)
+                and isinstance(b, ast.Expr)
+                and isinstance(getattr(b, "value", None), ast.Constant)
+            ):
+                docs[a.target.id] = str(b.value.value).strip()
     return docs
 
 
@@ -346,6 +351,15 @@ def _type_doc(tp) -> str:
     return {bool: "bool", int: "int", float: "float", str: "str"}.get(tp, _type_name(tp))
 
 
+def _section_defaults(cls) -> Any:
+    """A section's dataclass with the defaults of its own fields (None: it has required
+    fields)."""
+    try:
+        return cls()
+    except TypeError:
+        return None
+
+
 def _default_doc(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         value = field.default
@@ -353,7 +367,7 @@ def _default_doc(field: dataclasses.Field) -> str:
         value = field.default_factory()
     else:
         return "required"
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and value == _section_defaults(type(value)):
         return "its section's defaults"
     text = yaml.safe_dump(to_dict(value), default_flow_style=True, width=1 << 30).strip()
     return "default `" + text.removesuffix("\n...").removesuffix("...").strip() + "`"
@@ -377,19 +391,17 @@ def schema_reference(cls, *, title: str = "Config reference", intro: str = "") -
         if (prefix, c) in seen:
             continue
         seen.add((prefix, c))
-        hints, docs = typing.get_type_hints(c), field_docs(c)
+        hints = typing.get_type_hints(c)
         head = f"`{prefix.rstrip('.')}` ({c.__name__})" if prefix else f"Top level ({c.__name__})"
         lines += [f"## {head}", ""]
         class_doc = inspect_doc(c)
         if class_doc:
             lines += [class_doc, ""]
+        lines += field_lines(c, prefix)
         for f in dataclasses.fields(c):
             if not f.init or f.name.startswith("_"):
                 continue
             tp = hints[f.name]
-            doc = " ".join(docs.get(f.name, "").split())
-            line = f"- `{prefix}{f.name}` ({_type_doc(tp)}; {_default_doc(f)})"
-            lines.append(f"{line}: {doc}" if doc else line)
             is_list = typing.get_origin(tp) in (tuple, list, Sequence)
             is_map = typing.get_origin(tp) in (dict, Mapping)  # {name: section}
             for sub in _nested_dataclasses(tp):
@@ -399,9 +411,40 @@ def schema_reference(cls, *, title: str = "Config reference", intro: str = "") -
     return "\n".join(lines).rstrip() + "\n"
 
 
+def field_lines(cls, prefix: str, *, exclude=(), defaults: Mapping[str, str] = {}) -> list[str]:
+    """One markdown line per field of dataclass `cls` but `exclude`: `prefix` + name, its
+    type, default (`defaults` overrides the shown one) and attribute docstring."""
+    hints, docs, lines = typing.get_type_hints(cls), field_docs(cls), []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name.startswith("_") or f.name in exclude:
+            continue
+        doc = " ".join(docs.get(f.name, "").split())
+        default = f"default `{defaults[f.name]}`" if f.name in defaults else _default_doc(f)
+        line = f"- `{prefix}{f.name}` ({_type_doc(hints[f.name])}; {default})"
+        lines.append(f"{line}: {doc}" if doc else line)
+    return lines
+
+
 def inspect_doc(cls) -> str:
-    """A dataclass's own docstring in one paragraph ("" for the generated one)."""
+    """A dataclass's own docstring as markdown ("" for the generated one): wrapped lines
+    joined, paragraphs and `*` / `-` list items kept, `>>>` examples as code."""
+    import inspect
+
     doc = cls.__dict__.get("__doc__") or ""
     if not doc or doc.startswith(f"{cls.__name__}("):
         return ""
-    return " ".join(doc.split())
+    out = []
+    for para in inspect.cleandoc(doc).split("\n\n"):
+        items: list[str] = []
+        for line in para.splitlines():
+            line = line.strip()
+            if line.startswith(">>>"):  # an example: a code block
+                items += ([""] if items and not items[-1].startswith("    ") else []) + [
+                    "    " + line
+                ]
+            elif line.startswith(("* ", "- ")) or not items:
+                items.append(line)
+            else:
+                items[-1] += " " + line
+        out.append("\n".join(items))
+    return "\n\n".join(out)

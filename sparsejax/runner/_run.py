@@ -29,7 +29,13 @@ import yaml
 from ..checkpoint import Checkpointer
 from ..data import Loader
 from ..train import Trainer, TrainState, fit
-from ._build import DataBundle, absolute_data_paths, build_data, first_train_batch
+from ._build import (
+    DataBundle,
+    absolute_data_paths,
+    build_data,
+    first_train_batch,
+    model_warnings,
+)
 from ._config import ConfigError, schema_reference, to_dict
 from ._knobs import build_trainer, run_knobs
 from ._lock import LOCK_NAME, RunLock, RunLockedError
@@ -42,7 +48,7 @@ from ._report import (
     tensorboard_log,
     write_summary,
 )
-from ._schema import RunConfig, config_from_dict, load_config
+from ._schema import RunConfig, config_from_dict, load_config, options_reference
 
 RESUMABLE_KEYS = (
     "steps",
@@ -318,6 +324,8 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     data = build_data(cfg)
     if data.report:
         log(f"data: {data.report}")
+    for line in model_warnings(cfg, data):
+        log(f"warning: {line}")
     if not data.eval_batches:
         raise ConfigError(
             "the eval split is empty: every run evaluates (during training and at the end);"
@@ -886,7 +894,7 @@ def config_reference() -> str:
             "by name, and restores on any mesh (a resharding restore).",
         ]
     )
-    return schema_reference(RunConfig, intro=intro)
+    return schema_reference(RunConfig, intro=intro) + "\n" + options_reference()
 
 
 def _markdown(doc: str) -> str:

@@ -21,12 +21,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..data import SequenceConfig
+from ..data import SequenceConfig, SyntheticBehavior, SyntheticCriteo, TableSchema
 from ..embedding import constant_init, normal_init, truncated_normal_init, uniform_init
 from ..nn import MODELS
 from ..ops import optimizers as sparse_optimizers
 from ..train._schedules import Schedule
-from ._config import ConfigError, convert, from_dict, layered, unknown_key_error
+from ._config import (
+    ConfigError,
+    convert,
+    field_lines,
+    from_dict,
+    inspect_doc,
+    layered,
+    unknown_key_error,
+)
 
 DATA_DIR_ENV = "SPARSEJAX_DATA_DIR"
 """Environment variable: where relative `data.path` values are looked up after the
@@ -199,7 +207,7 @@ class DataConfig:
     strict: bool = False
     """Fail on the first malformed line instead of counting and skipping it."""
     schema: dict | None = None
-    """delimited/parquet: the column schema (see `sparsejax.data.TableSchema`)."""
+    """delimited/parquet: the column schema (see "`data.schema` (TableSchema)")."""
     field_map: dict = dataclasses.field(default_factory=dict)
     """libsvm: field-aware features, `{libFM field id or "lo-hi" index range: feature}`;
     default: all of a line's `idx:val` pairs form one weighted bag, `features`."""
@@ -213,7 +221,8 @@ class DataConfig:
     """synthetic: Zipf exponent of the ids."""
     synthetic_options: dict = dataclasses.field(default_factory=dict)
     """Other options of the generator (`SyntheticCriteo` for synthetic, `SyntheticBehavior`
-    for behavior: num_users, num_items, max_history, ...)."""
+    for behavior: num_users, num_items, max_history, ...; see "`data.synthetic_options`
+    by `data.kind`")."""
     eval_batches: int = 8
     """synthetic/behavior: batches in the held-out eval set."""
     shuffle: bool = True
@@ -256,7 +265,8 @@ class EmbeddingInitConfig:
         ):
             raise ValueError(
                 f"`stddev` must be > 0 and needs kind normal or truncated_normal, "
-                f"got {self.stddev!r}"
+                f"got {self.stddev!r} (another kind replaces the whole mapping: "
+                f"model.embedding_init!={{kind: {self.kind}}})"
             )
 
     def initializer(self):
@@ -299,7 +309,7 @@ class ModelConfig:
     """Dim of the tables that set none of their own (>= 1)."""
     options: dict = dataclasses.field(default_factory=dict)
     """Model-specific fields (e.g. dlrm: bottom, top; dcnv2: cross_layers, hidden), each
-    of the type and range its model takes."""
+    of the type and range its model takes (see "`model.options` by `model.name`")."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Computation dtype of the dense layers; bfloat16 = mixed precision."""
     table_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -310,8 +320,8 @@ class ModelConfig:
         default_factory=lambda: EmbeddingInitConfig(kind="normal", stddev=0.01)
     )
     """Initializer of the embedding tables: N(0, 0.01^2) unless set (measured on the
-    Criteo samples: experiments/RESULTS.md, "Defaults"); `!replace {kind: uniform}` gives
-    TorchRec's U(+-sqrt(1/vocab_size)), each table's own without the runner."""
+    Criteo samples: experiments/RESULTS.md, "Defaults"); `model.embedding_init!={kind:
+    uniform}` gives TorchRec's U(+-sqrt(1/vocab_size)), a `TableSpec`'s own default."""
     dropout: float = 0.0
     """Dropout rate after every hidden ReLU of the model's MLPs (two-tower: the towers),
     in training only; evaluation is deterministic."""
@@ -341,7 +351,8 @@ class OptimizerConfig:
     sparse_learning_rate: float = 1e-3
     """Learning rate of the tables' optimizer (> 0)."""
     sparse_options: dict = dataclasses.field(default_factory=dict)
-    """Other fields of the sparse optimizer (e.g. eps, initial_accumulator_value)."""
+    """Other fields of the sparse optimizer (e.g. eps, initial_accumulator_value; see
+    "`optimizer.sparse_options` by `optimizer.sparse`")."""
     dense: Literal["adam", "adagrad", "sgd", "adamw"] = "adam"
     dense_learning_rate: float = 1e-3
     """Learning rate of the dense parameters' optimizer (> 0)."""
@@ -717,9 +728,10 @@ def config_from_dict(data: dict) -> RunConfig:
     return from_dict(RunConfig, data)
 
 
-_NOT_MODEL_OPTIONS = {"tables", "features", "dtype", "implementation", "parent", "name"}
-"""Model fields the runner sets (the data's specs, `model.dtype`, ...), and
-`dropout` and `embedding_dim`, which are `model.*` keys of their own."""
+_MODEL_FIELDS = {"tables", "features", "dtype", "implementation", "parent", "name"}
+_MODEL_FIELDS |= {"dropout", "embedding_dim"}
+"""Model fields that are not `model.options`: the runner sets them (the data's specs,
+`model.dtype`, ...), or they are `model.*` keys of their own (`dropout`, `embedding_dim`)."""
 
 OPTION_RULES = {
     "bottom": ">=1",
@@ -769,10 +781,65 @@ def typed_options(prefix: str, cls, options: dict, exclude) -> dict:
     return out
 
 
+GENERATORS = {
+    "synthetic": (SyntheticCriteo, {"seed", "max_vocab", "zipf_exponent"}),
+    "behavior": (SyntheticBehavior, {"seed"}),
+}
+"""data.kind -> its generator and the fields the runner sets (`seed`; `data.max_vocab`,
+`data.zipf`): `data.synthetic_options` sets the others."""
+
+OPTION_DEFAULTS = {"dlrm": {"bottom": "[64, model.embedding_dim]"}}
+"""Model options whose default the runner sets (`build_model`), not the class."""
+
+
+def options_reference() -> str:
+    """Markdown reference of the keys whose fields a class gives: `data.schema`, and per
+    kind `model.options`, `optimizer.sparse_options` and `data.synthetic_options`."""
+    lines = [
+        "## `data.schema` (TableSchema)",
+        "",
+        inspect_doc(TableSchema),
+        "",
+        "A side table's `data.joins[].schema` takes the same keys (but `label`).",
+        "",
+        *field_lines(TableSchema, "data.schema."),
+        "",
+    ]
+    base = sparse_optimizers.SparseOptimizer
+    groups = [  # (key, kind key, {kind: (class, fields not options)}, fields every kind has)
+        ("model.options", "model.name", {k: (c, _MODEL_FIELDS) for k, c in MODELS.items()}, ""),
+        (
+            "optimizer.sparse_options",
+            "optimizer.sparse",
+            {k: (c, {f.name for f in dataclasses.fields(base)}) for k, c in _SPARSE.items()},
+            "\n".join(field_lines(base, "optimizer.sparse_options.", exclude={"learning_rate"})),
+        ),
+        ("data.synthetic_options", "data.kind", GENERATORS, ""),
+    ]
+    for key, kind, classes, common in groups:
+        lines += [
+            f"## `{key}` by `{kind}`",
+            "",
+            f"The fields of the class `{kind}` names; unset, a field keeps its default. "
+            f"Values are checked against its type and range when the config loads.",
+            "",
+        ]
+        if common:
+            lines += [f"Every `{kind}` takes:", "", common, ""]
+        for name, (cls, exclude) in classes.items():
+            lines += [f"### `{kind}: {name}` ({cls.__name__})", ""]
+            if inspect_doc(cls):
+                lines += [inspect_doc(cls), ""]
+            own = field_lines(
+                cls, f"{key}.", exclude=exclude, defaults=OPTION_DEFAULTS.get(name, {})
+            )
+            lines += [*(own or ["(no options of its own)"]), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def _model_options(name: str, options: dict) -> dict:
     """`model.options` of model `name`, typed and in range (see `typed_options`)."""
-    exclude = _NOT_MODEL_OPTIONS | {"dropout", "embedding_dim"}
-    out = typed_options("model.options.", MODELS[name], options, exclude)
+    out = typed_options("model.options.", MODELS[name], options, _MODEL_FIELDS)
     if name == "dlrm" and out.get("top", [1])[-1:] != [1]:
         raise ConfigError(
             f"config key 'model.options.top' must end with 1 (DLRM's output unit), got {out['top']}"
