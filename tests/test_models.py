@@ -48,6 +48,27 @@ def test_target_attention_ignores_padding():
     np.testing.assert_allclose(att.apply(v, noisy, query, mask)[0], out[0], rtol=1e-6)
 
 
+def test_target_attention_is_an_mlp_of_the_concatenated_pair():
+    """The first layer is a Dense of [k, q, k - q, k * q] (computed without building it);
+    C queries of a row attend its keys as C separate rows would."""
+    rng = np.random.default_rng(4)
+    keys = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)
+    queries = jnp.asarray(rng.normal(size=(3, 2, 4)), jnp.float32)
+    mask = jnp.asarray(rng.random((3, 5)) < 0.7)
+    att = snn.TargetAttention(hidden=(6,))
+    v = att.init(jax.random.key(1), keys, queries[:, 0], mask)
+    p = v["params"]
+    assert p["att_0"]["kernel"].shape == (16, 6) and p["att_0"]["bias"].shape == (6,)
+    for c in range(2):
+        q = jnp.broadcast_to(queries[:, c, None], keys.shape)
+        feats = jnp.concatenate([keys, q, keys - q, keys * q], axis=-1)
+        h = jax.nn.sigmoid(feats @ p["att_0"]["kernel"] + p["att_0"]["bias"])
+        score = jnp.where(mask, (h @ p["att_out"]["kernel"] + p["att_out"]["bias"])[..., 0], 0.0)
+        want = jnp.einsum("bl,bld->bd", score, keys)
+        np.testing.assert_allclose(att.apply(v, keys, queries[:, c], mask), want, atol=1e-5)
+        np.testing.assert_allclose(att.apply(v, keys, queries, mask)[:, c], want, atol=1e-5)
+
+
 def test_sequence_mask_from_jagged():
     jag = PaddedIds(ids=jnp.array([5, 6, 7, -1]), segments=jnp.array([0, 1, 3, 5]))
     np.testing.assert_array_equal(

@@ -91,7 +91,9 @@ class TargetAttention(nn.Module):
     """DIN's activation unit: weights each behavior by an MLP of (behavior, target,
     difference, product) and sums them (no softmax, as in DIN), masking padding.
 
-    `keys [B, L, D]`, `query [B, D]`, `mask [B, L]` -> `[B, D]`.
+    `keys [B, L, D]`, `query [B, D]`, `mask [B, L]` -> `[B, D]`; or `query [B, C, D]`, C
+    targets of each row attending its one history -> `[B, C, D]` (how DIN scores a
+    user's candidates without repeating the history per candidate).
     """
 
     hidden: Sequence[int] = (36,)
@@ -99,14 +101,40 @@ class TargetAttention(nn.Module):
 
     @nn.compact
     def __call__(self, keys: jax.Array, query: jax.Array, mask: jax.Array) -> jax.Array:
-        q = jnp.broadcast_to(query[:, None, :], keys.shape)
-        feats = jnp.concatenate([keys, q, keys - q, keys * q], axis=-1)
-        h = feats
-        for i, width in enumerate(self.hidden):
-            h = nn.sigmoid(nn.Dense(width, dtype=self.dtype, name=f"att_{i}")(h))
-        score = nn.Dense(1, dtype=self.dtype, name="att_out")(h)[..., 0]
-        score = jnp.where(mask, score, 0.0)
-        return jnp.einsum("bl,bld->bd", score, keys)
+        queries = query[:, None, :] if query.ndim == 2 else query  # [B, C, D]
+        widths = (*self.hidden, 1)
+        names = [f"att_{i}" for i in range(len(self.hidden))] + ["att_out"]
+        h = _PairDense(widths[0], dtype=self.dtype, name=names[0])(keys, queries)
+        for width, name in zip(widths[1:], names[1:], strict=True):
+            h = nn.Dense(width, dtype=self.dtype, name=name)(nn.sigmoid(h))
+        score = jnp.where(mask[:, None, :], h[..., 0], 0.0)  # [B, C, L]
+        out = jnp.einsum("bcl,bld->bcd", score, keys)
+        return out[:, 0] if query.ndim == 2 else out
+
+
+class _PairDense(nn.Module):
+    """`nn.Dense(features)` of `[k, q, k - q, k * q]` for every (query, key) pair, without
+    building that `[B, C, L, 4D]` concatenation: with the kernel's four `[D, features]`
+    blocks W1..W4 it is `k (W1 + W3) + q (W2 - W3) + (k * q) W4 + bias`, the first term
+    once per key, the second once per query. Keys `[B, L, D]`, queries `[B, C, D]` ->
+    `[B, C, L, features]`; the parameters (and their initialization) are the Dense's."""
+
+    features: int
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, keys: jax.Array, queries: jax.Array) -> jax.Array:
+        d = keys.shape[-1]
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (4 * d, self.features))
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        keys, queries, kernel, bias = nn.dtypes.promote_dtype(
+            keys, queries, kernel, bias, dtype=self.dtype
+        )
+        w1, w2, w3, w4 = jnp.split(kernel, 4)
+        per_key = keys @ (w1 + w3)  # [B, L, F]
+        per_query = queries @ (w2 - w3) + bias  # [B, C, F]
+        pair = jnp.einsum("bld,bcdf->bclf", keys, queries[..., None] * w4)
+        return pair + per_key[:, None] + per_query[:, :, None]
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

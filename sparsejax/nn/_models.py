@@ -245,7 +245,8 @@ class DIN(_CTRModel):
         """`[B]` logits; with `candidates` (`[B, C, D]`: rows of the target's table, as its
         embedding layer gives them, at the model's embedding dim) the `[B, C]` logits of
         each example's user and history against each of its C candidates in place of its
-        target: the history is looked up once per user, not once per candidate."""
+        target: the history is looked up, and its attention inputs computed, once per
+        user, not once per candidate."""
         specs = {f.name: f for f in self.features}
         for name, want_seq in ((self.target, False), (self.history, True)):
             if name not in specs or specs[name].is_sequence != want_seq:
@@ -259,19 +260,16 @@ class DIN(_CTRModel):
         keys, target = emb[self.history], emb[self.target]
         others = [emb[f.name] for f in self.features if not f.is_sequence and f.name != self.target]
         dense = batch.dense.astype(target.dtype)
-        if candidates is not None:  # each user's row repeated for each of its candidates
-            b, c = candidates.shape[:2]
-            keys, mask, dense, *others = (
-                jnp.repeat(x, c, axis=0) for x in (keys, mask, dense, *others)
-            )
-            target = candidates.reshape(b * c, -1).astype(target.dtype)
+        if candidates is not None:  # C targets a row, attending its one history
+            target = candidates.astype(target.dtype)
+            c = target.shape[1]
+            dense, *others = (jnp.repeat(x[:, None], c, axis=1) for x in (dense, *others))
         attended = TargetAttention(self.attention_hidden, dtype=self.dtype, name="attention")(
             keys, target, mask
         )
-        x = jnp.concatenate([attended, target, *others, dense], axis=1)
+        x = jnp.concatenate([attended, target, *others, dense], axis=-1)
         mlp = MLP((*self.hidden, 1), dropout=self.dropout, dtype=self.dtype, name="mlp")
-        out = mlp(x, train=train)[:, 0].astype(jnp.float32)
-        return out if candidates is None else out.reshape(b, c)
+        return mlp(x, train=train)[..., 0].astype(jnp.float32)
 
 
 class TwoTower(nn.Module):
