@@ -94,7 +94,7 @@ def test_a_different_config_is_refused_in_one_line_naming_the_keys(trained, caps
     assert err.count("\n") == 0 and "Traceback" not in err
     assert "model.embedding_dim: 8 -> 4" in err and "model.options.bottom: [8, 8] -> [8, 4]" in err
     assert "new name=" in err and "--restart" in err and ".replaced-<time>" in err
-    with pytest.raises(ConfigError, match=r"optimizer.sparse: rowwise_adagrad -> sgd"):
+    with pytest.raises(ConfigError, match=r"optimizer.sparse: lazy_adam -> sgd"):
         runner.train(runner.load_config([config], ["optimizer.sparse=sgd"]), log=print)
     assert len(os.listdir(root / "runs" / "r" / "checkpoints")) == 2  # untouched
 
