@@ -88,6 +88,38 @@ def test_leave_last_out_matches_a_per_user_reference():
     assert data.test.num_candidates == 21  # 1 + eval_negatives
 
 
+def test_leave_last_out_protocol_on_a_tiny_log():
+    """SASRec's protocol, exactly: train targets are items[:n-2], each with the items
+    before it; the validation target items[n-2] with items[:n-2]; the test target
+    items[n-1] with items[:n-1], the validation item included. Neither held-out item is a
+    train target or in a train history; the evaluation negatives avoid all the user's
+    items, the train negatives only its train items (they know nothing held out)."""
+    events = [("a", 10), ("a", 11), ("a", 12), ("a", 13), ("a", 14), ("b", 20), ("b", 21)]
+    events += [("b", 22)] + [("c", x) for x in range(30, 40)]
+    order = np.random.default_rng(0).permutation(len(events))  # the times give the order
+    user = [events[k][0] for k in order]
+    item = [events[k][1] for k in order]
+    log = EventLog(user=user, item=item, time=order.astype(float))
+    data = build_sequences(log, SequenceConfig(history_length=3, negatives=5, eval_negatives=8))
+    pos = [r[:3] for r in _rows(data, data.train) if r[3] == 1.0]
+    assert sorted(pos) == sorted(
+        [("a", 10, ()), ("a", 11, (10,)), ("a", 12, (10, 11)), ("b", 20, ())]
+        + [("c", 30 + j, tuple(range(max(30, 27 + j), 30 + j))) for j in range(8)]
+    )
+    assert _held(data, data.valid)[:2] == [("a", 13, (10, 11, 12)), ("b", 21, (20,))]
+    assert _held(data, data.test)[:2] == [("a", 14, (11, 12, 13)), ("b", 22, (20, 21))]
+    seen = np.split(data.test.seen.values, np.cumsum(data.test.seen.lengths)[:-1])
+    a = list(data.user_ids[data.test.users]).index("a")
+    assert list(data.item_ids[seen[a]]) == [10, 11, 12, 13]  # all before the test event
+    mine = {u: {i for v, i in events if v == u} for u in "abc"}
+    for sets in (data.valid, data.test):
+        for u, cands in zip(data.user_ids[sets.users], data.item_ids[sets.items], strict=True):
+            assert not set(cands[1:]) & mine[u]
+    train_items = {u: {i for v, i, _ in pos if v == u} for u in "abc"}
+    for u, i, _, y in _rows(data, data.train):
+        assert y == 1.0 or i not in train_items[u]
+
+
 def test_time_split_matches_a_per_user_reference():
     log = _random_log(seed=1)
     cfg = SequenceConfig(

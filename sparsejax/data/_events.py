@@ -1,8 +1,9 @@
 """Sequence examples from an event log: per-user histories, leave-last-out or time splits,
 negative sampling, and the candidate sets a ranking evaluation scores.
 
-From `(user, item, time)` events (numpy arrays, or a delimited file read by
-`read_events`), `build_sequences` makes:
+From `(user, item[, time])` events (numpy arrays, or a delimited file read by
+`read_events`; without times, the log's order is the time), `build_sequences` sorts each
+user's events by time (ties: log order), giving `items[0..n-1]`, and makes:
 
 * `train`: `Examples` with features `user` (one id), `item` (the candidate, one id),
   `history` (the user's last `history_length` items before the event, oldest first, a
@@ -11,6 +12,20 @@ From `(user, item, time)` events (numpy arrays, or a delimited file read by
 * `valid` / `test`: `CandidateSets`, one held-out event per user: the held-out item plus
   `eval_negatives` sampled items (the common "1 + 100 candidates" protocol), with the
   user's history before the held-out event.
+
+The leave-last-out protocol (SASRec's): train targets are `items[0..n-3]`, each with the
+items before it; the validation target is `items[n-2]` with history `items[:n-2]`; the
+test target is `items[n-1]` with history `items[:n-1]`, the validation item included
+(each history cut to its last `history_length` items). The validation and test items are
+never train targets nor in a train history, and the train is the same for both (the
+validation event is not trained on before testing). Train negatives are drawn once (the
+same every epoch), per positive, from `sampler`, never the positive and (with
+`exclude_seen`) none of the user's train items; they may be the user's held-out items,
+since excluding those would tell the model what is held out. Evaluation negatives are
+`eval_negatives` distinct items from `eval_sampler`, never the held-out item and (with
+`exclude_seen`) none of the user's items in the whole log. The catalog is the items of
+the events kept (after `min_rating` and `min_user_events`); popularity counts come from
+train events only. docs/sequences.md says the same for users of a run config.
 
 Everything is vectorized with numpy (no per-event Python loop) and reproducible by
 `seed`. Users and items are renumbered to rows `0..U-1` / `0..I-1` (sorted by raw id);
@@ -62,7 +77,9 @@ class EventLogError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceConfig:
-    """How an event log becomes sequence examples (`data.events` in a run config)."""
+    """How an event log becomes sequence examples (`data.events` in a run config). Which
+    events train, which are held out, what history each example has and which items
+    its negatives avoid: docs/sequences.md."""
 
     user: str = "user"
     """Column of the user id (integers or any strings)."""
