@@ -558,9 +558,8 @@ def test_the_readme_config_loads_and_reads(tmp_path, monkeypatch):
     readme = (CONFIGS.parent / "README.md").read_text()
     section = readme[readme.index("## Your own data") :]
     text = section[section.index("```yaml\n") + 8 : section.index("```\n", 20)]
-    (tmp_path / "my_clicks.yaml").write_text(
-        text.replace("base: base.yaml", f"base: {CONFIGS / 'base.yaml'}")
-    )
+    assert "base:" not in text  # a relative base works only beside it, in configs/
+    (tmp_path / "my_clicks.yaml").write_text(text)
     rng = np.random.default_rng(6)
     lines = [
         f"{int(rng.random() < 0.3)},u{i % 9},i{i % 13},s{i % 5},a|b,"
@@ -573,7 +572,10 @@ def test_the_readme_config_loads_and_reads(tmp_path, monkeypatch):
     (tmp_path / "clicks" / "part1.csv").write_text(header + "\n".join(lines[:60]) + "\n")
     (tmp_path / "clicks" / "part2.csv").write_text("\n".join(lines[60:]) + "\n")
     monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path))
-    cfg = runner.load_config([tmp_path / "my_clicks.yaml"])
+    # as the README runs it: the shipped defaults first, the config from anywhere
+    cfg = runner.load_config([CONFIGS / "base.yaml", tmp_path / "my_clicks.yaml"])
+    base = runner.load_config([CONFIGS / "base.yaml"])
+    assert cfg.optimizer == base.optimizer and cfg.name == "my_clicks"
     data = runner.build_data(cfg)
     assert (len(data.train_source), len(data.eval_examples), len(data.test_examples)) == (
         80,
