@@ -17,7 +17,12 @@ import numpy as np
 import pytest
 
 from sparsejax import embedding as emb
-from sparsejax.checkpoint import Checkpointer, CheckpointError, CheckpointUnreadableError
+from sparsejax.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointUnreadableError,
+    CheckpointWriteError,
+)
 from sparsejax.checkpoint import _host_tables as ht
 from sparsejax.checkpoint._checkpointer import NonFiniteStateError
 from sparsejax.embedding._snapshot import TableSnapshot
@@ -405,14 +410,54 @@ def test_a_failed_orbax_save_leaves_the_tracking_and_the_chain_intact(tmp_path, 
 
     with monkeypatch.context() as m:
         m.setattr(ckpt.manager, "save", fail)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(
+            CheckpointWriteError,
+            match=r"checkpoint 2 could not be written to .* \(OSError: disk full\); its partial "
+            r"files were removed, the newest checkpoint is 1$",
+        ):
             ckpt.save(_state(store, 2))
     assert host.marks == 1 and host.dirty["embedding/item"]  # not marked: the next delta has it
+    assert ht.host_steps(tmp_path) == [1]  # the failed save's host step holds no disk space
     at = _train_and_save(ckpt, host, store, [3])
     assert ht.host_steps(tmp_path) == [1, 3] and ht.read_manifest(tmp_path, 3)["previous"] == 1
     back = FakeHostTables()
     _ckpt(tmp_path, store, back).restore(_state(store, 0), step=3)
     assert back.state() == at[3]
+    ckpt.close()
+
+
+def test_a_save_failing_after_orbax_wrote_leaves_only_complete_checkpoints(
+    tmp_path, store, monkeypatch
+):
+    """A save that fails once orbax has written its files (e.g. the disk fills up while
+    it finalizes) removes them: its temp folder or step folder, and its host step. A
+    temp folder of a save killed earlier goes at the first save; complete ones stay."""
+    host = FakeHostTables()
+    ckpt = _ckpt(tmp_path, store, host, max_to_keep=3, full_every=1)
+    _train_and_save(ckpt, host, store, [1])
+    killed = tmp_path / "7.orbax-checkpoint-tmp"
+    (killed / "state").mkdir(parents=True)  # a save killed midway, before this process
+    fresh = _ckpt(tmp_path, store, host, max_to_keep=3, full_every=1)
+    real_wait = fresh.manager.wait_until_finished
+    calls = []
+
+    def fail_once():
+        real_wait()  # the files are on disk
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("RESOURCE_EXHAUSTED: Error writing local file")
+
+    monkeypatch.setattr(fresh.manager, "wait_until_finished", fail_once)
+    host.train(2)
+    with pytest.raises(CheckpointWriteError, match="checkpoint 2 could not be written"):
+        fresh.save(_state(store, 2))
+    assert sorted(os.listdir(tmp_path)) == ["1", "host_tables"]
+    assert fresh.steps() == [1] and ht.host_steps(tmp_path) == [1]
+    at = _train_and_save(fresh, host, store, [2])  # the step saves again, then restores
+    back = FakeHostTables()
+    _ckpt(tmp_path, store, back).restore(_state(store, 0), step=2)
+    assert back.state() == at[2] and fresh.steps() == [1, 2]
+    fresh.close()
     ckpt.close()
 
 

@@ -5,6 +5,7 @@ serving restores tables without a trainer (`Checkpointer.restore_tables`)."""
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import CheckpointError as CheckpointError
 from ._checkpointer import CheckpointUnreadableError as CheckpointUnreadableError
+from ._checkpointer import CheckpointWriteError as CheckpointWriteError
 from ._checkpointer import NonFiniteStateError as NonFiniteStateError
 from ._layout import Layouts as Layouts
 from ._layout import embedding_layouts as embedding_layouts

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
+import sys
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -48,6 +51,11 @@ class CheckpointError(RuntimeError):
 
 class CheckpointUnreadableError(CheckpointError):
     """A checkpoint's files cannot be read (truncated, corrupt, missing parts)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, no permission, ...); its partial
+    files were removed and the checkpoints before it are kept."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -87,6 +95,38 @@ def _first_non_finite(tree) -> str | None:
         if not ok:
             return jax.tree_util.keystr(path)
     return None
+
+
+_ORBAX_TEMP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")  # a save under way or failed
+
+
+def _is_closed_loop_noise(u) -> bool:
+    """An orbax read or write that fails ends its asyncio loop while tensorstore still
+    completes the other reads or writes of that call; each completion then finds the
+    loop closed and raises in a tensorstore thread (hundreds of "Event loop is closed"
+    tracebacks after the error itself)."""
+    if u.object is not None or not isinstance(u.exc_value, RuntimeError):
+        return False
+    if str(u.exc_value) != "Event loop is closed":
+        return False
+    frames = traceback.extract_tb(u.exc_traceback)
+    return any(f.name == "call_soon_threadsafe" for f in frames)
+
+
+def _quiet_closed_loops() -> None:
+    """Drop the closed-loop noise of a failed orbax call (`_is_closed_loop_noise`): the
+    failure itself is raised as a `CheckpointError`. Other unraisable exceptions go to
+    the hook that was installed before. Once per process."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_sparsejax_quiet", False):
+        return
+
+    def hook(u) -> None:
+        if not _is_closed_loop_noise(u):
+            previous(u)
+
+    hook._sparsejax_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _abstract(tree):
@@ -142,6 +182,8 @@ class Checkpointer:
         self.tracks_changes = tracks_changes
         self._host_previous: int | None = None  # last host step saved or restored here
         self._host_deltas = 0  # deltas since that step's full save
+        self._cleaned = False  # leftovers of killed saves removed (before the first save)
+        _quiet_closed_loops()
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
@@ -196,8 +238,13 @@ class Checkpointer:
         written to `host_tables/<step>/` first, then the orbax checkpoint, then
         `host_tables.mark_saved()`; host steps no kept checkpoint reads are deleted.
 
+        A save that fails leaves no partial files (its orbax temp folder and host step
+        are removed, the checkpoints before it are kept); the first save of a
+        checkpointer also removes the temp folders of saves killed midway.
+
         Raises:
           CheckpointError: the state holds tables of a layer the layouts do not cover.
+          CheckpointWriteError: the files could not be written (disk full, ...).
           NonFiniteStateError: a parameter, table, slot or host array holds NaN/inf
             (named); nothing is written.
           StepAlreadyExistsError (a ValueError): a checkpoint of this step exists.
@@ -211,31 +258,44 @@ class Checkpointer:
                 f"not saving step {step}: {bad} holds NaN or inf; the "
                 f"last checkpoint ({self.latest_step()}) is kept"
             )
-        host = None
-        if self.host_tables is not None:
-            if step in self.steps():  # orbax refuses it: refuse before the host step is replaced
-                raise StepAlreadyExistsError(
-                    f"checkpoint {step} already exists in {self.directory}"
-                )
-            host = self._save_host(state, step)
-        meta = {
-            "step": step,
-            "tables": self._specs(),
-            "data_position": data_position,
-            "extra": dict(extra or {}),
-            "host_tables": host,
-        }
-        # no "tables" item when every table is tiered (orbax refuses an empty item)
-        items = {"tables": tables, "state": rest}
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{k: ocp.args.StandardSave(v) for k, v in items.items() if jax.tree.leaves(v)},
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
-        self.manager.wait_until_finished()
+        if step in self.steps():  # before anything is written (a host step, a temp folder)
+            raise StepAlreadyExistsError(f"checkpoint {step} already exists in {self.directory}")
+        if not self._cleaned:
+            self._remove_temp_folders()
+            self._cleaned = True
+        writing_orbax = False
+        try:
+            host = None if self.host_tables is None else self._save_host(state, step)
+            meta = {
+                "step": step,
+                "tables": self._specs(),
+                "data_position": data_position,
+                "extra": dict(extra or {}),
+                "host_tables": host,
+            }
+            # no "tables" item when every table is tiered (orbax refuses an empty item)
+            items = {"tables": tables, "state": rest}
+            writing_orbax = True
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{k: ocp.args.StandardSave(v) for k, v in items.items() if jax.tree.leaves(v)},
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._discard(step)
+            # tensorstore reports a failed write (e.g. RESOURCE_EXHAUSTED) as a ValueError
+            if isinstance(e, OSError) or (writing_orbax and isinstance(e, ValueError)):
+                kept = self.latest_step()
+                raise CheckpointWriteError(
+                    f"checkpoint {step} could not be written to {self.directory} "
+                    f"({_one_line(e)}); its partial files were removed"
+                    + ("" if kept is None else f", the newest checkpoint is {kept}")
+                ) from e
+            raise
         if host is not None:
             if self.tracks_changes:
                 self.host_tables.mark_saved()
@@ -244,6 +304,30 @@ class Checkpointer:
             self._host_deltas = 0 if full else self._host_deltas + 1
         self.prune_host_tables()
         return step
+
+    def _remove_temp_folders(self, step: int | None = None) -> None:
+        """Delete orbax's temp folders (of `step`, or all): saves that failed or were
+        killed midway. Process 0's job (it writes the folders); a save is never under
+        way meanwhile (saves wait until they are on disk)."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if _ORBAX_TEMP.match(name) and (step is None or name.split(".")[0] == str(step)):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def _discard(self, step: int) -> None:
+        """Remove what a failed save of `step` wrote: orbax's temp folder, the step's
+        folder if orbax got as far as naming it (`save` refuses a step that exists, so
+        it is this save's), and the host step no kept checkpoint reads."""
+        try:
+            self.manager.wait_until_finished()  # the failed save's threads are done
+        except Exception:  # noqa: BLE001, S110 - the error being handled is this one's
+            pass
+        self._remove_temp_folders(step)
+        if jax.process_index() == 0:
+            shutil.rmtree(os.path.join(self.directory, str(step)), ignore_errors=True)
+        self.manager.reload()
+        self.prune_host_tables()
 
     def _save_host(self, state, step: int) -> dict:
         """Snapshot the host tables and write them as host step `step` (before the orbax
