@@ -93,6 +93,22 @@ def test_hit_rate_ndcg_mrr_against_brute_force(ties):
         train.ranking_metrics(scores, 1, ties="optimistic")
 
 
+def test_ranking_report_auc_and_gauc_are_those_of_the_rows():
+    """Counted from the one positive per user, they equal AUC and GAUC of the flat rows
+    (label 1 in column 0), ties included."""
+    rng = np.random.default_rng(6)
+    scores = rng.integers(0, 7, (40, 9)).astype(np.float32)  # many ties
+    labels = np.zeros(scores.shape)
+    labels[:, 0] = 1
+    users = np.repeat(np.arange(40), 9)
+    got = train.ranking_report(scores)
+    assert got["auc"] == pytest.approx(train.auc(labels, scores), abs=1e-12)
+    assert got["gauc"] == pytest.approx(
+        train.gauc(labels.reshape(-1), scores.reshape(-1), users), abs=1e-12
+    )
+    assert np.isnan(train.ranking_report(scores[:, :1])["auc"])
+
+
 def _brute_corpus(user_emb, item_emb, targets, exclude, k):
     hr, ndcg = [], []
     for m, (u, t) in enumerate(zip(user_emb, targets, strict=True)):

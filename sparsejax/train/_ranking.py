@@ -289,11 +289,18 @@ def ranking_report(
     column 0), e.g. the popularity baseline's scores."""
     scores = np.asarray(scores)
     out = _metrics.ranking_metrics(scores, ks, ties=ties)
-    labels = np.zeros(scores.shape, np.float32)
-    labels[:, 0] = 1.0
-    users = np.repeat(np.arange(scores.shape[0]), scores.shape[1])
-    out["auc"] = _metrics.auc(labels, scores)
-    out["gauc"] = _metrics.gauc(labels.reshape(-1), scores.reshape(-1), users)
+    # `auc` / `gauc` of the rows (label 1 in column 0, ties half), counted rather than by
+    # sorting all rows: each user has one positive, so its AUC is the share of its
+    # negatives below it, and the global AUC places each positive among all negatives
+    pos, neg = scores[:, 0], scores[:, 1:]
+    if neg.size:
+        below = (neg < pos[:, None]).sum(1) + 0.5 * (neg == pos[:, None]).sum(1)
+        out["gauc"] = float(np.mean(below / neg.shape[1]))
+        flat = np.sort(neg, axis=None)
+        lo, hi = np.searchsorted(flat, pos, "left"), np.searchsorted(flat, pos, "right")
+        out["auc"] = float((lo + 0.5 * (hi - lo)).sum() / (pos.size * flat.size))
+    else:  # one class only
+        out["auc"] = out["gauc"] = float("nan")
     out["users"] = int(scores.shape[0])
     out["candidates"] = int(scores.shape[1])
     return out
