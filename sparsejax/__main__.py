@@ -21,7 +21,8 @@
         print each table's placement, memory per device and bytes per step
     sparsejax export RUN_DIR --out MODEL_DIR [--quantize fp32|fp16|bf16|int8|int4]
                      [--step N|last|best] [--buckets 1,4,16,64,256] [--kernels xla|native]
-        write a self-contained model dir for serving (tables, id maps, preprocessing)
+        write a self-contained model dir for serving (tables, id maps, preprocessing);
+        an unreadable newest checkpoint is refused unless --step names the one to export
     sparsejax serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]
                     [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 10]
         serve it over HTTP: /v1/predict, /v1/retrieve, /healthz, /metrics
@@ -30,16 +31,22 @@ Configs layer left to right, then the overrides, e.g.
     sparsejax train configs/dlrm_criteo.yaml steps=500 optimizer.dense_learning_rate=3e-4
 `key!=value` replaces a mapping instead of merging into it (docs/config.md).
 
-A user error (a config, data, checkpoint or run-directory problem, a NaN loss) prints
-one line and exits with status 2; the traceback goes to the run's log (RUN/run.log).
-SPARSEJAX_TRACEBACK=1 shows it on the terminal instead.
+A user error (a config, data, checkpoint or run-directory problem, a NaN loss, a full
+disk, a table too large for memory) prints one line and exits with status 2; the
+traceback goes to the run's log (RUN/run.log; eval and export: RUN/eval.log,
+RUN/export.log, never the log of a run another process trains), and so do the error
+logs of orbax (absl) and asyncio. SPARSEJAX_TRACEBACK=1 shows them on the terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import errno
+import logging
 import os
 import sys
+import time
 import traceback
 
 
@@ -57,6 +64,8 @@ def _train(args: argparse.Namespace) -> int:
     files, overrides = _split(args.config)
     cfg = runner.load_config(files, overrides)
     summary = runner.train(cfg, restart=args.restart)
+    if _process_of_many() in (None, 0):  # the others' output is their log
+        args.log_file = os.path.join(summary["run_dir"], "run.log")
     print({k: v for k, v in summary.items() if k not in ("run_dir", "tables")})
     return 0
 
@@ -385,7 +394,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     )
     ex.add_argument("run_dir")
     ex.add_argument("--out", required=True, metavar="MODEL_DIR")
-    ex.add_argument("--step", type=_step, default=None, help="as for sparsejax eval")
+    ex.add_argument(
+        "--step",
+        type=_step,
+        default=None,
+        help="checkpoint step, last (the newest readable) or best (early_stopping); default: "
+        "the newest checkpoint, refused when it is unreadable",
+    )
     ex.add_argument(
         "--quantize",
         choices=QUANTIZE_CHOICES,
@@ -446,35 +461,131 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="how often to look for a new model version (default 10; 0: never)",
     )
     sv.set_defaults(fn=_serve)
+    for name, p in sub.choices.items():  # (also when a subparser parses alone: main)
+        # train, eval and export keep orbax's and asyncio's logs in a file (_LibraryLogs)
+        p.set_defaults(command=name, logs_to_file=name in ("train", "eval", "export"))
     return parser, sub.choices
 
 
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+"""A disk that is full, over quota, over the file size limit or read-only."""
+
+
 def _is_user_error(e: BaseException) -> bool:
-    """Errors a user fixes (config, data, checkpoint, run directory, NaN loss) as
-    opposed to bugs: the `ValueError` family (`ConfigError`, `RunLockedError`, parse
-    errors naming file:line), `CheckpointError`, `FloatingPointError` (the NaN stop),
-    `HostStorageFullError` (a tiered table's disk tier is full)."""
+    """Errors a user fixes (config, data, checkpoint, run directory, NaN loss, disk,
+    memory) as opposed to bugs: the `ValueError` family (`ConfigError`,
+    `RunLockedError`, parse errors naming file:line), `CheckpointError` (also a
+    checkpoint that cannot be written), `FloatingPointError` (the NaN stop),
+    `HostStorageFullError` (a tiered table's disk tier is full), an `OSError` of a full
+    or read-only disk, `MemoryError` (the stores' memory check: a table too large)."""
     from .checkpoint import CheckpointError
     from .embedding._host_rows import HostStorageFullError
     from .serving import ModelLoadError
 
+    if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+        return True
     return isinstance(
         e,
-        (ValueError, CheckpointError, FloatingPointError, HostStorageFullError, ModelLoadError),
+        (
+            ValueError,
+            CheckpointError,
+            FloatingPointError,
+            HostStorageFullError,
+            ModelLoadError,
+            MemoryError,
+        ),
     )
 
 
-def _log_traceback(e: BaseException, run_dir: str | None) -> str | None:
-    """Append the traceback to RUN/run.log (unless the run already did); its path."""
-    where = getattr(e, "run_log", None)
-    if where is None and run_dir and os.path.isdir(run_dir):
-        where = os.path.join(run_dir, "run.log")
-        try:
-            with open(where, "a") as f:
-                f.write("".join(traceback.format_exception(e)))
-        except OSError:
-            return None
+class _LibraryLogs(logging.Handler):
+    """The records of loggers that print pages for one error (orbax logs each failed
+    write with its traceback through absl; asyncio logs the unread errors of the tasks a
+    failed orbax call left, when they are collected, often at exit): kept from the
+    terminal and written to the command's log file (`send_to`), with the traceback of
+    an error. Until a file is named they are held (the last `keep`); later ones, until
+    the process ends, are appended to it."""
+
+    LOGGERS = ("absl", "asyncio")
+    _installed: _LibraryLogs | None = None  # one per process: the last command's
+
+    def __init__(self, keep: int = 2000):
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.held: collections.deque[str] | None = collections.deque(maxlen=keep)
+        self.path: str | None = None
+        self.saved = [(lg, lg.propagate) for lg in map(logging.getLogger, self.LOGGERS)]
+
+    @classmethod
+    def install(cls) -> _LibraryLogs:
+        """Take the loggers' records from here on (from the previous command's)."""
+        if cls._installed is not None:
+            cls._installed.uninstall()
+        self = cls._installed = cls()
+        for lg, _ in self.saved:
+            lg.addHandler(self)
+            lg.propagate = False  # not to the root's stderr handler
+        return self
+
+    def uninstall(self) -> None:
+        for lg, propagate in self.saved:
+            lg.removeHandler(self)
+            lg.propagate = propagate
+        if type(self)._installed is self:
+            type(self)._installed = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = self.format(record)
+        if self.held is not None:
+            self.held.append(text)
+        elif self.path is not None:
+            _append(self.path, text)
+
+    def send_to(self, path: str | None, *, drop: bool = False) -> None:
+        """Write the held records, and append later ones, to `path`; or drop them all
+        (`drop`); or (no file) give the loggers back, the held records on stderr."""
+        held, self.held = list(self.held or ()), None
+        if drop or (path is not None and _append(path, *held)):
+            self.path = None if drop else path
+            return
+        self.uninstall()
+        for text in held:
+            print(text, file=sys.stderr)
+
+
+def _append(path: str, *texts: str) -> bool:
+    """Append lines to a log file; False when it cannot be written (e.g. a full disk:
+    the error being reported may be that one)."""
+    if not texts:
+        return True
+    try:
+        with open(path, "a") as f:
+            f.writelines(t if t.endswith("\n") else t + "\n" for t in texts)
+    except OSError:
+        return False
+    return True
+
+
+def _log_file(args: argparse.Namespace, e: BaseException | None) -> str | None:
+    """This command's log file: the run's log for `train` (set once the run holds its
+    directory: `e.run_log`, or `args.log_file` after it ends), `RUN/<command>.log` for
+    the commands that read a run directory (eval, export: a run that another process
+    trains keeps its run.log to itself)."""
+    where = getattr(e, "run_log", None) or getattr(args, "log_file", None)
+    run_dir = getattr(args, "run_dir", None)
+    if where is None and args.command in ("eval", "export") and os.path.isdir(run_dir):
+        where = os.path.join(run_dir, f"{args.command}.log")
     return where
+
+
+def _log_traceback(e: BaseException, where: str | None, command: str) -> str | None:
+    """Append the traceback to the command's log file `where` (unless the run already
+    did: `e.run_log`); the file's path, or None when it cannot be written."""
+    if where is None:
+        return None
+    if getattr(e, "run_log", None) == where:
+        return where
+    head = f"{time.strftime('%Y-%m-%d %H:%M:%S')} sparsejax {command} (pid {os.getpid()}) failed:"
+    return where if _append(where, head, "".join(traceback.format_exception(e))) else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,15 +595,30 @@ def main(argv: list[str] | None = None) -> int:
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
     else:
         args = parser.parse_args(argv)
+    if not args.logs_to_file or os.environ.get("SPARSEJAX_TRACEBACK") == "1":
+        return _run_command(args)
+    logs = _LibraryLogs.install()
+    try:
+        return _run_command(args)
+    finally:
+        e = getattr(args, "error", None)
+        where = _log_file(args, e)
+        # a user error without a log file: its one line says it all
+        logs.send_to(where, drop=where is None and e is not None and _is_user_error(e))
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """Run the command; a user error becomes one line on stderr and status 2."""
     try:
         return args.fn(args)
     except KeyboardInterrupt:
         print("sparsejax: interrupted", file=sys.stderr)
         return _exit_now_if_many(130)
     except Exception as e:
+        args.error = e
         who = _process_of_many()
         if who is not None and _lost_peer(e) and os.environ.get("SPARSEJAX_TRACEBACK") != "1":
-            where = _log_traceback(e, getattr(args, "run_dir", None))
+            where = _log_traceback(e, _log_file(args, e), args.command)
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             print(
                 f"sparsejax: process {who}: error: a collective with the other processes "
@@ -509,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         from .runner import ConfigError
 
         kind = "config error" if type(e) is ConfigError else "error"
-        where = _log_traceback(e, getattr(args, "run_dir", None))
+        where = _log_traceback(e, _log_file(args, e), args.command)
         detail = f" (traceback in {where})" if where else ""
         who = "" if who is None else f"process {who}: "
         print(f"sparsejax: {who}{kind}: {' '.join(str(e).split())}{detail}", file=sys.stderr)

@@ -295,3 +295,139 @@ def test_throughput_excludes_evals_and_saves(monkeypatch):
     )
     np.testing.assert_allclose(Log.rates[1:], 10_000, rtol=1e-6)  # before and after evals
     np.testing.assert_allclose(result.samples_per_s, 10_000, rtol=1e-6)
+
+
+def _truncate(run_dir, step: int) -> None:
+    """Truncate the array data files of checkpoint `step` (its metadata reads: orbax
+    fails while reading the arrays, with many reads under way)."""
+    for root, _, files in os.walk(run_dir / "checkpoints" / str(step)):
+        for f in files:
+            if os.path.basename(root) == "d":
+                with open(os.path.join(root, f), "r+b") as fh:
+                    fh.truncate(10)
+
+
+_LIMITED = """import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2)
+sys.argv = ["sparsejax", *sys.argv[2:]]
+runpy.run_module("sparsejax", run_name="__main__")
+"""
+
+
+def _cli(*argv, file_size_limit: int | None = None) -> tuple[int, str, str]:
+    """`sparsejax ARGV` in a subprocess (optionally with RLIMIT_FSIZE: a write past it
+    fails as on a full disk); (status, stdout, stderr)."""
+    start = ["-m", "sparsejax"] if file_size_limit is None else ["-c", _LIMITED, file_size_limit]
+    p = subprocess.run(
+        [sys.executable, *map(str, start), *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "SPARSEJAX_TRACEBACK"},
+    )
+    return p.returncode, p.stdout, p.stderr
+
+
+def _noise(text: str) -> list[str]:
+    """Lines of tracebacks and library logs (absl, asyncio) in the terminal output."""
+    marks = ("Traceback", "Event loop is closed", "absl", "asyncio", 'File "')
+    return [ln for ln in text.splitlines() if any(m in ln for m in marks)]
+
+
+def test_an_unreadable_checkpoint_is_one_line_in_eval_and_quiet_in_train(trained, tmp_path):
+    """Reading a truncated checkpoint fails in orbax with hundreds of lines of asyncio
+    noise ("Event loop is closed") on the terminal; eval says it in one line, the
+    traceback in its log file; a resume falls back with a warning (export: below)."""
+    config, run_dir = _copy(trained, tmp_path)
+    _truncate(run_dir, 4)
+    rc, out, err = _cli("eval", run_dir, "--step", "4")
+    assert rc == 2 and len((out + err).splitlines()) <= 5 and not _noise(out + err), out + err
+    assert err.startswith(f"sparsejax: error: checkpoint 4 in {run_dir}/checkpoints ")
+    assert f"(traceback in {run_dir}/eval.log)" in err
+    assert "CheckpointUnreadableError" in (run_dir / "eval.log").read_text()
+    rc, out, err = _cli("train", config, "steps=6")
+    assert rc == 0 and not _noise(out + err), out + err
+    assert "warning: checkpoint 4" in out and "resumed from" in out
+
+
+def test_export_refuses_an_unreadable_newest_checkpoint_unless_a_step_is_named(
+    trained, tmp_path, capsys
+):
+    _, run_dir = _copy(trained, tmp_path)
+    _truncate(run_dir, 4)
+    model = tmp_path / "model"
+    assert main(["export", str(run_dir), "--out", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the newest checkpoint is unreadable: checkpoint 4 in " in err
+    assert "(--step N, or --step last: the newest readable)" in err and not model.exists()
+    assert main(["export", str(run_dir), "--out", str(model), "--step", "2"]) == 0
+    assert json.loads((model / "model.json").read_text())["source"]["step"] == 2
+    assert main(["export", str(run_dir), "--out", str(model), "--overwrite", "--step", "last"]) == 0
+    assert "using checkpoint 2" in capsys.readouterr().out
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_only_complete_checkpoints(tmp_path):
+    """A checkpoint write that fails (here: the file size limit, as a full disk) ends
+    the run in one line (before: ~400 lines of orbax's absl errors, exit 1 or 2) and
+    removes the partial checkpoint; orbax's logs and the traceback are in run.log."""
+    config = _write_config(
+        tmp_path / "big.yaml",
+        out_dir=str(tmp_path / "runs"),
+        data={**TINY["data"], "synthetic_options": {"vocab_sizes": [20000, 40, 30]}},
+    )
+    rc, out, err = _cli("train", config, file_size_limit=300_000)  # the tables' file is larger
+    run_dir = tmp_path / "runs" / "r"
+    assert rc == 2 and not _noise(out + err), out + err
+    assert err.count("\n") == 1 and err.startswith(
+        f"sparsejax: error: checkpoint 2 could not be written to {run_dir}/checkpoints ("
+    )
+    assert "its partial files were removed" in err
+    assert os.listdir(run_dir / "checkpoints") == []  # no N.orbax-checkpoint-tmp
+    log = (run_dir / "run.log").read_text()
+    assert "CheckpointWriteError" in log and "ERROR absl" in log
+
+
+def test_a_full_disk_while_saving_host_tables_is_one_line(tmp_path, monkeypatch, capsys):
+    from sparsejax.checkpoint import _host_tables
+
+    def full(path, a):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(_host_tables, "_write_array", full)
+    config = _write_config(
+        tmp_path / "dyn.yaml",
+        out_dir=str(tmp_path / "runs"),
+        tables={"*": {"dynamic": True, "cache_rows": 128}},
+        data={**TINY["data"], "synthetic_options": {"vocab_sizes": [5000, 40, 30]}},
+    )
+    assert main(["train", config]) == 2
+    err = capsys.readouterr().err
+    run_dir = tmp_path / "runs" / "r"
+    assert err.count("\n") == 1 and "checkpoint 2 could not be written to " in err
+    assert "(OSError: [Errno 28] No space left on device: " in err
+    assert os.listdir(run_dir / "checkpoints" / "host_tables") == []  # its temp folder went
+
+
+def test_a_table_too_large_for_memory_is_one_line(tmp_path, monkeypatch, capsys):
+    from sparsejax.embedding import _device_store
+
+    monkeypatch.setattr(_device_store, "available_memory", lambda devices: (1000, "a test"))
+    config = _write_config(tmp_path / "c.yaml", out_dir=str(tmp_path / "runs"))
+    assert main(["train", config]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs " in err and "but 1000 B is available (a test" in err
+
+
+def test_eval_of_a_run_being_trained_leaves_its_log_alone(trained, tmp_path, capsys):
+    """The traceback of `sparsejax eval` goes to RUN/eval.log: a run that another
+    process trains (holds the lock) keeps run.log to itself."""
+    _, run_dir = _copy(trained, tmp_path)
+    _truncate(run_dir, 4)
+    before = (run_dir / "run.log").read_bytes()
+    with _lock.RunLock(str(run_dir)):
+        assert main(["eval", str(run_dir), "--step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"(traceback in {run_dir}/eval.log)" in err
+    assert (run_dir / "run.log").read_bytes() == before
+    assert "Traceback" in (run_dir / "eval.log").read_text()

@@ -9,6 +9,8 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -19,7 +21,14 @@ from sparsejax import runner
 from sparsejax.__main__ import main
 from sparsejax.data import BatchPacker, read_criteo
 from sparsejax.runner._run import restore_run
-from sparsejax.serving import ModelLoadError, Predictor, RequestError, export_run, make_app
+from sparsejax.serving import (
+    ModelLoadError,
+    Predictor,
+    RequestError,
+    _export,
+    export_run,
+    make_app,
+)
 
 FAST = ["progress=false", "log_every=1000", "eval_every=null", "epochs=null", "steps=6"]
 BUCKETS = (1, 8)
@@ -237,6 +246,27 @@ def test_cli_export_errors_are_one_line(criteo_run, tmp_path, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "m")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_export_leaves_no_temp_folders(criteo_run, tmp_path, monkeypatch):
+    """A killed export's `<version>.tmp-<pid>` is removed by the next export into its
+    folder (one of a live process stays); a failed export removes its own."""
+    _, run, _ = criteo_run
+    models = tmp_path / "models"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (models / f"1.tmp-{dead.pid}" / "exported").mkdir(parents=True)  # killed midway
+    (models / f"2.tmp-{os.getppid()}" / "exported").mkdir(parents=True)  # under way
+    export_run(run, str(models / "3"), buckets=BUCKETS, log=lambda _: None)
+    assert sorted(os.listdir(models)) == ["2.tmp-" + str(os.getppid()), "3"]
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_export, "write_arrays", fail)
+    with pytest.raises(OSError, match="No space left"):
+        export_run(run, str(models / "4"), buckets=BUCKETS, log=lambda _: None)
+    assert sorted(os.listdir(models)) == ["2.tmp-" + str(os.getppid()), "3"]
 
 
 def _csv(path: pathlib.Path, n: int = 240, seed: int = 0) -> None:

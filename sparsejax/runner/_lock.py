@@ -24,7 +24,8 @@ class RunLockedError(ConfigError):
     """Another process holds the run directory."""
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this machine (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -65,7 +66,7 @@ class RunLock:
         if previous and previous[0] == "pid" and previous[1].isdigit():
             pid = int(previous[1])
             if pid != os.getpid():
-                state = "ended" if not _alive(pid) else "no longer holds it"
+                state = "ended" if not pid_alive(pid) else "no longer holds it"
                 self.log(f"took over the lock of {self.run_dir} from pid {pid} ({state})")
         f.seek(0)
         f.truncate()

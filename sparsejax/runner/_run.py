@@ -497,8 +497,11 @@ def train(cfg: RunConfig, *, restart: bool = False, log: Callable[[str], None] =
             run.checkpointer.close()
     except BaseException as e:
         if run_log is not None:
-            run_log.write("".join(traceback.format_exception(e)))
-            e.run_log = run_log.path  # type: ignore[attr-defined]
+            try:
+                run_log.write("".join(traceback.format_exception(e)))
+                e.run_log = run_log.path  # type: ignore[attr-defined]
+            except OSError:  # e.g. the disk is full: the error may be that one; keep it
+                pass
         # refused (a config or data error) before it trained, as opposed to a failure
         # in training or a bug, whose traceback stays in run.log
         refused = isinstance(e, ValueError) and (run is None or isinstance(e, ConfigError))

@@ -17,6 +17,7 @@ What is exported:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -317,6 +318,51 @@ def _parse_buckets(buckets) -> tuple[int, ...]:
     return tuple(out)
 
 
+_TEMP = re.compile(r"^(.+)\.tmp-(\d+)$")  # <version>.tmp-<pid>: an export under way
+
+
+@contextlib.contextmanager
+def _temp_dir(out: str):
+    """`<out>.tmp-<pid>`, the folder the model dir is written in before it is renamed
+    to `out`; removed when the export fails. First, the temp folders beside it of
+    exports whose process is gone (killed) are removed."""
+    from ..runner._lock import pid_alive
+
+    parent, base = os.path.split(os.path.abspath(out))
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        m = _TEMP.match(name)
+        stale = os.path.join(parent, name)
+        if m and not pid_alive(int(m.group(2))) and os.path.isdir(os.path.join(stale, "exported")):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(parent, f"{base}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "exported"))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _restore(run_dir: str, step: int | str | None, overrides: Sequence[str], log) -> tuple:
+    """`restore_run` of the step to export. By default the newest checkpoint, and only
+    it: when it is unreadable the export is refused (an older model is exported only
+    when named: `--step N`, or `--step last` for the newest readable one)."""
+    from ..checkpoint import CheckpointUnreadableError
+    from ..runner._run import _checkpoint_steps_in, restore_run
+
+    newest = _checkpoint_steps_in(os.path.join(run_dir, "checkpoints"))[-1:]
+    if step is not None or not newest:
+        return restore_run(run_dir, step=step, overrides=overrides, log=log)
+    try:
+        return restore_run(run_dir, step=newest[0], overrides=overrides, log=log)
+    except CheckpointUnreadableError as e:
+        raise CheckpointUnreadableError(
+            f"export: the newest checkpoint is unreadable: {e}; an older one is exported "
+            f"only when named (--step N, or --step last: the newest readable)"
+        ) from e
+
+
 def export_run(
     run_dir: str,
     out: str,
@@ -336,7 +382,9 @@ def export_run(
       out: the model dir to write (refused if it exists, unless `overwrite`). A
         numbered subfolder of a serving folder (`models/3`) is a new version for a
         running `sparsejax serve models` to pick up.
-      step: the checkpoint step ("last" / None, "best", or a number).
+      step: the checkpoint step: None (the newest; refused when it is unreadable),
+        a number, "last" (the newest readable: an unreadable newer one is skipped with
+        a warning) or "best" (kept by `early_stopping`).
       quantize: table storage: fp32 (None), fp16, bf16, int8 or int4 (row-wise).
       buckets: the padded batch sizes compiled at load.
       kernels: "xla" (portable) or "native" (this platform's custom calls).
@@ -348,7 +396,6 @@ def export_run(
     """
     from ..runner._build import build_model
     from ..runner._knobs import configure_model
-    from ..runner._run import restore_run
 
     kind = storage_kind(quantize)
     if kernels not in KERNELS:
@@ -357,7 +404,7 @@ def export_run(
     if os.path.exists(out) and os.listdir(out) and not overwrite:
         raise ConfigError(f"--out {out} exists and is not empty (give another, or --overwrite)")
     t0 = time.perf_counter()
-    cfg, data, trainer, state = restore_run(run_dir, step=step, overrides=overrides, log=log)
+    cfg, data, trainer, state = _restore(run_dir, step, overrides, log)
     catalog = getattr(data.train_source, "catalog", None)
     if trainer.task == "retrieval" and catalog is None:
         raise ConfigError(
@@ -401,87 +448,85 @@ def export_run(
     args = (params, jax.device_get(serving_tables_state))
     flat, _ = jax.tree_util.tree_flatten_with_path(args)
     arg_arrays = {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat}
-    # write
-    tmp = out.rstrip("/") + f".tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "exported"))
-    exported, custom_calls = {}, set()
-    for b in buckets:
-        blob, calls = export_computation(
-            fn, (*args, batch_arrays(_pad_batch(packers[b]))), kernels=kernels
-        )
-        custom_calls |= set(calls)
-        fname = f"exported/b{b}.jaxexport"
-        with open(os.path.join(tmp, fname), "wb") as fh:
-            fh.write(blob)
-        exported[str(b)] = fname
-    mappings = {}
-    for f in features:
-        if f.table not in mappings:
-            mappings[f.table] = _mapping_entry(
-                (data.mappings or {}).get(f.name), f.table, tables.keys, arrays
+    # write: into <out>.tmp-<pid>, renamed to <out> once complete
+    with _temp_dir(out) as tmp:
+        exported, custom_calls = {}, set()
+        for b in buckets:
+            blob, calls = export_computation(
+                fn, (*args, batch_arrays(_pad_batch(packers[b]))), kernels=kernels
             )
-    retrieval = None
-    if trainer.task == "retrieval":
-        items, embeddings = _embed_catalog(fn, args, packers[buckets[-1]], catalog())
-        arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
-        retrieval = {
-            "temperature": float(model.temperature),
-            "item_ids": "items/ids",
-            "item_embeddings": "items/embeddings",
-            "items": int(items.shape[0]),
-            "user_features": list(model.user_features),
-            "item_features": list(model.item_features),
-        }
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "sparsejax_version": __version__,
-        "jax_version": jax.__version__,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "version": os.path.basename(os.path.abspath(out)),
-        "source": {"run_dir": os.path.abspath(run_dir), "step": int(state.step)},
-        "model": cfg.model.name,
-        "task": trainer.task,
-        "kernels": kernels,
-        "platforms": ["cpu", "cuda"] if kernels == "xla" else [jax.default_backend()],
-        "custom_calls": sorted(custom_calls),
-        "quantize": kind,
-        "buckets": list(buckets),
-        "exported": exported,
-        "input": spec,
-        "features": [
-            {
-                "name": f.name,
-                "table": f.table,
-                "combiner": f.combiner,
-                "max_ids": f.max_ids,
-                "weighted": f.weighted,
+            custom_calls |= set(calls)
+            fname = f"exported/b{b}.jaxexport"
+            with open(os.path.join(tmp, fname), "wb") as fh:
+                fh.write(blob)
+            exported[str(b)] = fname
+        mappings = {}
+        for f in features:
+            if f.table not in mappings:
+                mappings[f.table] = _mapping_entry(
+                    (data.mappings or {}).get(f.name), f.table, tables.keys, arrays
+                )
+        retrieval = None
+        if trainer.task == "retrieval":
+            items, embeddings = _embed_catalog(fn, args, packers[buckets[-1]], catalog())
+            arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
+            retrieval = {
+                "temperature": float(model.temperature),
+                "item_ids": "items/ids",
+                "item_embeddings": "items/embeddings",
+                "items": int(items.shape[0]),
+                "user_features": list(model.user_features),
+                "item_features": list(model.item_features),
             }
-            for f in features
-        ],
-        "tables": {t.name: {"rows": t.vocab_size, "dim": t.dim} for t in serving_tables},
-        "table_arrays": table_info,
-        "num_dense": int(num_dense),
-        "mappings": mappings,
-        "arguments": write_arrays(os.path.join(tmp, "arrays"), arg_arrays),
-        "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays),
-        "retrieval": retrieval,
-    }
-    manifest["memory"] = {
-        "tables_bytes": sum(v["bytes"] for v in table_info.values()),
-        "tables_fp32_bytes": sum(v["fp32_bytes"] for v in table_info.values()),
-    }
-    manifest["check"] = _check(trainer, state, data, fn, args, tables.keys)
-    write_json(os.path.join(tmp, MANIFEST), manifest)
-    rows = example_rows(cfg, data, spec)
-    write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})
-    if retrieval is not None and rows:
-        user = {k: v for k, v in rows[0].items() if k in retrieval["user_features"]}
-        write_json(os.path.join(tmp, EXAMPLE_RETRIEVE), {"user": user, "k": 10})
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "sparsejax_version": __version__,
+            "jax_version": jax.__version__,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "version": os.path.basename(os.path.abspath(out)),
+            "source": {"run_dir": os.path.abspath(run_dir), "step": int(state.step)},
+            "model": cfg.model.name,
+            "task": trainer.task,
+            "kernels": kernels,
+            "platforms": ["cpu", "cuda"] if kernels == "xla" else [jax.default_backend()],
+            "custom_calls": sorted(custom_calls),
+            "quantize": kind,
+            "buckets": list(buckets),
+            "exported": exported,
+            "input": spec,
+            "features": [
+                {
+                    "name": f.name,
+                    "table": f.table,
+                    "combiner": f.combiner,
+                    "max_ids": f.max_ids,
+                    "weighted": f.weighted,
+                }
+                for f in features
+            ],
+            "tables": {t.name: {"rows": t.vocab_size, "dim": t.dim} for t in serving_tables},
+            "table_arrays": table_info,
+            "num_dense": int(num_dense),
+            "mappings": mappings,
+            "arguments": write_arrays(os.path.join(tmp, "arrays"), arg_arrays),
+            "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays),
+            "retrieval": retrieval,
+        }
+        manifest["memory"] = {
+            "tables_bytes": sum(v["bytes"] for v in table_info.values()),
+            "tables_fp32_bytes": sum(v["fp32_bytes"] for v in table_info.values()),
+        }
+        manifest["check"] = _check(trainer, state, data, fn, args, tables.keys)
+        write_json(os.path.join(tmp, MANIFEST), manifest)
+        rows = example_rows(cfg, data, spec)
+        write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})
+        if retrieval is not None and rows:
+            user = {k: v for k, v in rows[0].items() if k in retrieval["user_features"]}
+            write_json(os.path.join(tmp, EXAMPLE_RETRIEVE), {"user": user, "k": 10})
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
     mem, check = manifest["memory"], manifest["check"]
     share = mem["tables_bytes"] / max(mem["tables_fp32_bytes"], 1)
     log(
