@@ -264,7 +264,7 @@ def test_export_leaves_no_temp_folders(criteo_run, tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_export, "write_arrays", fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match=f"No space left on device \\(writing {models / '4'}\\)"):
         export_run(run, str(models / "4"), buckets=BUCKETS, log=lambda _: None)
     assert sorted(os.listdir(models)) == ["2.tmp-" + str(os.getppid()), "3"]
 

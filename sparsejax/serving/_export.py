@@ -339,8 +339,10 @@ def _temp_dir(out: str):
     os.makedirs(os.path.join(tmp, "exported"))
     try:
         yield tmp
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.filename is None:  # e.g. a full disk: name where
+            raise OSError(e.errno, f"{e.strerror} (writing {out})") from e
         raise
 
 
