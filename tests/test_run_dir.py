@@ -407,6 +407,7 @@ def test_a_full_disk_while_saving_host_tables_is_one_line(tmp_path, monkeypatch,
     assert err.count("\n") == 1 and "checkpoint 2 could not be written to " in err
     assert "(OSError: [Errno 28] No space left on device: " in err
     assert os.listdir(run_dir / "checkpoints" / "host_tables") == []  # its temp folder went
+    assert "CheckpointWriteError" in (run_dir / "run.log").read_text()
 
 
 def test_a_table_too_large_for_memory_is_one_line(tmp_path, monkeypatch, capsys):
@@ -417,6 +418,8 @@ def test_a_table_too_large_for_memory_is_one_line(tmp_path, monkeypatch, capsys)
     assert main(["train", config]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs " in err and "but 1000 B is available (a test" in err
+    assert f"(traceback in {tmp_path}/runs/r/run.log)" in err
+    assert "MemoryError" in (tmp_path / "runs" / "r" / "run.log").read_text()
 
 
 def test_eval_of_a_run_being_trained_leaves_its_log_alone(trained, tmp_path, capsys):
