@@ -129,16 +129,17 @@ def _training_records(run_dir):
 
 
 def test_metrics_of_a_killed_and_resumed_run_match_an_uninterrupted_run(tmp_path, monkeypatch):
-    """Checkpoint 7 of log_every 5, killed at step 9, resumed: the record of step 10
-    averages steps 6-10 (the losses of 6 and 7 come from the checkpoint), as the
-    uninterrupted run's does."""
+    """Checkpoint 7 of log_every 5, killed at step 12 (after the records of step 10),
+    resumed: the record of step 10 averages steps 6-10 (the losses of 6 and 7 come from
+    the checkpoint), as the uninterrupted run's does; metrics.jsonl and TensorBoard's
+    view of the event files drop the killed run's records past step 7."""
     knobs = ["steps=20", "checkpoint_every=7", "log_every=5", "eval_every=10"]
     fit = runner._run.fit
     with monkeypatch.context() as m:
         m.setattr(
             runner._run,
             "fit",
-            lambda *a, hooks=(), **kw: fit(*a, hooks=[*hooks, _KillAfter(9)], **kw),
+            lambda *a, hooks=(), **kw: fit(*a, hooks=[*hooks, _KillAfter(12)], **kw),
         )
         with pytest.raises(_Killed):
             runner.train(_cfg(tmp_path, "name=split", *knobs), log=lambda *_: None)
@@ -156,11 +157,18 @@ def test_metrics_of_a_killed_and_resumed_run_match_an_uninterrupted_run(tmp_path
         ("eval", 20),
     ]
     assert split == whole
+    tensorboard = [_tensorboard_scalars(tmp_path / n / "tensorboard") for n in ("split", "whole")]
+    assert len(os.listdir(tmp_path / "split" / "tensorboard")) == 2  # the killed run's, and
+    tensorboard[0].pop("train/samples_per_s")  # the resumed run's (its purge hides 10)
+    tensorboard[1].pop("train/samples_per_s")
+    assert tensorboard[0] == tensorboard[1]
 
 
 def _tensorboard_scalars(logdir):
-    """`{tag: [(step, value)]}` of the event files in `logdir`, read with tensorboardX's
-    protos and the TFRecord framing (u64 length, u32 its crc, the data, u32 its crc)."""
+    """`{tag: [(step, value)]}` of the event files in `logdir` as TensorBoard shows them,
+    read with tensorboardX's protos and the TFRecord framing (u64 length, u32 its crc,
+    the data, u32 its crc): a file that starts a session at step s (`purge_step`) hides
+    the earlier files' values of steps >= s."""
     from tensorboardX.proto import event_pb2
 
     out = {}
@@ -170,6 +178,8 @@ def _tensorboard_scalars(logdir):
             (n,) = struct.unpack("<Q", data[i : i + 8])
             event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
             i += 12 + n + 4
+            if event.session_log.status == event_pb2.SessionLog.START:
+                out = {t: [(s, v) for s, v in sv if s < event.step] for t, sv in out.items()}
             for v in event.summary.value:
                 out.setdefault(v.tag, []).append((event.step, v.simple_value))
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 
 import jax
@@ -71,14 +72,18 @@ class TensorBoardLog(Hook):
     """The records of `MetricsLog` as TensorBoard scalars at their step: `train/<key>`
     (loss, samples_per_s) and `eval/<metric>`. Written through tensorboardX's
     `SummaryWriter` (a background thread; flushed after each eval and at `close`). On
-    resume the event file tells TensorBoard to drop the earlier files' events past the
-    restored step (`purge_step`), as `MetricsLog` drops its records."""
+    resume the new event file tells TensorBoard to drop the earlier files' events past the
+    restored step (`purge_step`), as `MetricsLog` drops its records. Each start writes its
+    own file, named by its start time to the nanosecond (tensorboardX's name has only the
+    second, and a second writer in the same second would truncate the first's file)."""
 
     def __init__(self, logdir: str, resume_step: int):
         from tensorboardX import SummaryWriter
 
         self.writer = SummaryWriter(
-            logdir=logdir, purge_step=resume_step + 1 if resume_step else None
+            logdir=logdir,
+            purge_step=resume_step + 1 if resume_step else None,
+            filename_suffix=f".{time.time_ns()}",
         )
 
     def _scalars(self, prefix: str, step: int, record: Mapping) -> None:
