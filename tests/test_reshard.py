@@ -169,7 +169,7 @@ def test_runner_resumes_on_2_then_1_device_continuing_the_loss_curve(tmp_path, c
     assert main(["train", config, "name=other", "optimizer.sparse=sgd"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
-    assert "table 'C1' was saved with optimizer='RowWiseAdagrad'" in err, err
+    assert "table 'C1' was saved with optimizer='LazyAdam'" in err, err
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_table(tmp_path):
@@ -195,7 +195,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_table(tmp_path):
             {k: t for k, t in tables.items() if k != "C4"},
             [f for f in data.features if f.table != "C4"],
         ),
-        "table 'C3' was saved with optimizer='RowWiseAdagrad', the model has optimizer='SGD'": (
+        "table 'C3' was saved with optimizer='LazyAdam', the model has optimizer='SGD'": (
             {**tables, "C3": dataclasses.replace(tables["C3"], optimizer=sgd)},
             data.features,
         ),
