@@ -61,7 +61,7 @@ class CheckpointWriteError(CheckpointError):
 def _one_line(e: BaseException) -> str:
     """`Type: first line of the message` (orbax's errors run to many lines)."""
     text = str(e).strip().splitlines()
-    first = text[0] if text else ""
+    first = text[0].split(" See full TensorStore details")[0] if text else ""
     if len(first) > 200:
         first = first[:200] + "..."
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
@@ -104,7 +104,13 @@ def _is_closed_loop_noise(u) -> bool:
     """An orbax read or write that fails ends its asyncio loop while tensorstore still
     completes the other reads or writes of that call; each completion then finds the
     loop closed and raises in a tensorstore thread (hundreds of "Event loop is closed"
-    tracebacks after the error itself)."""
+    tracebacks after the error itself), and each of the call's other coroutines, left
+    unfinished, raises its own copy of the read error when it is collected ("Exception
+    ignored in: <coroutine object _read_array_index_and_device_put>", thousands of
+    lines after a fallback to an older checkpoint)."""
+    code = getattr(u.object, "cr_code", None)
+    if code is not None:
+        return f"{os.sep}orbax{os.sep}" in code.co_filename
     if u.object is not None or not isinstance(u.exc_value, RuntimeError):
         return False
     if str(u.exc_value) != "Event loop is closed":
