@@ -197,3 +197,62 @@ def test_two_tower_over_the_history_alone_trains_with_empty_histories():
             assert np.isfinite(float(metrics["loss"]))
             batch = next(it)
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(state.params))
+
+
+def _one_feature_batch(n=16, vocab=50, dim=8, labels=None):
+    """Specs and a batch of one pooled feature (one id per example) and no dense columns."""
+    from sparsejax import data as sd
+    from sparsejax.embedding import FeatureSpec, TableSpec
+
+    tables = [TableSpec(name="t", vocab_size=vocab, dim=dim)]
+    features = [FeatureSpec(name="f", table="t")]
+    ids = np.arange(n) % vocab
+    packer = sd.BatchPacker(tables, features, batch_size=n)
+    labels = (ids % 2).astype(np.float32) if labels is None else labels
+    sparse = {"f": sd.JaggedIds(lengths=np.ones(n, int), values=ids)}
+    return tables, features, packer.pack(sparse, labels=labels)
+
+
+def test_dlrm_of_one_pooled_feature_and_no_dense_columns_reads_the_embedding():
+    """One pooled feature and no dense columns: the interaction has no pairs, so the top
+    MLP reads the pooled embedding itself (it got a zero-width input, and its Dense's
+    initializer raised ZeroDivisionError). The model trains and tells the ids apart."""
+    import optax
+
+    from sparsejax import train
+
+    tables, features, batch = _one_feature_batch()
+    model = snn.DLRM(tables=tables, features=features, top=(16, 1))
+    trainer = train.Trainer(model, optax.adam(1e-2))
+    state = trainer.init(jax.random.key(0), batch)
+    assert state.params["top"]["dense_0"]["kernel"].shape == (8, 16)  # the embedding's dim
+    logits = np.asarray(trainer.eval_step(state, batch))
+    assert logits.shape == (16,) and len(np.unique(logits.round(6))) == 16, logits
+    losses = []
+    for _ in range(30):
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_runner_trains_dlrm_on_one_categorical_column(tmp_path, capsys):
+    """`sparsejax train` of DLRM on synthetic data of one categorical column and no dense
+    columns trains (exit 0; it died with a ZeroDivisionError traceback while initializing)."""
+    from sparsejax.__main__ import main
+
+    code = main(
+        [
+            "train",
+            "model.name=dlrm",
+            "data.synthetic_options={vocab_sizes: [50], num_dense: 0}",
+            "data.batch_size=32",
+            "model.embedding_dim=8",
+            "model.options={top: [16, 1]}",
+            "steps=5",
+            "eval_every=null",
+            "progress=false",
+            f"out_dir={tmp_path}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 0 and "Traceback" not in err, err

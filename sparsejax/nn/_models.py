@@ -122,14 +122,17 @@ class _CTRModel(nn.Module):
 
 class DLRM(_CTRModel):
     """DLRM: bottom MLP on dense features, pairwise dot products of it with every
-    pooled embedding, top MLP. The bottom MLP's last width must equal the tables' dim."""
+    pooled embedding, top MLP. The bottom MLP's last width must equal the tables' dim.
+    One pooled feature and no dense features leave no pair to dot: the top MLP then
+    reads that feature's embedding."""
 
     bottom: Sequence[int] = (64, 16)
     """Widths of the bottom MLP over the dense features (ReLU after each layer); the last
     must equal the embedding dim. Unused without dense features."""
     top: Sequence[int] = (64, 32, 1)
-    """Widths of the top MLP over [bottom output, pairwise dot products]; the last is the
-    output unit, 1."""
+    """Widths of the top MLP over [bottom output, pairwise dot products] (over the
+    embedding when there is one pooled feature and no dense one); the last is the output
+    unit, 1."""
 
     @nn.compact
     def __call__(self, batch, *, train: bool = False) -> jax.Array:
@@ -151,7 +154,10 @@ class DLRM(_CTRModel):
                 )
             vecs = jnp.concatenate([x[:, None, :], vecs], axis=1)
             parts.append(x)
-        parts.append(DotInteraction(self.implementation)(vecs))
+        if vecs.shape[1] > 1:
+            parts.append(DotInteraction(self.implementation)(vecs))
+        else:  # one vector, no pairs: the top MLP reads it (a zero-width input is no model)
+            parts.append(vecs[:, 0])
         return MLP(self.top, dropout=self.dropout, dtype=self.dtype, name="top")(
             jnp.concatenate(parts, axis=1), train=train
         )[:, 0].astype(jnp.float32)

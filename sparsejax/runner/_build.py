@@ -1797,7 +1797,7 @@ def model_warnings(cfg: RunConfig, data: DataBundle) -> list[str]:
         return [
             f"model.options.bottom={list(bottom)} is ignored: the data has no dense "
             f"columns, which DLRM's bottom MLP reads (the top MLP takes the embeddings' "
-            f"dot products alone)"
+            f"dot products alone, or the one embedding itself)"
         ]
     return []
 
