@@ -469,3 +469,102 @@ def test_a_mesh_axis_the_table_store_cannot_use_is_named(tmp_path):
     trainer = train.Trainer(model, runner.dense_optimizer(runner.RunConfig().optimizer), mesh=mesh)
     with pytest.raises(ValueError, match="mesh axis 'expert'"):
         trainer.init(jax.random.key(0), first)
+
+
+def _labelled_two_tower(batch_size=8, real=7, labels=(1, 0, 1, 1, 0, 1, 1)):
+    """A two-tower over one user id and one item id, and a batch of `real` rows (user r,
+    item r) with `labels`, padded to `batch_size`."""
+    import optax
+
+    from sparsejax import data as sd
+    from sparsejax import nn as snn
+    from sparsejax.embedding import FeatureSpec, TableSpec
+    from sparsejax.ops import RowWiseAdagrad
+
+    tables = [
+        TableSpec(name=t, vocab_size=16, dim=4, optimizer=RowWiseAdagrad(learning_rate=0.1))
+        for t in ("user", "item")
+    ]
+    features = [FeatureSpec(name=t, table=t) for t in ("user", "item")]
+    model = snn.TwoTower(
+        tables=tables,
+        features=features,
+        user_features=("user",),
+        item_features=("item",),
+        tower=(8,),
+        temperature=0.2,
+    )
+    packer = sd.BatchPacker(tables, features, batch_size=batch_size)
+    one = np.ones(real, int)
+    sparse = {f: sd.JaggedIds(lengths=one, values=np.arange(real)) for f in ("user", "item")}
+    batch = packer.pack(sparse, labels=np.asarray(labels, np.float32))
+    return train.Trainer(model, optax.sgd(0.1)), batch
+
+
+def test_two_tower_label_0_rows_are_not_positive_pairs():
+    """A row labelled 0 (an item shown and not clicked, on CTR-style data) is not a
+    positive pair: the loss and in-batch recall@k are those of the batch without its query
+    row, its item still a negative of the other rows (it was trained and scored as a
+    positive, a silent wrong answer). Padded rows are neither."""
+    trainer, batch = _labelled_two_tower()
+    state = trainer.init(jax.random.key(0), batch)
+    s = np.asarray(trainer.eval_step(state, batch), np.float64)
+    queries, items = [0, 2, 3, 5, 6], np.arange(7)  # label-1 rows; every real row's item
+    sub = s[queries][:, items]
+    own = sub[np.arange(5), queries]
+    loss = np.mean(np.log(np.exp(sub).sum(1)) - own)
+    rank = (sub > own[:, None]).sum(1)
+    assert float(train.retrieval_loss(s, batch)) == pytest.approx(loss, rel=1e-5)
+    got = trainer.evaluate(state, [batch], recall_k=(1, 3))
+    assert got["loss"] == pytest.approx(loss, rel=1e-5)
+    assert got["recall@1"] == np.mean(rank < 1) and got["recall@3"] == np.mean(rank < 3)
+    assert train.recall_at_k(s, 3, batch.mask, queries=train.retrieval_queries(batch)) == (
+        np.mean(rank < 3)
+    )
+    # training: a label-0 row's user gets no gradient, its item does (as a negative)
+    before = jax.device_get(trainer.tables_by_name(state))
+    for _ in range(3):
+        state, metrics = trainer.train_step(state, batch)
+        assert np.isfinite(float(metrics["loss"]))
+    after = jax.device_get(trainer.tables_by_name(state))
+    (layer,) = before
+    user = [np.asarray(t[layer]["user"]["weights"]) for t in (before, after)]
+    item = [np.asarray(t[layer]["item"]["weights"]) for t in (before, after)]
+    moved = lambda w: np.abs(w[1][:7] - w[0][:7]).max(1) > 0  # noqa: E731
+    np.testing.assert_array_equal(moved(user), np.asarray(batch.labels[:7]) > 0)
+    assert moved(item).all()
+
+
+def test_runner_trains_a_two_tower_on_labelled_rows(tmp_path):
+    """Behavior data with negatives (label 0) trains a two-tower through the runner; its
+    eval loss is the loss over the positive rows alone."""
+    cfg = runner.load_config(
+        [],
+        [
+            "data.kind=behavior",
+            "data.synthetic_options={num_users: 200, num_items: 300, num_categories: 10, "
+            "max_history: 5, positives_only: false}",
+            "data.batch_size=64",
+            "data.eval_batches=2",
+            "model.name=two_tower",
+            "model.embedding_dim=8",
+            "model.options={user_features: [user, history], item_features: [item], tower: [8]}",
+            "steps=5",
+            "eval_every=null",
+            "progress=false",
+            f"out_dir={tmp_path}",
+        ],
+    )
+    run = runner.build_run(cfg, log=lambda *_: None)
+    batches = list(run.data.eval_batches)
+    assert any((np.asarray(b.labels) == 0).any() for b in batches)  # it has label-0 rows
+    got = runner.train_run(run, log=lambda *_: None)["last_eval"]
+    assert np.isfinite(got["loss"])
+    losses, weights = [], []
+    for b in batches:
+        s = np.asarray(run.trainer.eval_step(run.state, b), np.float64)
+        q = (np.asarray(b.mask) > 0) & (np.asarray(b.labels) > 0)
+        sub = np.where(np.asarray(b.mask)[None] > 0, s, -np.inf)[q]
+        losses.append(np.sum(np.log(np.exp(sub).sum(1)) - np.diagonal(s)[q]))
+        weights.append(q.sum())
+    assert got["loss"] == pytest.approx(sum(losses) / sum(weights), rel=1e-5)

@@ -2,7 +2,8 @@
 
 CTR models (`task = "binary"`) return one logit per example. The two-tower model
 (`task = "retrieval"`) returns the `[B, B]` in-batch score matrix whose diagonal holds
-the positive pairs. Every model trains sparsely through `EmbeddingBagCollection`.
+the (user, item) pairs of the rows; the rows labelled positive are its positive pairs.
+Every model trains sparsely through `EmbeddingBagCollection`.
 """
 
 from __future__ import annotations
@@ -280,8 +281,10 @@ class DIN(_CTRModel):
 
 class TwoTower(nn.Module):
     """Two-tower (DSSM) retrieval: user and item towers over their own features, L2-
-    normalized outputs, in-batch scores `u @ i.T / temperature` (`[B, B]`). Padded
-    examples (mask 0) are excluded as negatives by the loss."""
+    normalized outputs, in-batch scores `u @ i.T / temperature` (`[B, B]`). The loss
+    takes each row labelled positive as a positive pair and the other rows' items as its
+    negatives; a row labelled 0 is no positive pair (its item stays a negative), padded
+    examples (mask 0) are neither."""
 
     tables: Sequence[TableSpec]
     features: Sequence[FeatureSpec]

@@ -33,3 +33,4 @@ from ._trainer import Trainer as Trainer
 from ._trainer import TrainState as TrainState
 from ._trainer import binary_loss as binary_loss
 from ._trainer import retrieval_loss as retrieval_loss
+from ._trainer import retrieval_queries as retrieval_queries

@@ -61,15 +61,25 @@ def calibration(labels: np.ndarray, logits: np.ndarray, mask: np.ndarray | None 
     return float((1.0 / (1.0 + np.exp(-z))).mean() / rate) if rate > 0 else float("nan")
 
 
-def recall_at_k(scores: np.ndarray, k: int, mask: np.ndarray | None = None) -> float:
-    """In-batch retrieval: fraction of rows whose own item (the diagonal) ranks in the
-    top k among the batch's items (padded columns excluded)."""
+def recall_at_k(
+    scores: np.ndarray,
+    k: int,
+    mask: np.ndarray | None = None,
+    *,
+    queries: np.ndarray | None = None,
+) -> float:
+    """In-batch retrieval: fraction of the query rows whose own item (the diagonal) ranks
+    in the top k among the batch's items (padded columns excluded). `queries` (default:
+    `mask`) picks the rows that are positive pairs: a label-0 row is none, but its item
+    still ranks against the others (`sparsejax.train.retrieval_queries`). NaN without
+    queries."""
     scores = np.asarray(scores, np.float64)
     valid = np.ones(scores.shape[0], bool) if mask is None else np.asarray(mask) > 0
+    rows = valid if queries is None else valid & (np.asarray(queries) > 0)
     s = np.where(valid[None, :], scores, -np.inf)
     own = np.diagonal(s)
     rank = (s > own[:, None]).sum(1)  # items scoring strictly higher
-    return float((rank[valid] < k).mean()) if valid.any() else float("nan")
+    return float((rank[rows] < k).mean()) if rows.any() else float("nan")
 
 
 def gauc(

@@ -47,11 +47,24 @@ def binary_loss(logits: jax.Array, batch) -> jax.Array:
     return (per * batch.mask).sum() / jnp.maximum(batch.mask.sum(), 1.0)
 
 
+def retrieval_queries(batch) -> jax.Array:
+    """f32[B], 1 for the rows that are positive pairs, the queries of in-batch retrieval:
+    real (mask 1) and labelled positive (label > 0; all-positive data such as event logs
+    labels every row 1). A label-0 row (an item shown and not clicked) pairs a user with
+    an item they did not pick, so it is no query; its item still serves as a negative of
+    the other rows, as every real row's item does."""
+    positive = batch.labels.reshape(batch.mask.shape[0], -1)[:, 0] > 0
+    return jnp.where(positive, batch.mask, 0.0)
+
+
 def retrieval_loss(scores: jax.Array, batch) -> jax.Array:
-    """In-batch softmax: row i's positive is column i; padded columns are not negatives."""
+    """In-batch softmax, mean over the queries (`retrieval_queries`): row i's positive is
+    column i, the other real columns (label-0 rows' items too) its negatives; padded
+    columns are not negatives."""
     scores = jnp.where(batch.mask[None, :] > 0, scores, -1e9)
     per = -jnp.diagonal(jax.nn.log_softmax(scores, axis=-1))
-    return (per * batch.mask).sum() / jnp.maximum(batch.mask.sum(), 1.0)
+    queries = retrieval_queries(batch)
+    return (per * queries).sum() / jnp.maximum(queries.sum(), 1.0)
 
 
 LOSSES: dict[str, Callable] = {"binary": binary_loss, "retrieval": retrieval_loss}
@@ -464,8 +477,11 @@ class Trainer:
         self, state: TrainState, batches, *, recall_k: tuple[int, ...] = (1, 10)
     ) -> dict[str, float]:
         """Metrics over all `batches` (padded rows excluded): loss, and AUC, logloss and
-        calibration for "binary", recall@k for "retrieval" (in-batch)."""
+        calibration for "binary", recall@k for "retrieval" (in-batch). A retrieval
+        model's loss and recall@k average over its queries (`retrieval_queries`: label-0
+        rows are no positive pairs); `examples` counts the real rows."""
         outs, labels, masks, losses, recalls = [], [], [], [], {k: [] for k in recall_k}
+        examples = 0.0
         for batch in batches:
             # this process's share -> the global batch (tiered tables: eval_step maps the
             # raw ids to cache slots first, then places the batch; they run in one process)
@@ -474,18 +490,24 @@ class Trainer:
             out = _host(self.eval_step(state, batch))
             batch = jax.tree.map(_host, batch)
             mask = np.asarray(batch.mask)
-            losses.append((float(self.loss_fn(out, batch)), mask.sum()))
+            examples += mask.sum()
             if self.task == "binary":
+                losses.append((float(self.loss_fn(out, batch)), mask.sum()))
                 outs.append(out)
                 labels.append(np.asarray(batch.labels))
                 masks.append(mask)
             else:
+                queries = np.asarray(retrieval_queries(batch))
+                n = float(queries.sum())
+                losses.append((float(self.loss_fn(out, batch)), n))
                 for k in recall_k:
-                    recalls[k].append((_metrics.recall_at_k(out, k, mask), mask.sum()))
+                    recall = _metrics.recall_at_k(out, k, mask, queries=queries)
+                    recalls[k].append((recall if n else 0.0, n))
         if not losses:
             raise ValueError("evaluate: no eval batches")
         total = sum(n for _, n in losses)
-        result = {"loss": sum(v * n for v, n in losses) / total, "examples": int(total)}
+        mean = sum(v * n for v, n in losses) / total if total else float("nan")
+        result = {"loss": mean, "examples": int(examples)}
         if self.task == "binary":
             y, z, m = np.concatenate(labels), np.concatenate(outs), np.concatenate(masks)
             result |= {
@@ -495,5 +517,5 @@ class Trainer:
             }
         else:
             for k, vals in recalls.items():
-                result[f"recall@{k}"] = sum(v * n for v, n in vals) / total
+                result[f"recall@{k}"] = sum(v * n for v, n in vals) / total if total else float("nan")
         return result
