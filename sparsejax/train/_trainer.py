@@ -517,5 +517,7 @@ class Trainer:
             }
         else:
             for k, vals in recalls.items():
-                result[f"recall@{k}"] = sum(v * n for v, n in vals) / total if total else float("nan")
+                result[f"recall@{k}"] = (
+                    sum(v * n for v, n in vals) / total if total else float("nan")
+                )
         return result
