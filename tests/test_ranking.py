@@ -178,12 +178,20 @@ class _ItemPlusUser(nn.Module):
         return emb["item"][:, 0] + emb["user"][:, 0]
 
 
-def test_score_candidates_of_any_model_in_fixed_batches(events, tmp_path):
+def _item_plus_user(events):
+    """`_ItemPlusUser` over the events' tables, initialized, with a packer of batch 64:
+    (tables, features, trainer, packer, state)."""
     tables, features = events.specs(dim=4)
     trainer = train.Trainer(_ItemPlusUser(tables, features), optax.sgd(0.1))
-    packer = sd.BatchPacker(tables, features, batch_size=64)  # 300 rows: the last is padded
+    packer = sd.BatchPacker(tables, features, batch_size=64)
     sparse, labels, _ = events.test.rows(0, 64)
     state = trainer.init(jax.random.key(0), packer.pack(sparse, labels=labels))
+    return tables, features, trainer, packer, state
+
+
+def test_score_candidates_of_any_model_in_fixed_batches(events, tmp_path):
+    # batches of 64 over the 300 candidate rows: the last is padded
+    tables, features, trainer, packer, state = _item_plus_user(events)
     (weights,) = trainer.tables_by_name(state).values()  # the model's one layer
     sets = events.test
     want = (
@@ -321,11 +329,7 @@ def test_factored_scoring_gives_the_scores_of_one_row_per_candidate(name):
 
 
 def test_models_that_cannot_be_factored_score_row_by_row(events):
-    tables, features = events.specs(dim=4)
-    trainer = train.Trainer(_ItemPlusUser(tables, features), optax.sgd(0.1))
-    packer = sd.BatchPacker(tables, features, batch_size=64)
-    sparse, labels, _ = events.test.rows(0, 64)
-    state = trainer.init(jax.random.key(0), packer.pack(sparse, labels=labels))
+    tables, features, trainer, packer, state = _item_plus_user(events)
     with pytest.raises(ValueError, match="_ItemPlusUser cannot be scored factored"):
         train.score_candidates(trainer, state, events.test, packer, method="factored")
     with pytest.raises(ValueError, match="method must be one of"):
@@ -337,11 +341,7 @@ def test_models_that_cannot_be_factored_score_row_by_row(events):
 
 
 def test_ranking_on_a_sample_of_users(events):
-    tables, features = events.specs(dim=4)
-    trainer = train.Trainer(_ItemPlusUser(tables, features), optax.sgd(0.1))
-    packer = sd.BatchPacker(tables, features, batch_size=64)
-    sparse, labels, _ = events.test.rows(0, 64)
-    state = trainer.init(jax.random.key(0), packer.pack(sparse, labels=labels))
+    tables, features, trainer, packer, state = _item_plus_user(events)
     sets = events.test
     sample = sets.sample(12, seed=5)
     assert (
