@@ -7,7 +7,7 @@ Samples (under `$SPARSEJAX_DATA_DIR`): the Kaggle head-10k (first 8,000 rows tra
 2,000 eval) and the random 4k spread over all 7 days (first 3,584 train, last 1,000
 eval). Each run goes through the runner's `train`, as `sparsejax train` does.
 
-    SPARSEJAX_DATA_DIR=../shared/data PYTHONPATH=. python experiments/defaults_criteo.py
+    SPARSEJAX_DATA_DIR=/path/to/data PYTHONPATH=. python experiments/defaults_criteo.py
 """
 
 from __future__ import annotations

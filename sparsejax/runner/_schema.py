@@ -7,7 +7,7 @@ model and optimizer options are checked against the classes they configure.
 Data files: a relative `data.path` is looked up in the working directory, then in the
 directory named by the environment variable `SPARSEJAX_DATA_DIR` (the configs for the
 shipped Criteo sample give its path relative to that directory; e.g. run
-`SPARSEJAX_DATA_DIR=../shared/data sparsejax train configs/dlrm_criteo.yaml`).
+`SPARSEJAX_DATA_DIR=/path/to/data sparsejax train configs/dlrm_criteo.yaml`).
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ class DataConfig:
     path: str | None = None
     """Data file (one source, split by `split` or `train_rows`); `train` says the same
     and also takes globs and lists. A relative path is looked up in the working
-    directory, then in `$SPARSEJAX_DATA_DIR` (e.g. `SPARSEJAX_DATA_DIR=../shared/data`
-    for the shipped Criteo sample next to the repository)."""
+    directory, then in `$SPARSEJAX_DATA_DIR` (e.g. the folder holding the Criteo sample;
+    docs/data.md says where to download it)."""
     train: str | tuple[str, ...] | None = None
     """Training files: a path, a glob (`day_*.csv`) or a list; with a headed CSV, only
     the first file needs the header. Without `eval`, `split` divides them."""
