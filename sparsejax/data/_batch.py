@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from ..embedding._spec import FeatureSpec, TableSpec, check_specs
+from ..embedding import FeatureSpec, TableSpec, check_specs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding import FeatureSpec, TableSpec
 from ._batch import JaggedIds
 
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding import FeatureSpec, TableSpec
 from ._batch import JaggedIds
 from ._csv import ParseReport, open_text
 from ._loader import Examples, HostBatch

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .._hashing import mix64
-from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding import FeatureSpec, TableSpec
 from ._batch import JaggedIds
 from ._criteo import specs_for_vocab
 from ._loader import HostBatch
