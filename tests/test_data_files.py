@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sparsejax import data
-from sparsejax.data._csv import DelimitedParser, _Errors
+from sparsejax.data._csv import DelimitedParser, ParseErrors
 from sparsejax.data._text import parse_decimal, parse_float, parse_hex
 
 SCHEMA = {"label": "click", "categorical": ["user"], "dense": ["age"], "multi_hot": ["tags"]}
@@ -311,7 +311,7 @@ def test_delimited_fast_path_matches_exact_per_line_path():
     for int_ids in (False, True):
         s = data.TableSchema(**{**schema.__dict__, "int_ids": int_ids})
         p = DelimitedParser(s, names)
-        e1, e2 = _Errors("f", False), _Errors("f", False)
+        e1, e2 = ParseErrors("f", False), ParseErrors("f", False)
         fast, n = p.parse(chunk, 5, "f", e1)
         exact = p._exact_chunk(chunk.split(b"\n")[:-1], 5, "f", e2)
         assert p.exact_chunks == 0  # the fast path decided every line itself

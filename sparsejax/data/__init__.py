@@ -18,19 +18,21 @@ from ._batch import SparseBatch as SparseBatch
 from ._behavior import SyntheticBehavior as SyntheticBehavior
 from ._criteo import CATEGORICAL_NAMES as CATEGORICAL_NAMES
 from ._criteo import DENSE_NAMES as DENSE_NAMES
+from ._criteo import CriteoParser as CriteoParser
 from ._criteo import HashMapping as HashMapping
 from ._criteo import RawIdMapping as RawIdMapping
 from ._criteo import VocabMapping as VocabMapping
 from ._criteo import fit_vocab as fit_vocab
-from ._criteo import iter_criteo_chunks as iter_criteo_chunks
-from ._criteo import read_criteo as read_criteo
 from ._criteo import specs_for_vocab as specs_for_vocab
 from ._criteo import vocab_sizes as vocab_sizes
 from ._csv import MISSING as MISSING
+from ._csv import DelimitedParser as DelimitedParser
+from ._csv import ParseErrors as ParseErrors
 from ._csv import ParseReport as ParseReport
 from ._csv import TableSchema as TableSchema
-from ._csv import read_delimited as read_delimited
 from ._csv import stable_hash as stable_hash
+from ._events import HISTORY as HISTORY
+from ._events import ITEM as ITEM
 from ._events import CandidateSets as CandidateSets
 from ._events import EventLog as EventLog
 from ._events import EventLogError as EventLogError
@@ -47,7 +49,6 @@ from ._files import expand_files as expand_files
 from ._files import shard_files as shard_files
 from ._labels import LabelError as LabelError
 from ._labels import LabelRule as LabelRule
-from ._libsvm import read_libsvm as read_libsvm
 from ._loader import BatchSource as BatchSource
 from ._loader import Examples as Examples
 from ._loader import HostBatch as HostBatch
@@ -55,13 +56,18 @@ from ._loader import Loader as Loader
 from ._loader import LoaderPosition as LoaderPosition
 from ._loader import measure_throughput as measure_throughput
 from ._loader import pack_examples as pack_examples
-from ._parquet import read_parquet as read_parquet
+from ._readers import iter_criteo_chunks as iter_criteo_chunks
+from ._readers import read_criteo as read_criteo
+from ._readers import read_delimited as read_delimited
+from ._readers import read_libsvm as read_libsvm
+from ._readers import read_parquet as read_parquet
 from ._stream import FORMATS as FORMATS
 from ._stream import Chunk as Chunk
 from ._stream import FileSource as FileSource
 from ._stream import StreamPosition as StreamPosition
 from ._synthetic import KAGGLE_CARDINALITIES as KAGGLE_CARDINALITIES
 from ._synthetic import SyntheticCriteo as SyntheticCriteo
+from ._transforms import ColumnTransform as ColumnTransform
 
 _DEPRECATED = {"Jagged": PaddedIds, "Ragged": JaggedIds}
 

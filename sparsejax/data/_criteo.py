@@ -20,14 +20,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from os import PathLike
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..embedding._spec import MISSING_KEY, FeatureSpec, TableSpec
+from ..embedding import MISSING_KEY, FeatureSpec, TableSpec
 from ._batch import JaggedIds
-from ._csv import MISSING, ParseReport, _Errors
+from ._csv import MISSING, ParseErrors
 from ._labels import LabelRule
 from ._loader import Examples
 from ._text import parse_decimal, parse_float, parse_hex, split_fields
@@ -90,7 +89,7 @@ class CriteoParser:
         self.labeled = labeled
         self.rule = label
 
-    def parse(self, data: bytes, first_line: int, path: str, errs: _Errors):
+    def parse(self, data: bytes, first_line: int, path: str, errs: ParseErrors):
         """`(Examples, lines read)` of a chunk of whole lines starting at `first_line`."""
         labeled, rule = self.labeled, self.rule
         if data and not data.endswith(b"\n"):
@@ -154,79 +153,6 @@ def _examples(labels: np.ndarray, dense: np.ndarray, raw: np.ndarray) -> Example
         for j, name in enumerate(CATEGORICAL_NAMES)
     }
     return Examples(labels=labels, dense=dense, sparse=sparse)
-
-
-def iter_criteo_chunks(
-    path: str | PathLike | Sequence[str | PathLike],
-    *,
-    chunk_lines: int = 1 << 15,
-    labeled: bool = True,
-    strict: bool = False,
-    max_lines: int | None = None,
-    label: LabelRule | Mapping | None = None,
-) -> Iterator[tuple[Examples, ParseReport]]:
-    """Read Criteo TSV file(s) `chunk_lines` lines at a time (for files larger than
-    memory); yields `(Examples of raw ids, ParseReport of that chunk)`; `ParseReport.merge`
-    joins the reports. See `read_criteo` for the format and preprocessing, and
-    `FileSource` for resumable streaming."""
-    if chunk_lines < 1:
-        raise ValueError(f"chunk_lines must be >= 1, got {chunk_lines}")
-    src = _criteo_source(path, labeled, strict, max_lines, chunk_lines, label)
-    for chunk in src.chunks():
-        yield chunk.examples, chunk.report
-
-
-def read_criteo(
-    path: str | PathLike | Sequence[str | PathLike],
-    *,
-    labeled: bool = True,
-    strict: bool = False,
-    max_lines: int | None = None,
-    chunk_lines: int | None = None,
-    label: LabelRule | Mapping | None = None,
-) -> tuple[Examples, ParseReport]:
-    """Read a Criteo Kaggle DAC file into `Examples` of raw ids, and a `ParseReport`.
-
-    Format: one example per line, tab-separated, `label I1..I13 C1..C26` (40 fields), or
-    without the label (39 fields) when `labeled=False` (Kaggle test files; labels are 0).
-    Dense features are `I1..I13` preprocessed to log1p(max(x, 0)) (empty -> 0); sparse
-    features `"C1".."C26"` hold one raw id each: the hex value as int64, empty -> -1.
-    Apply an id mapping per feature (`HashMapping`, `VocabMapping`) with
-    `Examples.map_ids` before packing.
-
-    `path`: a file, a glob or a list of them (`expand_files`), plain, `.gz` or `.zst`.
-    `label`: a `LabelRule` for files whose labels are not 0/1 (e.g. `{"map": {-1: 0}}`);
-    without one, a label other than "0"/"1" makes the line malformed.
-
-    Malformed lines (wrong field count, bad label, a dense field that is not an integer,
-    a categorical that is not 1-8 hex digits) are skipped and counted in the report; with
-    `strict=True` the first raises `ValueError` naming file, line, field and value.
-
-    Example::
-
-        examples, report = read_criteo("train.txt")
-        print(report)  # train.txt: kept 10,000 of 10,000 lines; no malformed lines
-        train, valid = examples.split(9_000)
-        vocab = fit_vocab(train, min_count=2)
-        train, valid = train.map_ids(vocab), valid.map_ids(vocab)
-    """
-    return _criteo_source(path, labeled, strict, max_lines, chunk_lines, label).read()
-
-
-def _criteo_source(path, labeled, strict, max_lines, block_lines, label):
-    """The `FileSource` behind `read_criteo` and `iter_criteo_chunks`."""
-    from ._stream import FileSource
-
-    return FileSource(
-        path,
-        format="criteo",
-        labeled=labeled,
-        label=label,
-        strict=strict,
-        max_lines=max_lines,
-        block_lines=block_lines,
-        key="path",
-    )
 
 
 def empty_criteo() -> Examples:

@@ -98,7 +98,7 @@ class ParseReport:
         return self.summary()
 
 
-class _Errors:
+class ParseErrors:
     """Collects malformed lines for a `ParseReport`, or raises at the first if strict."""
 
     def __init__(self, path: str, strict: bool):
@@ -416,7 +416,7 @@ class DelimitedParser:
         ids[nz] = self.hasher(arr, start[nz], length[nz])
         return ids, np.zeros(start.shape[0], bool)
 
-    def parse(self, data: bytes, first_line: int, path: str, errs: _Errors):
+    def parse(self, data: bytes, first_line: int, path: str, errs: ParseErrors):
         """`(Examples, lines read)` of a chunk of whole lines starting at `first_line`."""
         s = self.schema
         if b"\r" in data:
@@ -503,43 +503,3 @@ class DelimitedParser:
 _EMPTY_HASH = stable_hash_bytes(b"")
 
 
-def read_delimited(
-    path: str | PathLike | Sequence[str | PathLike],
-    schema: TableSchema | Mapping,
-    *,
-    strict: bool = False,
-    max_lines: int | None = None,
-    label: LabelRule | Mapping | None = None,
-) -> tuple[Examples, ParseReport]:
-    """Read delimited text as `schema` says into `Examples` of raw ids.
-
-    `path`: a file, a glob or a list of them (see `expand_files`), plain, `.gz` or
-    `.zst`; with `schema.header` the first file's line 1 is the header and a later file
-    may repeat it or start with data (a table split into a headed part and a header-less
-    continuation reads as one table). `label`: a `LabelRule` (or its dict) that maps and
-    checks the labels; default: `schema.label` must hold 0 or 1, else a `LabelError`
-    naming file, line and value.
-
-    Malformed lines (wrong number of fields, a bad label/dense/id/weight) are skipped and
-    counted in the `ParseReport`; with `strict=True` the first one raises a `ValueError`
-    naming the file, line, field and value. Raw ids (hashes, or integers with `int_ids`)
-    still need an id mapping (`HashMapping`, `VocabMapping`) before they index tables.
-
-    Example::
-
-        schema = TableSchema.from_dict({"label": "click", "categorical": ["user"],
-                                        "multi_hot": ["tags"], "dense": ["age"]})
-        examples, report = read_delimited("clicks.csv", schema)
-        print(report)
-    """
-    from ._stream import FileSource
-
-    return FileSource(
-        path,
-        format="delimited",
-        schema=schema,
-        label=label,
-        strict=strict,
-        max_lines=max_lines,
-        key="path",
-    ).read()

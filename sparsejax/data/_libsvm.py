@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._batch import JaggedIds
-from ._csv import _Errors
+from ._csv import ParseErrors
 from ._labels import LabelRule
 from ._loader import Examples
 from ._text import parse_decimal, parse_float
@@ -141,7 +141,7 @@ class LibsvmParser:
                 raise _Bad("unmapped_feature", f"{kind} {key}", text)
 
     # -- the vectorized path ---------------------------------------------------------
-    def parse(self, data: bytes, first_line: int, path: str, errs: _Errors):
+    def parse(self, data: bytes, first_line: int, path: str, errs: ParseErrors):
         """`(Examples, lines read)` of a chunk of whole lines starting at `first_line`."""
         if b"\r" in data:
             data = data.replace(b"\r", b" ")
@@ -244,33 +244,3 @@ class LibsvmParser:
         return ex, n
 
 
-def read_libsvm(
-    path,
-    *,
-    field_map: Mapping | None = None,
-    label: LabelRule | Mapping | None = None,
-    feature: str = DEFAULT_FEATURE,
-    strict: bool = False,
-    max_lines: int | None = None,
-):
-    """Read libSVM / libFM file(s) (a path, a glob or a list; plain, `.gz` or `.zst`) into
-    `Examples` of raw ids and a `ParseReport`. See the module docstring for the format,
-    `field_map` and the label rule (default: labels 0/1; `{"map": {-1: 0}}` for -1/+1).
-
-    Example::
-
-        ex, report = read_libsvm("avazu.libfm", label={"map": {-1: 0}},
-                                 field_map={0: "site", 1: "app", 2: "device"})
-    """
-    from ._stream import FileSource
-
-    return FileSource(
-        path,
-        format="libsvm",
-        field_map=field_map,
-        label=label,
-        feature=feature,
-        strict=strict,
-        max_lines=max_lines,
-        key="path",
-    ).read()

@@ -16,12 +16,12 @@ numbers (1-based) within the file.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ._batch import JaggedIds
-from ._csv import TableSchema, _Errors
+from ._csv import ParseErrors, TableSchema
 from ._files import DataFileError
 from ._labels import LabelRule
 from ._loader import Examples
@@ -93,7 +93,7 @@ class ParquetParser:
         length = (off[1:] - off[:-1]).astype(np.int64)
         return self.hasher(data, start, length), np.zeros(len(arr), bool)
 
-    def parse(self, batch, first_row: int, path: str, errs: _Errors):
+    def parse(self, batch, first_row: int, path: str, errs: ParseErrors):
         """`(Examples, rows read)` of a record batch whose first row is `first_row`."""
         pa, pc, _ = _pa()
         s = self.schema
@@ -183,30 +183,3 @@ class ParquetParser:
         return Examples(labels=labels, dense=d.astype(np.float32), sparse=out), n
 
 
-def read_parquet(
-    path,
-    schema: TableSchema | Mapping,
-    *,
-    label: LabelRule | Mapping | None = None,
-    strict: bool = False,
-    max_lines: int | None = None,
-):
-    """Read Parquet file(s) (a path, a glob or a list) into `Examples` of raw ids and a
-    `ParseReport`; `schema` names the columns (its delimiter/header fields are unused).
-
-    Example::
-
-        ex, report = read_parquet("part-*.parquet", {"label": "click",
-                                  "categorical": ["user", "item"], "dense": ["age"]})
-    """
-    from ._stream import FileSource
-
-    return FileSource(
-        path,
-        format="parquet",
-        schema=schema,
-        label=label,
-        strict=strict,
-        max_lines=max_lines,
-        key="path",
-    ).read()

@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from os import PathLike
 from typing import Any
 
-from ._csv import DelimitedParser, ParseReport, TableSchema, _Errors
+from ._criteo import CriteoParser
+from ._csv import DelimitedParser, ParseErrors, ParseReport, TableSchema
 from ._files import (
     DataFileError,
     FilePiece,
@@ -47,7 +48,9 @@ from ._files import (
     shard_files,
 )
 from ._labels import LabelRule
+from ._libsvm import LibsvmParser
 from ._loader import Examples
+from ._parquet import ParquetParser, _pa
 
 FORMATS = ("criteo", "delimited", "libsvm", "parquet")
 
@@ -155,12 +158,8 @@ class FileSource:
         self.schema = schema
         self._skip = [0] * len(self.files)  # header bytes per file
         if format == "criteo":
-            from ._criteo import CriteoParser
-
             self.parser = CriteoParser(labeled=labeled, label=rule)
         elif format == "libsvm":
-            from ._libsvm import LibsvmParser
-
             self.parser = LibsvmParser(field_map=field_map, label=rule, feature=feature)
         elif format == "delimited":
             if schema is None:
@@ -176,8 +175,6 @@ class FileSource:
         else:
             if schema is None:
                 raise ValueError(f"{key}: format 'parquet' needs a schema")
-            from ._parquet import ParquetParser, _pa
-
             self.parser = ParquetParser(schema, rule)
             _, _, pq = _pa()
             for f in self.files:
@@ -246,7 +243,7 @@ class FileSource:
                 n_lines = limit - taken
                 data = b"\n".join(data.split(b"\n", n_lines)[:n_lines]) + b"\n"
             taken += n_lines
-            errs = _Errors(path, self.strict)
+            errs = ParseErrors(path, self.strict)
             ex, n = self.parser.parse(data, b.first_line, path, errs)
             nxt = StreamPosition(piece=p, offset=b.next_offset, line=b.next_line, block=b.index + 1)
             yield Chunk(ex, errs.report(n, len(ex)), nxt, path, b.first_line)
@@ -254,8 +251,6 @@ class FileSource:
                 return
 
     def _parquet_chunks(self, p: int, pos: StreamPosition, limit: int | None) -> Iterator[Chunk]:
-        from ._parquet import _pa
-
         _, _, pq = _pa()
         piece = self.pieces[p]
         path = piece.path
@@ -285,7 +280,7 @@ class FileSource:
                                 return
                             batch = batch.slice(0, limit)
                             limit -= batch.num_rows
-                        errs = _Errors(path, self.strict)
+                        errs = ParseErrors(path, self.strict)
                         ex, n = self.parser.parse(batch, row, path, errs)
                         nxt = StreamPosition(
                             piece=p, offset=k + 1, line=row + batch.num_rows, block=k + 1
@@ -310,14 +305,12 @@ class FileSource:
         if self.format == "parquet":
             import pyarrow as pa
 
-            from ._parquet import _pa
-
             _, _, pq = _pa()
             sch = pq.ParquetFile(self.files[0]).schema_arrow
             batch = pa.RecordBatch.from_pylist([], schema=sch)
-            ex = self.parser.parse(batch, 1, self.files[0], _Errors(self.files[0], False))[0]
+            ex = self.parser.parse(batch, 1, self.files[0], ParseErrors(self.files[0], False))[0]
         else:
-            ex = self.parser.parse(b"", 1, self.files[0], _Errors(self.files[0], False))[0]
+            ex = self.parser.parse(b"", 1, self.files[0], ParseErrors(self.files[0], False))[0]
         return self.transform(ex) if self.transform is not None else ex
 
     def __repr__(self) -> str:
