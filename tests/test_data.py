@@ -14,8 +14,8 @@ from _data import CRITEO_SAMPLE, data_dir
 from sparsejax import data
 from sparsejax.embedding._spec import FeatureSpec, TableSpec
 
-# The Criteo samples are not in the repository (README, "Data"); without them these tests
-# skip.
+# The Criteo samples are not in the repository (docs/data.md, "The Criteo sample"); without
+# them these tests skip.
 DATA_DIR = data_dir()
 HEAD10K = None if DATA_DIR is None else DATA_DIR / CRITEO_SAMPLE
 HEAD10K_TEST = HEAD10K and HEAD10K.parent / "test_head10k_unlabeled.txt"

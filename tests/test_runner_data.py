@@ -554,9 +554,9 @@ def test_transforms_on_chunks_equal_the_whole():
     np.testing.assert_array_equal(whole.sparse["h"].lengths, np.minimum(lengths, 3))
 
 
-def test_the_readme_config_loads_and_reads(tmp_path, monkeypatch):
-    readme = (CONFIGS.parent / "README.md").read_text()
-    section = readme[readme.index("## Your own data") :]
+def test_the_data_guide_config_loads_and_reads(tmp_path, monkeypatch):
+    guide = (CONFIGS.parent / "docs" / "data.md").read_text()
+    section = guide[guide.index("## Many files, bags and sequences") :]
     text = section[section.index("```yaml\n") + 8 : section.index("```\n", 20)]
     assert "base:" not in text  # a relative base works only beside it, in configs/
     (tmp_path / "my_clicks.yaml").write_text(text)
@@ -572,7 +572,7 @@ def test_the_readme_config_loads_and_reads(tmp_path, monkeypatch):
     (tmp_path / "clicks" / "part1.csv").write_text(header + "\n".join(lines[:60]) + "\n")
     (tmp_path / "clicks" / "part2.csv").write_text("\n".join(lines[60:]) + "\n")
     monkeypatch.setenv(runner.DATA_DIR_ENV, str(tmp_path))
-    # as the README runs it: the shipped defaults first, the config from anywhere
+    # as the guide runs it: the shipped defaults first, the config from anywhere
     cfg = runner.load_config([CONFIGS / "base.yaml", tmp_path / "my_clicks.yaml"])
     base = runner.load_config([CONFIGS / "base.yaml"])
     assert cfg.optimizer == base.optimizer and cfg.name == "my_clicks"
