@@ -15,7 +15,10 @@ from ._device_store import DeviceTableStore as DeviceTableStore
 from ._device_store import GroupLookups as GroupLookups
 from ._device_store import apply_group_gradients as apply_group_gradients
 from ._device_store import check_mesh as check_mesh
+from ._device_store import fill_table as fill_table
 from ._host_store import HybridTableStore as HybridTableStore
+from ._memory import available_memory as available_memory
+from ._memory import format_bytes as format_bytes
 from ._spec import MISSING_KEY as MISSING_KEY
 from ._spec import BloomAdmission as BloomAdmission
 from ._spec import CountAdmission as CountAdmission
@@ -24,6 +27,7 @@ from ._spec import Eviction as Eviction
 from ._spec import FeatureSpec as FeatureSpec
 from ._spec import HostCache as HostCache
 from ._spec import TableSpec as TableSpec
+from ._spec import check_specs as check_specs
 from ._spec import constant_init as constant_init
 from ._spec import normal_init as normal_init
 from ._spec import truncated_normal_init as truncated_normal_init
@@ -32,9 +36,13 @@ from ._stacking import MAX_STACK_ROWS as MAX_STACK_ROWS
 from ._stacking import Stack as Stack
 from ._stacking import plan_stacks as plan_stacks
 from ._stacking import stack_name as stack_name
+from ._store import StoreBase as StoreBase
 from ._store import TableStore as TableStore
+from ._store import check_saved_table as check_saved_table
 from ._store import default_mesh as default_mesh
+from ._store import empty_table as empty_table
 from ._store import make_store as make_store
+from ._store import stack_shapes as stack_shapes
 
 __all__ = [
     "Composition",
@@ -51,15 +59,23 @@ __all__ = [
     "HybridTableStore",
     "GroupLookups",
     "Stack",
+    "StoreBase",
     "TableSpec",
     "TableStore",
     "apply_group_gradients",
+    "available_memory",
     "check_mesh",
+    "check_saved_table",
+    "check_specs",
     "constant_init",
     "default_mesh",
+    "empty_table",
+    "fill_table",
+    "format_bytes",
     "make_store",
     "normal_init",
     "plan_stacks",
+    "stack_shapes",
     "stack_name",
     "truncated_normal_init",
     "uniform_init",

@@ -14,11 +14,14 @@ extension), `_pallas_common.py` and `optimizers.py`.
 """
 
 from . import optimizers as optimizers
+from ._checks import check_lookups as check_lookups
 from ._checks import checks as checks
 from ._checks import checks_enabled as checks_enabled
 from ._checks import set_checks as set_checks
+from ._cpu_ffi import custom_call_targets as custom_call_targets
 from ._dispatch import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ._dispatch import cpu_ffi_available as cpu_ffi_available
+from ._dispatch import cpu_ffi_unavailable_reason as cpu_ffi_unavailable_reason
 from ._dispatch import default_implementation as default_implementation
 from ._dispatch import resolve_implementation as resolve_implementation
 from ._embedding_bag import COMBINERS as COMBINERS

@@ -111,6 +111,12 @@ def unavailable_reason() -> str | None:
     return None if _registered else _reason
 
 
+def custom_call_targets() -> list[str]:
+    """The XLA custom-call targets of the C++ kernels: what an exported model that runs them
+    must allow (`jax.export.DisabledSafetyCheck.custom_call`)."""
+    return [v for k, v in globals().items() if k.endswith("_TARGET") and isinstance(v, str)]
+
+
 def require() -> None:
     if not _registered:
         raise RuntimeError(f"sparsejax CPU FFI kernels unavailable: {_reason}")

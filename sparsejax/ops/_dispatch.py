@@ -63,6 +63,13 @@ def cpu_ffi_available() -> bool:
     return _cpu_ffi.is_available()
 
 
+def cpu_ffi_unavailable_reason() -> str | None:
+    """Why `cpu_ffi_available()` is False (the extension's build or load error), else None."""
+    from . import _cpu_ffi
+
+    return _cpu_ffi.unavailable_reason()
+
+
 def default_implementation(platform: str | None = None) -> str:
     """What `implementation=None` picks on `platform` (default: jax's default backend)."""
     import jax

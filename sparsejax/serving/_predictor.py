@@ -20,9 +20,8 @@ import jax
 import numpy as np
 
 from .._version import __version__
-from ..data._batch import BatchPacker
-from ..data._loader import Examples
-from ..embedding._spec import FeatureSpec, TableSpec
+from ..data import BatchPacker, Examples
+from ..embedding import FeatureSpec, TableSpec
 from ._export import _pad_batch, _scores, batch_arrays
 from ._format import EXAMPLE_REQUEST, ModelLoadError, read_array, read_manifest
 from ._preprocess import Preprocessor, RequestError, mapping_from_entry

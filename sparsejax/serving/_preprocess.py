@@ -27,11 +27,20 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..data import _criteo as criteo
-from ..data._batch import JaggedIds
-from ..data._csv import DelimitedParser, TableSchema, _Errors
-from ..data._loader import Examples
-from ..data._transforms import ColumnTransform
+from ..data import (
+    CATEGORICAL_NAMES,
+    DENSE_NAMES,
+    ColumnTransform,
+    CriteoParser,
+    DelimitedParser,
+    Examples,
+    HashMapping,
+    JaggedIds,
+    ParseErrors,
+    RawIdMapping,
+    TableSchema,
+    VocabMapping,
+)
 
 
 class RequestError(ValueError):
@@ -74,16 +83,16 @@ def mapping_from_entry(entry: Mapping, arrays: Mapping[str, np.ndarray]):
     """The id mapping a manifest entry describes (see `_export.mapping_entry`)."""
     kind = entry["kind"]
     if kind == "hash":
-        m = criteo.HashMapping(buckets=int(entry["buckets"]))
+        m = HashMapping(buckets=int(entry["buckets"]))
     elif kind == "vocab":
-        m = criteo.VocabMapping(values=arrays[entry["array"]])
+        m = VocabMapping(values=arrays[entry["array"]])
     elif kind == "keys":
         m = KeyMapping(arrays[entry["array"]], int(entry["default_row"]))
     elif kind == "identity":
         m = None
     else:
         raise ValueError(f"unknown id mapping kind {kind!r}")
-    return _chain(criteo.RawIdMapping() if entry.get("raw_keys") else None, m)
+    return _chain(RawIdMapping() if entry.get("raw_keys") else None, m)
 
 
 def _bad_type(i: int, name: str, v, want: str) -> RequestError:
@@ -130,9 +139,9 @@ class Preprocessor:
             max_ids=t.get("max_ids") or None,
         )
         if self.kind == "criteo":
-            self._parser = criteo.CriteoParser(labeled=False)
+            self._parser = CriteoParser(labeled=False)
             self._delim, self._sep = "\t", None
-            self._line_fields = (*criteo.DENSE_NAMES, *criteo.CATEGORICAL_NAMES)
+            self._line_fields = (*DENSE_NAMES, *CATEGORICAL_NAMES)
         elif self.kind == "delimited":
             schema = TableSchema.from_dict({**spec["schema"], "label": None, "header": False})
             self._line_fields = tuple(schema.columns)
@@ -223,7 +232,7 @@ class Preprocessor:
                         raise _bad_type(i, f, get(f), f"a value without {delim!r} or newlines")
             lines.append(line)
         data = ("\n".join(lines) + "\n").encode()
-        errs = _Errors("request", strict=False)
+        errs = ParseErrors("request", strict=False)
         ex, _ = self._parser.parse(data, 0, "request", errs)
         if errs.counts:
             line, reason, field, value = errs.first[0]

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..embedding._device_store import DeviceTableStore, GroupLookups
-from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding import DeviceTableStore, FeatureSpec, GroupLookups, TableSpec
 
 FLOAT_KINDS = {"float32": "float32", "fp32": "float32", "float16": "float16",
                "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip

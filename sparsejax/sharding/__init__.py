@@ -13,22 +13,27 @@ and many processes (`jax.distributed`).
 """
 
 from ._batch import shard_batch
-from ._distributed import initialize_from_env
-from ._launch import launch
+from ._distributed import ENV_LOCAL_DEVICES, broadcast_text, initialize_from_env, process_of_many
+from ._launch import LOG_DIR, launch
 from ._placement import AXES, PLACEMENTS, make_mesh
-from ._planner import Plan, PlanError, comm_bytes, plan_tables
+from ._planner import Plan, PlanError, TableShape, comm_bytes, plan_tables
 from ._store import ShardedTableStore
 
 __all__ = [
     "AXES",
+    "ENV_LOCAL_DEVICES",
+    "LOG_DIR",
     "PLACEMENTS",
     "Plan",
     "PlanError",
     "ShardedTableStore",
+    "TableShape",
+    "broadcast_text",
     "comm_bytes",
     "initialize_from_env",
     "launch",
     "make_mesh",
     "plan_tables",
+    "process_of_many",
     "shard_batch",
 ]

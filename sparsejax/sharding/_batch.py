@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..data import PaddedIds, SparseBatch
-from ..embedding._spec import FeatureSpec
+from ..embedding import FeatureSpec
 
 
 def capacity_per_device(spec: FeatureSpec, batch_size: int, devices: int) -> int:

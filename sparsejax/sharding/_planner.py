@@ -57,9 +57,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ..embedding._memory import format_bytes
-from ..embedding._spec import TableSpec
-from ..embedding._stacking import stack_name
+from ..embedding import TableSpec, format_bytes, stack_name
 from ._placement import (
     AXES,
     PLACEMENTS,

@@ -35,11 +35,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import ops
-from ..embedding._device_store import GroupLookups, apply_group_gradients, fill_table
-from ..embedding._memory import available_memory, format_bytes
-from ..embedding._spec import FeatureSpec, TableSpec, check_specs
-from ..embedding._stacking import stack_name
-from ..embedding._store import StoreBase, check_saved_table, empty_table, stack_shapes
+from ..embedding import (
+    FeatureSpec,
+    GroupLookups,
+    StoreBase,
+    TableSpec,
+    apply_group_gradients,
+    available_memory,
+    check_saved_table,
+    check_specs,
+    empty_table,
+    fill_table,
+    format_bytes,
+    stack_name,
+    stack_shapes,
+)
 from . import _placement as pl
 
 ALL = pl.AXES
