@@ -12,7 +12,7 @@ from training:
 then the run's column transforms (indicator bags, dropped columns, `max_ids` caps)
 and id mappings (hash buckets, the fitted vocabulary, a dynamic table's keys).
 
-Defaults (documented in the README): a missing feature is an empty field, as in the
+Defaults (documented in docs/serving.md): a missing feature is an empty field, as in the
 data files (a missing dense value is the reader's default, a missing id maps to the
 missing-id row, or an empty bag); an unseen id gets the table's default row (a
 vocabulary's row 0, a dynamic table's default row). Anything else that is wrong is a
