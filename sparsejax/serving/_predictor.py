@@ -22,6 +22,7 @@ import numpy as np
 from .._version import __version__
 from ..data import BatchPacker, Examples
 from ..embedding import FeatureSpec, TableSpec
+from ..ops import cpu_ffi_available
 from ._export import _pad_batch, _scores, batch_arrays
 from ._format import EXAMPLE_REQUEST, ModelLoadError, read_array, read_manifest
 from ._preprocess import Preprocessor, RequestError, mapping_from_entry
@@ -33,8 +34,6 @@ def _native_kernels_ok(m: Mapping, model_dir: str) -> None:
     calls = m.get("custom_calls") or []
     if not calls:
         return
-    from ..ops import cpu_ffi_available
-
     if not cpu_ffi_available():
         raise ModelLoadError(
             f"{model_dir} was exported with native kernels ({', '.join(calls)}) but this "

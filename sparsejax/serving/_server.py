@@ -54,7 +54,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from ._batching import BatcherClosedError, DynamicBatcher
-from ._predictor import ModelLoadError, RequestError
+from ._predictor import ModelLoadError, Predictor, RequestError
 
 __all__ = ["ModelServer", "make_app", "serve", "SERVER_KEY"]
 
@@ -280,7 +280,6 @@ class ModelServer:
             )
         poll_seconds = poll_seconds or None
         if loader is None:
-            from ._predictor import Predictor
 
             def loader(model_dir: str) -> Any:
                 return Predictor.load(model_dir, warmup=True)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..embedding import DeviceTableStore, FeatureSpec, GroupLookups, TableSpec
+from ..ops import SGD, QuantizedTable, quantize_rows, quantized_embedding_bag
 
 FLOAT_KINDS = {"float32": "float32", "fp32": "float32", "float16": "float16",
                "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip
@@ -38,8 +39,6 @@ def storage_kind(quantize: str | None) -> str:
 def serving_spec(spec: TableSpec, rows: int) -> TableSpec:
     """`spec` as a plain table of `rows` rows: one device, no dynamic keys or host cache,
     no optimizer slots (what a model dir holds); a composed table keeps its parts."""
-    from ..ops.optimizers import SGD
-
     return TableSpec(
         name=spec.name,
         vocab_size=int(rows),
@@ -55,8 +54,6 @@ def quantize_table(weights: np.ndarray, kind: str, name: str) -> dict[str, np.nd
     `{"data", "scale", "zero_point"}` (int8 / int4)."""
     kind = storage_kind(kind)
     if kind in INT_KINDS:
-        from ..ops import quantize_rows
-
         q = quantize_rows(np.asarray(weights, np.float32), INT_KINDS[kind], name=name)
         return {"data": q.data, "scale": q.scale, "zero_point": q.zero_point}
     w = np.asarray(weights, np.float32)
@@ -163,8 +160,6 @@ class InferenceTableStore(DeviceTableStore):
     def _bag(self, stack_state: Mapping, lk: GroupLookups, num_bags: int) -> jax.Array:
         if self.kind not in INT_KINDS:
             return super()._bag(stack_state, lk, num_bags).astype(jnp.float32)
-        from ..ops import QuantizedTable, quantized_embedding_bag
-
         stack = self.stacks[lk.stack]
         table = QuantizedTable(
             data=stack_state["data"],
