@@ -102,26 +102,26 @@ def _worker(
     trainer = Trainer(model, optax.adam(1e-3))
     state = trainer.init(jax.random.key(0), batches[0])
     plan = [0.0]
-    if trainer.host_tables is not None:
-        host = trainer.host_tables
-        prepare = host.prepare_train
+    if trainer.host.saves_rows:
+        host = trainer.host
+        prepare = host.prepare
 
-        def timed(tables_, batch):
+        def timed(tables_, batch, *, train):
             t = time.perf_counter()
-            out = prepare(tables_, batch)
+            out = prepare(tables_, batch, train=train)
             plan[0] += time.perf_counter() - t
             return out
 
-        host.prepare_train = timed
+        host.prepare = timed
     k = 0
     for _ in range(max(nbatch, warmup)):  # warm-up: compile, fill the cache, first touches
         state, m = trainer.train_step(state, batches[k % nbatch])
         k += 1
     jax.block_until_ready(m["loss"])
-    if trainer.host_tables is not None:  # stats of the measured steps only
-        full = all(ht.n_free_slots == 0 for ht in trainer.host_tables.tables.values())
+    if trainer.host.saves_rows:  # stats of the measured steps only
+        full = all(ht.n_free_slots == 0 for ht in trainer.host.tables.values())
         print(f"cache full after warm-up: {full}", file=sys.stderr)
-        for ht in trainer.host_tables.tables.values():
+        for ht in trainer.host.tables.values():
             ht.stats = type(ht.stats)()
     times, plans = [], []
     for _ in range(reps):
@@ -134,8 +134,8 @@ def _worker(
         times.append((time.perf_counter() - t) / steps)
         plans.append(plan[0] / steps)
     out = {"ms": 1e3 * statistics.median(times), "plan_ms": 1e3 * statistics.median(plans)}
-    if trainer.host_tables is not None:
-        st = trainer.host_tables.stats()
+    if trainer.host.saves_rows:
+        st = trainer.host.stats()
         out["hit_rate"] = statistics.mean(v["cache_hit_rate"] for v in st.values())
         out["moved"] = statistics.mean(v["rows_moved_per_step"] for v in st.values())
     print(json.dumps(out))

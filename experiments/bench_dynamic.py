@@ -46,8 +46,8 @@ import time
 import numpy as np
 from _machine import cpu_name, mem_available  # experiments/: the script's directory
 
-from sparsejax.embedding import _id_map
-from sparsejax.embedding._id_map import EMPTY_KEY, IdMap, unique_keys
+from sparsejax.embedding.host import _id_map
+from sparsejax.embedding.host._id_map import EMPTY_KEY, IdMap, unique_keys
 
 # ------------------------------------------------------------------ shared helpers
 

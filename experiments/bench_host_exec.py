@@ -31,6 +31,7 @@ def worker(args) -> None:
     import jax
     import numpy as np
 
+    from sparsejax.embedding.host import HostExecution
     from sparsejax.runner import load_config
     from sparsejax.runner._run import build_run, train_loader
 
@@ -41,8 +42,9 @@ def worker(args) -> None:
     )
     run = build_run(cfg, log=lambda _: None)
     trainer, state = run.trainer, run.state
-    if trainer.host_exec is not None:
-        trainer.host_exec.look_ahead = args.worker.endswith("look-ahead")
+    for part in trainer.host.parts:  # the host-executed tables' look-ahead, on or off
+        if isinstance(part, HostExecution):
+            part.looks_ahead = args.worker.endswith("look-ahead")
     loader = train_loader(run, epochs=None)
     batches = [next(loader) for _ in range(args.batches)]
     loader.close()
@@ -56,7 +58,7 @@ def worker(args) -> None:
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t)
     losses = np.asarray(jax.device_get(losses), np.float32)
-    stats = trainer.host_exec.stats() if trainer.host_exec is not None else {}
+    stats = trainer.host.stats().get(HostExecution.name, {})
     print(
         json.dumps(
             {

@@ -41,7 +41,8 @@ import numpy as np
 
 from sparsejax.data import Loader
 from sparsejax.runner import load_config
-from sparsejax.runner._run import build_run, resolved_config
+from sparsejax.runner._run import build_run
+from sparsejax.runner._run_dir import resolved_config
 from sparsejax.train import Hook, fit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,8 +81,8 @@ class Sampler(Hook):
         self.step_last = 0
         self.host_last = 0.0
         self.loss: list[float] = []
-        host = trainer.host_tables
-        prepare = host.prepare_train
+        host = trainer.host
+        prepare = host.prepare
 
         def timed(*a, **k):  # the host's share of each step
             t = time.perf_counter()
@@ -90,7 +91,7 @@ class Sampler(Hook):
             finally:
                 self.host_s += time.perf_counter() - t
 
-        host.prepare_train = timed
+        host.prepare = timed
 
     def after_step(self, step, state, metrics):
         if self.t0 is None:  # the first step (compilation) is not timed
@@ -102,7 +103,7 @@ class Sampler(Hook):
             return None
         loss = float(metrics["loss"])  # waits for the step
         now = time.perf_counter()
-        st = self.trainer.host_tables.stats().values()
+        st = self.trainer.host.stats().values()
         hits = [s["cache_hit_rate"] for s in st if s["cache_hit_rate"] is not None]
         status = proc_status()
         n = step - self.step_last
@@ -183,7 +184,7 @@ def main():
         t = time.perf_counter()
         run = build_run(cfg, log=log)
         log(f"built in {time.perf_counter() - t:.1f} s")
-        trainer, host = run.trainer, run.trainer.host_tables
+        trainer, host = run.trainer, run.trainer.host
         device_bytes = sum(x.nbytes for x in jax.tree.leaves(run.state.tables))
         loader = Loader(
             run.data.train_source,

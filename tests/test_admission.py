@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparsejax.embedding import BloomAdmission, CountAdmission
-from sparsejax.embedding._admission import BloomFilter, CountFilter, make_filter
+from sparsejax.embedding.host._admission import BloomFilter, CountFilter, make_filter
 
 
 class _DictIdMap:
@@ -42,11 +42,11 @@ class _DictIdMap:
 @pytest.fixture(autouse=True)
 def id_map(monkeypatch):
     try:
-        import sparsejax.embedding._id_map  # noqa: F401
+        import sparsejax.embedding.host._id_map  # noqa: F401
     except ImportError:
-        stand_in = types.ModuleType("sparsejax.embedding._id_map")
+        stand_in = types.ModuleType("sparsejax.embedding.host._id_map")
         stand_in.IdMap = _DictIdMap
-        monkeypatch.setitem(sys.modules, "sparsejax.embedding._id_map", stand_in)
+        monkeypatch.setitem(sys.modules, "sparsejax.embedding.host._id_map", stand_in)
 
 
 def batches(rng, steps=30, space=400, size=120):

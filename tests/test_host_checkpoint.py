@@ -25,16 +25,21 @@ from sparsejax.checkpoint import (
 )
 from sparsejax.checkpoint import _host_tables as ht
 from sparsejax.checkpoint._checkpointer import NonFiniteStateError
-from sparsejax.embedding._snapshot import TableSnapshot
+from sparsejax.embedding.host import HostSide
+from sparsejax.embedding.host._snapshot import TableSnapshot
+from sparsejax.sharding import make_store
 from sparsejax.train import TrainState
 
 DIM = 3
 KEYS = ("embedding/item", "tower/emb.x/..%odd name")  # "/" and odd characters in names
 
 
-class FakeHostTables:
-    """Rows `{id: (weights f32[DIM], accumulator, count)}` per table, with change
-    tracking; `train` touches and evicts some ids."""
+class FakeHostTables(HostSide):
+    """A host side holding rows `{id: (weights f32[DIM], accumulator, count)}` per
+    table, with change tracking; `train` touches and evicts some ids."""
+
+    name = "fake host tables"
+    saves_rows = True
 
     def __init__(self, keys=KEYS, seed=0):
         self.rows = {k: {} for k in keys}
@@ -125,7 +130,7 @@ def store():
         ),
     ]
     feats = [emb.FeatureSpec(name="u", table="user"), emb.FeatureSpec(name="i", table="item")]
-    return emb.make_store(tables, feats)
+    return make_store(tables, feats)
 
 
 def _state(store, step: int) -> TrainState:
@@ -140,7 +145,7 @@ def _state(store, step: int) -> TrainState:
 
 
 def _ckpt(path, store, host, **kw) -> Checkpointer:
-    return Checkpointer(path, {("embedding",): store}, host_tables=host, **kw)
+    return Checkpointer(path, {("embedding",): store}, host=host, **kw)
 
 
 def _train_and_save(ckpt, host, store, steps, *, evict=()) -> dict[int, dict]:
@@ -483,9 +488,7 @@ def test_host_tables_are_needed_both_ways_and_a_second_checkpointer_leaves_track
         _ckpt(tmp_path / "run", store, added).restore(_state(store, 0))
 
     plain = Checkpointer(tmp_path / "run", {("embedding",): store})
-    with pytest.raises(
-        CheckpointError, match=r"holds tiered tables .*give the Checkpointer host_tables="
-    ):
+    with pytest.raises(CheckpointError, match=r"holds tiered tables .*give the Checkpointer host="):
         plain.restore(_state(store, 0))
     plain.save(_state(store, 7))
     again = _ckpt(tmp_path / "run", store, host)
@@ -503,7 +506,7 @@ def test_host_tables_are_needed_both_ways_and_a_second_checkpointer_leaves_track
 
 def test_every_table_tiered_and_serving_restores_the_host_side(tmp_path):
     """No static table: orbax gets no tables item (it refuses an empty one)."""
-    only = emb.make_store(
+    only = make_store(
         [emb.TableSpec(name="item", dynamic=emb.DynamicVocab(max_rows=8), dim=DIM)],
         [emb.FeatureSpec(name="i", table="item")],
     )

@@ -14,7 +14,7 @@ import pytest
 from sparsejax import runner
 from sparsejax.data import PaddedIds, SparseBatch
 from sparsejax.embedding import Composition, FeatureSpec, HostCache, TableSpec
-from sparsejax.embedding._host_store import HybridTableStore
+from sparsejax.embedding.host import HostExecution, HybridTableStore
 from sparsejax.nn import DLRM
 from sparsejax.ops.optimizers import SGD, RowWiseAdagrad
 from sparsejax.runner._config import ConfigError
@@ -29,6 +29,13 @@ FEATURES = (
     FeatureSpec(name="items_max", table="item", combiner="max", max_ids=3),
     FeatureSpec(name="plain", table="plain", combiner="sqrtn", max_ids=2),
 )
+
+
+def _look_ahead(trainer: Trainer, on: bool) -> None:
+    """Turn the host-executed tables' look-ahead on or off (default: on accelerators)."""
+    for part in trainer.host.parts:
+        if isinstance(part, HostExecution):
+            part.looks_ahead = on
 
 
 def _tables(opt, host=()):
@@ -92,8 +99,7 @@ def _trainer(tables, **kw):
 
 def _train(trainer, batches, *, look_ahead=False, evals=()):
     state = trainer.init(jax.random.key(0), batches[0])
-    if trainer.host_exec is not None:
-        trainer.host_exec.look_ahead = look_ahead
+    _look_ahead(trainer, look_ahead)
     losses, evaluated = [], []
     for i, b in enumerate(batches):
         nxt = batches[i + 1] if i + 1 < len(batches) else None
@@ -133,7 +139,7 @@ def test_host_tables_train_bit_for_bit_as_on_the_device(host, look_ahead):
     np.testing.assert_array_equal(losses, ref_losses)
     np.testing.assert_array_equal(evals, ref_evals)
     _assert_same_tables(_tables_of(hybrid, state), _tables_of(ref, ref_state))
-    stats = hybrid.host_exec.stats()
+    stats = hybrid.host.stats()["host-executed tables"]
     if look_ahead:  # every step but the first was looked up ahead; some bags redone
         assert stats["bags_looked_ahead"] > 0 and 0 < stats["recomputed_fraction"] < 1
     else:
@@ -185,7 +191,7 @@ def test_host_tables_beside_a_host_cached_device_table():
     ref_state, ref_losses, _ = _train(_trainer(tables(())), batches)
     hybrid = _trainer(tables(("user", "item")))
     state, losses, _ = _train(hybrid, batches, look_ahead=True)
-    assert hybrid.host_tables is not None and hybrid.host_exec is not None
+    assert [p.name for p in hybrid.host.parts] == ["host-executed tables", "tiered tables"]
     np.testing.assert_array_equal(losses, ref_losses)
 
 
@@ -197,12 +203,12 @@ def test_a_look_ahead_of_another_batch_or_state_is_not_used():
     ref_state = ref.init(jax.random.key(0), batches[0])
     hybrid = _trainer(_tables(opt, ("item",)))
     state = hybrid.init(jax.random.key(0), batches[0])
-    hybrid.host_exec.look_ahead = True
+    _look_ahead(hybrid, True)
     for b, promised in zip(batches, other, strict=True):  # promises a batch never given
         ref_state, ref_m = ref.train_step(ref_state, b)
         state, m = hybrid.train_step(state, b, promised)
         assert float(m["loss"]) == float(ref_m["loss"])
-    assert hybrid.host_exec.stats()["bags_looked_ahead"] == 0
+    assert hybrid.host.stats()["host-executed tables"]["bags_looked_ahead"] == 0
     _assert_same_tables(_tables_of(hybrid, state), _tables_of(ref, ref_state))
 
 
@@ -227,7 +233,7 @@ def test_a_restored_state_continues_exactly(tmp_path):
     state, losses, _ = _train(hybrid, batches, look_ahead=True)
     again = _trainer(_tables(opt, ("user", "item")))
     mid = again.init(jax.random.key(0), batches[0])
-    again.host_exec.look_ahead = True
+    _look_ahead(again, True)
     for i, b in enumerate(batches[:6]):
         mid, _ = again.train_step(mid, b, batches[i + 1])
     saved = jax.device_get(mid)

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sparsejax.embedding._host_rows import HostRows, HostStorageFullError
+from sparsejax.embedding.host._host_rows import HostRows, HostStorageFullError
 from sparsejax.ops.optimizers import Adagrad, RowWiseAdagrad
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

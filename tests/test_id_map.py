@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from sparsejax.embedding import _id_map
-from sparsejax.embedding._id_map import EMPTY_KEY, IdMap, unique_keys
+from sparsejax.embedding.host import _id_map
+from sparsejax.embedding.host._id_map import EMPTY_KEY, IdMap, unique_keys
 
 I64_MAX = np.iinfo(np.int64).max
 I64_MIN = np.iinfo(np.int64).min

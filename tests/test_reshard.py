@@ -20,7 +20,8 @@ import yaml
 
 from sparsejax import ops, runner, train
 from sparsejax.__main__ import main
-from sparsejax.checkpoint import Checkpointer, CheckpointError, embedding_layouts
+from sparsejax.checkpoint import Checkpointer, CheckpointError
+from sparsejax.nn import embedding_layouts
 from sparsejax.sharding import make_mesh
 
 TINY = {

@@ -173,13 +173,13 @@ def test_a_cache_size_may_change_on_resume_turning_a_cache_on_may_not(tmp_path):
     tables = "tables={'*': {dynamic: true, cache_rows: %s}, shop: {dynamic: false, cache_rows: %d}}"
     first = _load(tmp_path, tables % ("0.5", 0))
     (pathlib.Path(first.run_dir) / "checkpoints" / "4").mkdir(parents=True)
-    runner._run._record_start(first, {})
+    runner._run_dir._record_start(first, {})
     bigger = _load(tmp_path, tables % ("0.9", 0), "tables.user.ram_bytes=1GB")
-    notes, entry = runner._run._prepare_run_dir(bigger, restart=False)
+    notes, entry = runner._run_dir._prepare_run_dir(bigger, restart=False)
     assert "tables.*.cache_rows: 0.5 -> 0.9" in notes[0] and entry["event"] == "resume"
     assert runner.config_hash(bigger) == runner.config_hash(first)
     with pytest.raises(ConfigError, match=r"tables.shop.cache_rows: 0 -> 10\)"):
-        runner._run._prepare_run_dir(_load(tmp_path, tables % ("0.5", 10)), restart=False)
+        runner._run_dir._prepare_run_dir(_load(tmp_path, tables % ("0.5", 10)), restart=False)
 
 
 def test_the_shipped_dynamic_config_makes_every_criteo_table_dynamic():
@@ -354,7 +354,7 @@ def test_bad_ids_of_a_dynamic_table_name_the_feature(values, message):
 
 
 def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
-    pytest.importorskip("sparsejax.embedding._tiered")
+    pytest.importorskip("sparsejax.embedding.host._tiered")
     cfg = _load(
         tmp_path,
         "name=dyn",
@@ -383,7 +383,7 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
 def test_a_full_disk_while_spilling_is_one_line_and_the_last_checkpoint_restores(
     tmp_path, monkeypatch, capsys
 ):
-    pytest.importorskip("sparsejax.embedding._tiered")
+    pytest.importorskip("sparsejax.embedding.host._tiered")
     import errno
     import os
 

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from sparsejax import ops
 from sparsejax.data import PaddedIds, SparseBatch
-from sparsejax.embedding import DeviceTableStore, FeatureSpec, TableSpec, make_store
-from sparsejax.sharding import ShardedTableStore, make_mesh, shard_batch
+from sparsejax.embedding import DeviceTableStore, FeatureSpec, TableSpec
+from sparsejax.sharding import ShardedTableStore, make_mesh, make_store, shard_batch
 
 B = 16
 MESH_2X4 = None
@@ -269,7 +269,7 @@ def test_dynamic_and_cached_tables_train_on_a_mesh_as_on_one_device():
         for b in batches:
             state, m = trainer.train_step(state, b)
             losses.append(float(m["loss"]))
-        results.append((np.array(losses), trainer.host_tables.tables_by_name(state.tables)))
+        results.append((np.array(losses), trainer.host.export(state.tables)))
     (l1, h1), (l8, h8) = results
     np.testing.assert_allclose(l8, l1, rtol=1e-6)
     for key in h1:

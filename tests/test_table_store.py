@@ -22,10 +22,10 @@ from sparsejax.embedding import (
     TableSpec,
     TableStore,
     default_mesh,
-    make_store,
     plan_stacks,
     stack_name,
 )
+from sparsejax.sharding import make_store
 
 B = 2
 

@@ -21,7 +21,7 @@ from sparsejax.embedding import (
     TableSpec,
 )
 from sparsejax.embedding._spec import normal_init, truncated_normal_init, uniform_init
-from sparsejax.embedding._tiered import (
+from sparsejax.embedding.host._tiered import (
     CacheCapacityError,
     DynamicTableFullError,
     TieredInputError,
@@ -125,7 +125,7 @@ def _device_tables(trainer, state):
 
 
 def _host(trainer, state):
-    return trainer.host_tables.tables_by_name(state.tables)
+    return trainer.host.export(state.tables)
 
 
 @pytest.mark.parametrize("opt", [SGD(learning_rate=0.3), RowWiseAdagrad(learning_rate=0.3)])
@@ -150,7 +150,7 @@ def test_cached_static_tables_train_exactly_as_on_the_device(opt):
     np.testing.assert_array_equal(
         _device_tables(trainer, state)["plain"]["weights"], ref["plain"]["weights"]
     )
-    stats = trainer.host_tables.stats()["embedding/user"]
+    stats = trainer.host.stats()["embedding/user"]
     assert 0 < stats["cache_hit_rate"] < 1 and stats["rows_moved_per_step"] > 0
     assert stats["lookups_per_step"] == B
 
@@ -178,12 +178,9 @@ def test_dynamic_tables_with_a_small_cache_train_exactly_as_with_all_rows_cached
     for key in a:
         np.testing.assert_array_equal(a[key]["keys"], b[key]["keys"])
         np.testing.assert_array_equal(a[key]["weights"], b[key]["weights"])
-    st = t_small.host_tables.stats()["embedding/user"]
+    st = t_small.host.stats()["embedding/user"]
     assert st["rejected"] > 0 and st["admitted"] == st["rows_live"] > 24
-    assert (
-        t_big.host_tables.stats()["embedding/user"]["rows_moved_per_step"]
-        < st["rows_moved_per_step"]
-    )
+    assert t_big.host.stats()["embedding/user"]["rows_moved_per_step"] < st["rows_moved_per_step"]
     # admission: every key with a row was seen at least twice
     seen = np.concatenate([np.asarray(bt.features["user"].ids) for bt in batches])
     keys, counts = np.unique(seen, return_counts=True)
@@ -206,7 +203,7 @@ def _restart(trainer_old, state_old, tables, chain, batches_next):
             tables=stack_tables(trainer.layouts, by_name),
         )
     )
-    trainer.host_tables.restore(chain)
+    trainer.host.restore(chain)
     return _train(None, batches_next, trainer=trainer, state=state)
 
 
@@ -218,16 +215,16 @@ def test_full_and_incremental_snapshots_continue_bit_identically_at_any_cache_si
     t_ref, s_ref, l_ref = _train(tables, batches)
 
     t, s, _ = _train(tables, batches[:50])
-    full = t.host_tables.snapshot(s.tables, incremental=False)
-    t.host_tables.mark_saved()
+    full = t.host.snapshot(s.tables, incremental=False)
+    t.host.mark_saved()
     t, s, _ = _train(None, batches[50:100], trainer=t, state=s)
-    delta = t.host_tables.snapshot(s.tables, incremental=True)
-    t.host_tables.mark_saved()
+    delta = t.host.snapshot(s.tables, incremental=True)
+    t.host.mark_saved()
     assert delta["embedding/user"].kind == "delta"
     assert delta["embedding/user"].arrays["tombstones"].shape[0] > 0  # the TTL evicted some
     assert (
         delta["embedding/user"].arrays["keys"].shape[0]
-        < t.host_tables.stats()["embedding/user"]["rows_live"]
+        < t.host.stats()["embedding/user"]["rows_live"]
         + delta["embedding/user"].arrays["tombstones"].shape[0]
     )
     state_100 = jax.device_get(s)
@@ -249,7 +246,7 @@ def test_a_cached_static_table_restores_and_continues_bit_identically():
     tables = _tables(opt, user={"vocab_size": 500, "cache": HostCache(rows=24)})
     t_ref, s_ref, l_ref = _train(tables, batches)
     t, s, _ = _train(tables, batches[:30])
-    full = t.host_tables.snapshot(s.tables, incremental=False)
+    full = t.host.snapshot(s.tables, incremental=False)
     t2, s2, l2 = _restart(t, jax.device_get(s), tables, [full], batches[30:])
     np.testing.assert_array_equal(l2, l_ref[30:])
     a, b = _host(t_ref, s_ref)["embedding/user"], _host(t2, s2)["embedding/user"]
@@ -268,7 +265,7 @@ def test_device_memory_stays_at_the_cache_while_the_vocabulary_grows_tenfold():
         b.features["user"] = PaddedIds(ids, np.arange(B, dtype=np.int32))
     trainer, state, losses = _train(tables, batches)
     before = [x.shape for x in jax.tree.leaves(state.tables)]
-    st = trainer.host_tables.stats()["embedding/user"]
+    st = trainer.host.stats()["embedding/user"]
     assert st["rows_live"] >= 10 * 64
     assert [x.shape for x in jax.tree.leaves(state.tables)] == before
     assert all(x.shape[0] <= 64 + 1 + 50 + 64 + 1 for x in jax.tree.leaves(state.tables))
@@ -355,7 +352,7 @@ def test_a_full_dynamic_table_errors_or_reads_the_default_row_never_another_ids_
     assert after["keys"].shape[0] == 20
     kept = np.isin(after["keys"], first["keys"])
     assert kept.sum() == B  # the first batch's rows are still theirs
-    assert t.host_tables.stats()["embedding/user"]["rejected"] == B - 4
+    assert t.host.stats()["embedding/user"]["rejected"] == B - 4
 
     t, s = trainer_for("evict")
     for k in range(4):
@@ -391,7 +388,7 @@ def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp
     before a key's min_count-th sighting; norm eviction removes keys; a trainable
     default row is saved and restored with the table."""
     from sparsejax.embedding import BloomAdmission
-    from sparsejax.embedding._tiered import HostTables
+    from sparsejax.embedding.host._tiered import HostTables
 
     monkeypatch.setattr(HostTables, "release_every", 3)
 
@@ -416,7 +413,7 @@ def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp
     a, b = _host(t_ram, s_ram)["embedding/user"], _host(t_disk, s_disk)["embedding/user"]
     np.testing.assert_array_equal(a["keys"], b["keys"])
     np.testing.assert_array_equal(a["weights"], b["weights"])
-    ht = t_disk.host_tables.tables["embedding/user"]
+    ht = t_disk.host.tables["embedding/user"]
     assert ht.rows.disk_bytes_used > 0 and ht.rows.ram_bytes_used == 0
     st = ht.report()
     assert st["evicted"] > 0 and st["rejected"] > 0
@@ -425,25 +422,23 @@ def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp
     keys, counts = np.unique(seen, return_counts=True)
     assert set(b["keys"]) <= set(keys[counts >= 3])
     # the trainable default row learned and travels with a snapshot
-    snap = t_disk.host_tables.snapshot(s_disk.tables, incremental=False)["embedding/user"]
+    snap = t_disk.host.snapshot(s_disk.tables, incremental=False)["embedding/user"]
     default = snap.arrays["default/weights"]
     assert np.abs(default).sum() > 0
     t2, s2, _ = _train(disk, batches[:1])
-    t2.host_tables.restore(
+    t2.host.restore(
         [
             {
                 "embedding/user": snap,
                 **{
                     k: v
-                    for k, v in t_disk.host_tables.snapshot(
-                        s_disk.tables, incremental=False
-                    ).items()
+                    for k, v in t_disk.host.snapshot(s_disk.tables, incremental=False).items()
                     if k != "embedding/user"
                 },
             }
         ]
     )
-    np.testing.assert_array_equal(t2.host_tables.tables["embedding/user"].default_row()[0], default)
+    np.testing.assert_array_equal(t2.host.tables["embedding/user"].default_row()[0], default)
 
 
 def test_a_large_cached_table_starts_as_the_same_table_on_the_device():
@@ -506,14 +501,14 @@ def test_a_feature_read_by_tiered_tables_in_two_layers_gets_each_tables_slots():
 
     small, big = run(24, 48), run(1024, 1024)
     np.testing.assert_array_equal(small[2], big[2])
-    assert sorted(small[0].host_tables.tables) == [
+    assert sorted(small[0].host.tables) == [
         "embedding/item",
         "embedding/user",
         "linear/item_linear",
         "linear/user_linear",
     ]
 
-    from sparsejax.embedding._tiered import HostTables
+    from sparsejax.embedding.host._tiered import HostTables
 
     plain = DeviceTableStore(
         [TableSpec(name="u2", vocab_size=10, dim=DIM)], [FeatureSpec(name="user", table="u2")]

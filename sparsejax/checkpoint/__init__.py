@@ -1,6 +1,7 @@
-"""Checkpoints of train states with tables stored by name, and the embedding-layer
-layouts they are read and written through. Depends on the embedding layer only:
-serving restores tables without a trainer (`Checkpointer.restore_tables`)."""
+"""Checkpoints of train states with tables stored by name, read and written through the
+embedding layers' layouts (`Layouts`, passed in as data: `sparsejax.nn.embedding_layouts`
+traces them from a model). Depends on the embedding layer only: serving restores tables
+without a trainer (`Checkpointer.restore_tables`)."""
 
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import CheckpointError as CheckpointError
@@ -8,8 +9,8 @@ from ._checkpointer import CheckpointUnreadableError as CheckpointUnreadableErro
 from ._checkpointer import CheckpointWriteError as CheckpointWriteError
 from ._checkpointer import NonFiniteStateError as NonFiniteStateError
 from ._layout import Layouts as Layouts
-from ._layout import embedding_layouts as embedding_layouts
 from ._layout import layer_key as layer_key
 from ._layout import stack_tables as stack_tables
 from ._layout import tables_by_name as tables_by_name
 from ._layout import tables_from_layers as tables_from_layers
+from ._layout import uncovered_layer as uncovered_layer

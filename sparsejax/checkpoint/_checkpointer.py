@@ -15,12 +15,12 @@ Resharding: a checkpoint restores on any mesh and any placements (8 devices to 2
 and back). Each table is read whole, replicated on the layouts' mesh, and the layer's
 store places it (`import_tables`); the shardings it was saved with are not read.
 
-Tiered tables (dynamic keys or a host cache; `host_tables=`) are not in the orbax items
+Tiered tables (dynamic keys or a host cache; `host=`) are not in the orbax items
 (their store's `export_tables` leaves them out: their device state is a cache). Their
 rows, slots and metadata are the host side's `TableSnapshot`s, written beside the orbax
 steps in `host_tables/<step>/` (`_host_tables.py`), full or as a delta against the
 previous save; restoring a step reads its chain (the last full save and the deltas
-after it) and hands it to `host_tables.restore`. A corrupt or missing file of a chain
+after it) and hands it to `host.restore`. A corrupt or missing file of a chain
 makes the checkpoints built on it unreadable (named) while older ones restore.
 """
 
@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
+from ..embedding.host import HostSide
 from . import _host_tables
 from ._layout import Layouts, layer_key, stack_tables, tables_by_name, uncovered_layer
 
@@ -148,22 +149,23 @@ class Checkpointer:
 
     Args:
       directory: where checkpoints live (created).
-      layouts: `embedding_layouts(model, batch)`: how each embedding layer stacks its
+      layouts: `sparsejax.nn.embedding_layouts(model, batch)`: how each embedding layer stacks its
         tables. A state holding tables of a layer not in `layouts` is refused (no
         checkpoint is ever written without its tables).
       max_to_keep: older checkpoints are deleted beyond this many (with the host steps
         no kept checkpoint's chain reads).
-      host_tables: the host side of the model's tiered tables (`trainer.host_tables`):
-        `snapshot(state_tables, *, incremental) -> {"layer/table": TableSnapshot}`,
-        `restore(chain)`, `mark_saved()`. Its tables are saved from `snapshot` into
+      host: the model's host side (`trainer.host`, a `sparsejax.embedding.host.HostSide`).
+        When it holds rows (`saves_rows`: tiered tables), they are saved from its
+        `snapshot(state_tables, *, incremental) -> {"layer/table": TableSnapshot}` into
         `directory/host_tables/<step>/`, not by orbax (the stores' `export_tables`
-        leave tiered tables out; `import_tables` gives them an empty device cache).
-      full_every: with `host_tables`, every `full_every`-th save is full and the ones
+        leave tiered tables out; `import_tables` gives them an empty device cache), and
+        restored with its `restore(chain)`; `mark_saved()` follows each save.
+      full_every: with host rows, every `full_every`-th save is full and the ones
         between are deltas against the previous save. The first save of a checkpointer
         is full, and so is a save of a step not after the one this checkpointer last
         saved or restored.
       tracks_changes: whether this checkpointer's saves are the ones the host side's
-        change tracking counts from (it calls `host_tables.mark_saved()` after each).
+        change tracking counts from (it calls `host.mark_saved()` after each).
         False for a second checkpointer of the same host tables (e.g. the best state's
         of early stopping): its saves are all full and leave the tracking alone, so the
         first one's deltas stay complete.
@@ -175,7 +177,7 @@ class Checkpointer:
         layouts: Layouts,
         *,
         max_to_keep: int = 3,
-        host_tables: Any = None,
+        host: HostSide | None = None,
         full_every: int = 1,
         tracks_changes: bool = True,
     ):
@@ -183,7 +185,8 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: full_every must be an int >= 1, got {full_every!r}")
         self.directory = os.path.abspath(directory)
         self.layouts = dict(layouts)
-        self.host_tables = host_tables
+        self.host = host if host is not None and host.saves_rows else None
+        """The host side whose rows this checkpointer saves; None when it has none."""
         self.full_every = full_every if tracks_changes else 1
         self.tracks_changes = tracks_changes
         self._host_previous: int | None = None  # last host step saved or restored here
@@ -240,9 +243,9 @@ class Checkpointer:
     def save(self, state, *, data_position: Any = None, extra: Mapping | None = None) -> int:
         """Write a checkpoint at `state.step` and wait until it is on disk.
 
-        With `host_tables`: `host_tables.snapshot(state.tables, incremental=...)` is
+        With host rows: `host.snapshot(state.tables, incremental=...)` is
         written to `host_tables/<step>/` first, then the orbax checkpoint, then
-        `host_tables.mark_saved()`; host steps no kept checkpoint reads are deleted.
+        `host.mark_saved()`; host steps no kept checkpoint reads are deleted.
 
         A save that fails leaves no partial files (its orbax temp folder and host step
         are removed, the checkpoints before it are kept); the first save of a
@@ -271,7 +274,7 @@ class Checkpointer:
             self._cleaned = True
         writing_orbax = False
         try:
-            host = None if self.host_tables is None else self._save_host(state, step)
+            host = None if self.host is None else self._save_host(state, step)
             meta = {
                 "step": step,
                 "tables": self._specs(),
@@ -304,7 +307,7 @@ class Checkpointer:
             raise
         if host is not None:
             if self.tracks_changes:
-                self.host_tables.mark_saved()
+                self.host.mark_saved()
             full = host["kind"] == "full"
             self._host_previous = step
             self._host_deltas = 0 if full else self._host_deltas + 1
@@ -346,7 +349,7 @@ class Checkpointer:
             and self._host_deltas + 1 < self.full_every
             and self._host_base_readable(prev)
         )
-        snaps = self.host_tables.snapshot(state.tables, incremental=incremental)
+        snaps = self.host.snapshot(state.tables, incremental=incremental)
         if not incremental and any(s.kind != "full" for s in snaps.values()):
             bad = sorted(k for k, s in snaps.items() if s.kind != "full")
             raise CheckpointError(
@@ -409,7 +412,7 @@ class Checkpointer:
 
     def _read(self, step: int | None, **items) -> tuple[int, dict, dict, list | None]:
         """(step, restored items, meta, host chain) after checking the table specs; the
-        chain is read (verified) when this checkpointer has `host_tables`, else None."""
+        chain is read (verified) when this checkpointer has host rows, else None."""
         step = self._step(step)
         others = [s for s in self.steps() if s != step]
         try:
@@ -421,16 +424,16 @@ class Checkpointer:
             ) from e
         host_keys = (meta.get("host_tables") or {}).get("tables", [])
         self._check_specs(meta["tables"], step)
-        if host_keys and self.host_tables is None:
+        if host_keys and self.host is None:
             raise CheckpointError(
                 f"checkpoint {step} in {self.directory} holds tiered tables {host_keys} "
-                f"whose rows are on the host side: give the Checkpointer host_tables= "
-                f"(trainer.host_tables) to restore them"
+                f"whose rows are on the host side: give the Checkpointer host= "
+                f"(trainer.host) to restore them"
             )
-        if self.host_tables is not None and meta.get("host_tables") is None:
+        if self.host is not None and meta.get("host_tables") is None:
             raise CheckpointError(
                 f"checkpoint {step} in {self.directory} was saved without host tables "
-                f"(this checkpointer has host_tables)"
+                f"(this checkpointer has host rows)"
             )
         read = {k: v for k, v in items.items() if jax.tree.leaves(v)}  # empty: not saved
         try:
@@ -447,7 +450,7 @@ class Checkpointer:
             ) from e
         got = {k: restored[k] if k in read else v for k, v in items.items()}
         chain = None
-        if self.host_tables is not None:
+        if self.host is not None:
             try:
                 chain = _host_tables.read_chain(self.directory, step)
             except CheckpointUnreadableError as e:
@@ -462,7 +465,7 @@ class Checkpointer:
         if chain is None:
             return
         try:
-            self.host_tables.restore(chain)
+            self.host.restore(chain)
         except (KeyError, ValueError) as e:  # a tiered table added, removed or reshaped
             why = e.args[0] if isinstance(e, KeyError) and e.args else e
             raise CheckpointError(f"checkpoint {step} in {self.directory}: {why}") from e
@@ -478,8 +481,8 @@ class Checkpointer:
         `jax.ShapeDtypeStruct`s with shardings): only its structure, shapes, dtypes and
         shardings are read.
 
-        With `host_tables`, the host tables' chain of `step` is read (checksums
-        verified) and handed to `host_tables.restore` once everything else read.
+        With host rows, the host tables' chain of `step` is read (checksums
+        verified) and handed to `host.restore` once everything else read.
 
         Raises:
           CheckpointError: no checkpoint, a table added/removed/reshaped since the
@@ -559,8 +562,8 @@ class Checkpointer:
         alone (no train state, no dense parameters), and the JSON record.
 
         Tiered tables: their device state comes back as an empty cache, and their rows
-        go to `host_tables.restore` (the checkpointer needs `host_tables`: a serving
-        process builds the host side too; `read_host_chain` reads the chain alone)."""
+        go to `host.restore` (the checkpointer needs `host`: a serving process builds
+        the host side too; `read_host_chain` reads the chain alone)."""
         step, got, meta, chain = self._read(step, tables=self._table_shapes())
         tables = stack_tables(self.layouts, got["tables"])
         self._restore_host(step, chain)

@@ -33,7 +33,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from ..embedding._snapshot import TableSnapshot
+from ..embedding.host import TableSnapshot
 
 HOST_DIR = "host_tables"
 """The folder of the host steps, inside a checkpoint directory."""

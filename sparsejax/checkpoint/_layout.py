@@ -1,5 +1,6 @@
-"""Where a model's embedding tables live: the `TableStore` of every embedding layer, by
-the layer's module path, computed from the model and an example batch alone.
+"""Where a model's embedding tables live, as checkpoints see it: `Layouts`, the
+`TableStore` of every embedding layer by module path (`sparsejax.nn.embedding_layouts`
+traces it from a model; here it is data, passed in).
 
 The "embedding" variable collection of a model holds each layer's store state under
 the layer's path; these helpers convert it to and from the per-table form
@@ -13,48 +14,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-import flax.linen as nn
 import jax
 
-from ..embedding import TableStore
-from ..embedding._compose import Expansion
-from ..embedding._store import subtree
-from ..nn._embedding import EmbeddingBagCollection
+from ..embedding import TableStore, subtree
 
 Layouts = Mapping[tuple[str, ...], TableStore]
 """Each embedding layer's `TableStore`, by module path."""
-
-
-def embedding_layouts(model: nn.Module, batch) -> dict[tuple[str, ...], TableStore]:
-    """The `TableStore` of every embedding layer of `model`, by module path.
-
-    A pure function of the model and an example batch (any batch of the run's shapes):
-    the model is traced abstractly (`jax.eval_shape`), nothing is allocated.
-    """
-    return trace_layouts(model, batch)[0]
-
-
-def trace_layouts(model: nn.Module, batch) -> tuple[dict, Mapping]:
-    """`embedding_layouts` and the shapes of the model's variables, from one trace."""
-    layouts, _, shapes = trace_layers(model, batch)
-    return layouts, shapes
-
-
-def trace_layers(model: nn.Module, batch) -> tuple[dict, dict, Mapping]:
-    """`embedding_layouts`, each layer's `Expansion` (its composed tables as the plain
-    ones its store holds) and the shapes of the model's variables, from one trace."""
-    found: dict[tuple[str, ...], TableStore] = {}
-    expansions: dict[tuple[str, ...], Expansion] = {}
-
-    def interceptor(next_fun, args, kwargs, context):
-        if isinstance(context.module, EmbeddingBagCollection) and context.method_name == "__call__":
-            found[tuple(context.module.path)] = context.module.store
-            expansions[tuple(context.module.path)] = context.module.expansion
-        return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(interceptor):
-        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), batch))
-    return found, expansions, shapes
 
 
 def layer_key(path: tuple[str, ...]) -> str:

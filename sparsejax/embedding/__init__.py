@@ -1,22 +1,27 @@
 """Embedding tables and their lifecycle: specs, stacking, and the table stores that hold
 table state and do lookups and sparse updates.
 
-`TableStore` is the interface every embedding layer talks to; `DeviceTableStore` is the
-first store (stacked tables in device memory, replicated on a mesh) and the functional
-layer for users without Flax. The old name `EmbeddingCollection` (= `DeviceTableStore`)
-still works for one release and warns: in TorchRec an `EmbeddingCollection` is the
-unpooled (sequence) module, which this is not.
+`TableStore` is the interface every embedding layer talks to
+(`sparsejax.sharding.make_store` picks one for a layer's specs); `sparsejax.embedding.host`
+is the host runtime (tiered and host-executed tables) behind the one host-side protocol,
+`HostSide`. `DeviceTableStore` is the first store (stacked tables in device memory,
+replicated on a mesh) and the functional layer for users without Flax. The old name
+`EmbeddingCollection` (= `DeviceTableStore`) still works for one release and warns: in
+TorchRec an `EmbeddingCollection` is the unpooled (sequence) module, which this is not.
 """
 
 from .._deprecation import alias_getattr as _alias_getattr
+from . import host as host
 from ._compose import Composition as Composition
+from ._compose import Expansion as Expansion
+from ._compose import expand as expand
+from ._compose import stored_values as stored_values
 from ._device_store import MESH_AXES as MESH_AXES
 from ._device_store import DeviceTableStore as DeviceTableStore
 from ._device_store import GroupLookups as GroupLookups
 from ._device_store import apply_group_gradients as apply_group_gradients
 from ._device_store import check_mesh as check_mesh
 from ._device_store import fill_table as fill_table
-from ._host_store import HybridTableStore as HybridTableStore
 from ._memory import available_memory as available_memory
 from ._memory import format_bytes as format_bytes
 from ._spec import MISSING_KEY as MISSING_KEY
@@ -41,11 +46,14 @@ from ._store import TableStore as TableStore
 from ._store import check_saved_table as check_saved_table
 from ._store import default_mesh as default_mesh
 from ._store import empty_table as empty_table
-from ._store import make_store as make_store
 from ._store import stack_shapes as stack_shapes
+from ._store import subtree as subtree
+from ._store import with_subtree as with_subtree
+from .host import HybridTableStore as HybridTableStore
 
 __all__ = [
     "Composition",
+    "Expansion",
     "MAX_STACK_ROWS",
     "MESH_AXES",
     "MISSING_KEY",
@@ -69,16 +77,20 @@ __all__ = [
     "check_specs",
     "constant_init",
     "default_mesh",
+    "host",
     "empty_table",
+    "expand",
     "fill_table",
     "format_bytes",
-    "make_store",
     "normal_init",
     "plan_stacks",
     "stack_shapes",
     "stack_name",
+    "stored_values",
+    "subtree",
     "truncated_normal_init",
     "uniform_init",
+    "with_subtree",
 ]
 
 _DEPRECATED = {"EmbeddingCollection": DeviceTableStore}

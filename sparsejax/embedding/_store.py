@@ -5,13 +5,15 @@ An embedding layer (functional or Flax) never touches table arrays itself: it as
 exports or imports tables by name for checkpoints. Two stores implement it:
 `DeviceTableStore` (stacked tables, whole on every device of a mesh) and
 `sparsejax.sharding.ShardedTableStore` (tables placed on a ("data", "model") mesh);
-both hold dynamic and host-cached tables as device caches that
-`sparsejax.embedding.HostTables` fills.
+both hold dynamic and host-cached tables as device caches that their host side
+(`sparsejax.embedding.host`) fills. `sparsejax.sharding.make_store` picks the store for
+a layer's specs and placements.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -85,11 +87,16 @@ class TableStore(Protocol):
       table or a mismatched shape or slot set.
     - `with_mesh(mesh)`: the same store on another mesh (an error naming the axis if
       the store cannot use one of the mesh's axes).
+    - `shards_batch`, `tiered_tables`: whether each device takes its own slice of the
+      batch, and the tables whose rows live on the host side (`StoreBase`'s defaults:
+      no and none). What a store does on the host between steps is its `HostSide`.
     """
 
     tables: Mapping[str, TableSpec]
     features: Mapping[str, FeatureSpec]
     mesh: Mesh
+    shards_batch: bool
+    tiered_tables: Mapping[str, TableSpec]
 
     @property
     def state_names(self) -> tuple[str, ...]: ...
@@ -131,6 +138,13 @@ class StoreBase:
     """What both table stores share: identity from their specs, mesh and kernels
     (`_specs`, `mesh`, `implementation`), the state's names (`stacks`) and shardings
     (from `abstract_state`), `init` from `init_part`, and the first release's names."""
+
+    shards_batch = False
+    """Whether its tables are placed on the mesh, so every device takes its own slice of
+    the batch (ids included)."""
+    tiered_tables: Mapping = MappingProxyType({})
+    """`{name: TableSpec}` of its tiered tables (dynamic or host-cached: their rows live
+    on the host side, a device cache in the state)."""
 
     def _key(self):
         return (type(self), self._specs, self.mesh, self.implementation)
@@ -209,27 +223,3 @@ def check_saved_table(spec: TableSpec, saved: Mapping | None, saved_names) -> No
             f"table {spec.name!r}: saved optimizer slots {sorted(saved['slots'])}, "
             f"{type(spec.optimizer).__name__} needs {want}"
         )
-
-
-def make_store(
-    tables: Sequence[TableSpec],
-    features: Sequence[FeatureSpec],
-    *,
-    mesh: Mesh | None = None,
-    implementation: str | None = None,
-) -> TableStore:
-    """The store for `tables`, chosen by their `placement`: all "device" (the default),
-    `DeviceTableStore` (tables whole on every device); any "host",
-    `HybridTableStore` (those tables looked up and updated on the host's CPU); any other
-    placement, `sparsejax.sharding.ShardedTableStore` on `mesh`."""
-    from ._device_store import DeviceTableStore
-
-    if any(t.placement == "host" for t in tables):
-        from ._host_store import HybridTableStore
-
-        return HybridTableStore(tables, features, mesh=mesh, implementation=implementation)
-    if all(t.placement == "device" for t in tables):
-        return DeviceTableStore(tables, features, mesh=mesh, implementation=implementation)
-    from ..sharding import ShardedTableStore
-
-    return ShardedTableStore(tables, features, mesh=mesh, implementation=implementation)

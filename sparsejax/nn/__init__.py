@@ -6,6 +6,7 @@ from ._embedding import EMBEDDING_LOOKUPS as EMBEDDING_LOOKUPS
 from ._embedding import EmbeddingBagCollection as EmbeddingBagCollection
 from ._embedding import StoreLookups as StoreLookups
 from ._embedding import apply_embedding_gradients as apply_embedding_gradients
+from ._embedding import tables_on as tables_on
 from ._layers import MLP as MLP
 from ._layers import CrossNetwork as CrossNetwork
 from ._layers import DotInteraction as DotInteraction
@@ -20,3 +21,6 @@ from ._models import TwoTower as TwoTower
 from ._models import WideAndDeep as WideAndDeep
 from ._models import linear_specs as linear_specs
 from ._models import sequence_mask as sequence_mask
+from ._trace import embedding_layouts as embedding_layouts
+from ._trace import trace_layers as trace_layers
+from ._trace import trace_layouts as trace_layouts

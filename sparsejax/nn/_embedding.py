@@ -30,9 +30,8 @@ import jax
 from flax import traverse_util
 from jax.sharding import Mesh
 
-from ..embedding._compose import Expansion, expand
-from ..embedding._spec import FeatureSpec, TableSpec
-from ..embedding._store import TableStore, make_store, subtree, with_subtree
+from ..embedding import Expansion, FeatureSpec, TableSpec, TableStore, expand, subtree, with_subtree
+from ..sharding import make_store
 
 EMBEDDING = "embedding"
 """Variable collection of the tables (the table store's state)."""

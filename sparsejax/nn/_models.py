@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..embedding._spec import FeatureSpec, TableSpec
+from ..embedding import FeatureSpec, TableSpec
 from ._embedding import EmbeddingBagCollection
 from ._layers import (
     MLP,

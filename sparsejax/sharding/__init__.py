@@ -2,6 +2,7 @@
 and many processes (`jax.distributed`).
 
 - `make_mesh`, `PLACEMENTS`: the mesh and the ways a table is placed on it.
+- `make_store`: the table store a layer's specs and placements call for.
 - `ShardedTableStore`: lookups and sparse updates under `shard_map` that move ids and
   pooled rows between devices, never tables.
 - `shard_batch`: a batch re-padded per device, as the sharded store reads it.
@@ -12,9 +13,10 @@ and many processes (`jax.distributed`).
   (`sparsejax launch`).
 """
 
-from ._batch import shard_batch
+from ._batch import padding_batch, shard_batch
 from ._distributed import ENV_LOCAL_DEVICES, broadcast_text, initialize_from_env, process_of_many
 from ._launch import LOG_DIR, launch
+from ._make import make_store
 from ._placement import AXES, PLACEMENTS, make_mesh
 from ._planner import Plan, PlanError, TableShape, comm_bytes, plan_tables
 from ._store import ShardedTableStore
@@ -33,6 +35,8 @@ __all__ = [
     "initialize_from_env",
     "launch",
     "make_mesh",
+    "make_store",
+    "padding_batch",
     "plan_tables",
     "process_of_many",
     "shard_batch",

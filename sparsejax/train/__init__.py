@@ -5,7 +5,7 @@ Checkpoints live in `sparsejax.checkpoint` (re-exported here)."""
 from ..checkpoint import Checkpointer as Checkpointer
 from ..checkpoint import CheckpointError as CheckpointError
 from ..checkpoint import NonFiniteStateError as NonFiniteStateError
-from ..checkpoint import embedding_layouts as embedding_layouts
+from ..nn import embedding_layouts as embedding_layouts
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._loop import FitResult as FitResult
 from ._loop import Hook as Hook
@@ -20,6 +20,13 @@ from ._metrics import logloss as logloss
 from ._metrics import ndcg_at_k as ndcg_at_k
 from ._metrics import ranking_metrics as ranking_metrics
 from ._metrics import recall_at_k as recall_at_k
+from ._profiling import PROFILE_SCOPES as PROFILE_SCOPES
+from ._profiling import ProfileWindow as ProfileWindow
+from ._profiling import StepProfile as StepProfile
+from ._profiling import embedding_bytes as embedding_bytes
+from ._profiling import profile_training as profile_training
+from ._ranking import candidate_eval as candidate_eval
+from ._ranking import candidate_metric_names as candidate_metric_names
 from ._ranking import candidate_predictions as candidate_predictions
 from ._ranking import evaluate_ranking as evaluate_ranking
 from ._ranking import evaluate_retrieval as evaluate_retrieval

@@ -162,7 +162,7 @@ def fit(
 
     step = start
     it = iter(batches)
-    look_ahead = getattr(it, "peek", None) if getattr(trainer, "host_exec", None) else None
+    look_ahead = getattr(it, "peek", None) if trainer.host.looks_ahead else None
     for step in range(start + 1, steps + 1):
         batch = next(it, None)
         if batch is None:  # the data ran out: the previous step was the last
@@ -170,7 +170,7 @@ def fit(
             break
         for h in hooks:
             h.before_step(step, batch)
-        if look_ahead:  # host-executed tables look the next batch up during this step
+        if look_ahead:  # the host side works on the next batch during this step
             state, metrics = trainer.train_step(state, batch, look_ahead())
         else:
             state, metrics = trainer.train_step(state, batch)

@@ -32,10 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..data import BatchPacker, Examples, JaggedIds
-from ..data._events import HISTORY, ITEM, CandidateSets
-from ..nn._embedding import EMBEDDING, EmbeddingBagCollection, tables_on
-from ..nn._models import DIN, TwoTower
+from ..data import HISTORY, ITEM, BatchPacker, CandidateSets, Examples, JaggedIds
+from ..nn import DIN, EMBEDDING, EmbeddingBagCollection, TwoTower, tables_on
 from . import _metrics
 from ._trainer import Trainer, TrainState
 
@@ -112,7 +110,7 @@ def _factored_scorer(trainer: Trainer) -> Callable | None:
     """The factored scorer of the trainer's model, or None where it has none: a model
     other than a two-tower or DIN reading the candidate sets' features, or tables the
     host executes, caches or shards (their lookups go through `Trainer.eval_step`)."""
-    if trainer.host_exec is not None or trainer.host_tables is not None or trainer.shards_batch:
+    if trainer.host.maps_batches or trainer.shards_batch:
         return None
     model = trainer.model
     if isinstance(model, TwoTower):

@@ -15,18 +15,19 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..checkpoint._layout import Layouts, tables_by_name, tables_from_layers, trace_layers
+from ..checkpoint import Layouts, tables_by_name, tables_from_layers
 from ..data import SparseBatch
 from ..embedding import default_mesh
-from ..nn._embedding import (
+from ..embedding.host import HostSides, host_side
+from ..nn import (
     EMBEDDING,
     EMBEDDING_GRADS,
     EMBEDDING_LOOKUPS,
     apply_embedding_gradients,
     tables_on,
+    trace_layers,
 )
-from ..sharding._batch import padding_batch
-from ..sharding._placement import AXES
+from ..sharding import AXES, padding_batch
 from . import _metrics
 
 
@@ -142,12 +143,10 @@ class Trainer:
         self.loss_fn = LOSSES[self.task]
         self._layouts: Layouts | None = None
         self._steps: dict[tuple[str, int], Callable] = {}
-        self.host_tables = None
-        """The host side of the model's tiered (dynamic / host-cached) tables, from `init`;
-        None when it has none."""
-        self.host_exec = None
-        """The host side of the model's host-executed tables (`placement="host"`), from
-        `init`; None when it has none."""
+        self.host: HostSides = HostSides()
+        """Everything the model's tables do on the host between steps (`HostSide`: tiered
+        tables' id mapping and row exchanges, host-executed tables' lookups and updates),
+        from `init`; empty when no table has host work."""
 
     # ---- placement ------------------------------------------------------------------
     def _replicated(self) -> NamedSharding:
@@ -170,14 +169,7 @@ class Trainer:
         """`state_sharding()` as the jitted steps see it: a host-executed layer's
         `"host"` part holds its pooled rows (in) and their gradient (out), replicated."""
         sharding = self.state_sharding()
-        if self.host_exec is None:
-            return sharding
-        from ..embedding._host_store import with_host_part
-
-        tables = sharding.tables
-        for path in self.host_exec.stores:
-            tables = with_host_part(tables, path, self._replicated())
-        return sharding.replace(tables=tables)
+        return sharding.replace(tables=self.host.step_sharding(sharding.tables, self._replicated()))
 
     def put_state(self, state: TrainState) -> TrainState:
         """`state` placed with `state_sharding()` (e.g. after a restore)."""
@@ -188,7 +180,7 @@ class Trainer:
         """Whether a layer's tables are placed on the mesh (`sparsejax.sharding`): then
         every device takes its own `B / N` examples, ids included (after `init`)."""
         return self._layouts is not None and any(
-            getattr(store, "shards_batch", False) for store in self._layouts.values()
+            store.shards_batch for store in self._layouts.values()
         )
 
     def batch_sharding(self, batch_size: int):
@@ -221,7 +213,7 @@ class Trainer:
         for store in self._layouts.values():
             for f in store.features.values():
                 specs[f.name] = f
-                if f.table in getattr(store, "tiered_tables", {}):  # its slot ids, per table
+                if f.table in store.tiered_tables:  # its slot ids, per table
                     specs[f"{f.name}@{f.table}"] = f
         batch = shard_batch(
             batch,
@@ -281,42 +273,35 @@ class Trainer:
 
     # ---- steps ----------------------------------------------------------------------
     def train_step(self, state: TrainState, batch, next_batch=None) -> tuple[TrainState, dict]:
-        """One jitted step (`state` is donated): `(new state, {"loss": loss})`. With
-        tiered tables, the host maps the batch's raw ids to cache slots and exchanges
-        rows first (while the previous step still runs). With host-executed tables, the
-        host looks them up before the step and updates them after it; `next_batch` (the
-        batch of the next call, if known) is then looked up while this step runs."""
+        """One jitted step (`state` is donated): `(new state, {"loss": loss})`, between
+        the host side's `prepare` and `finish` (`self.host`): e.g. tiered tables' raw ids
+        mapped to cache slots and rows exchanged first (while the previous step still
+        runs), host-executed tables looked up before the step and updated after it.
+        `next_batch` (the batch of the next call, if known) is handed to `finish`, which
+        may work on it while this step runs (`self.host.looks_ahead`)."""
         state, batch = self.prepare_train(state, batch)
         state, metrics = self._jitted("train", batch)(state, batch)
         return self.finish_train(state, next_batch), metrics
 
     def prepare_train(self, state: TrainState, batch) -> tuple[TrainState, object]:
-        """The host's part of `train_step` before the jitted step: tiered tables' id
-        mapping and row exchange, host-executed tables' lookup, placing the batch on
-        the mesh. The step's output goes to `finish_train`."""
-        if self.host_exec is not None:
-            state = state.replace(tables=self.host_exec.lookup(state.tables, batch))
-        if self.host_tables is not None:
-            tables, batch = self.host_tables.prepare_train(state.tables, batch)
-            state = state.replace(tables=tables)
+        """The host's part of `train_step` before the jitted step: the host side's
+        `prepare`, then placing the batch on the mesh. The step's output goes to
+        `finish_train`."""
+        tables, batch = self.host.prepare(state.tables, batch, train=True)
+        state = state.replace(tables=tables)
         if self.shards_batch:
             batch = self.put_batch(batch)
         return state, batch
 
     def finish_train(self, state: TrainState, next_batch=None) -> TrainState:
-        """The host's part of `train_step` after the jitted step: host-executed tables'
-        sparse update (a no-op without them)."""
-        if self.host_exec is None:
-            return state
-        return state.replace(tables=self.host_exec.finish(state.tables, state.step, next_batch))
+        """The host's part of `train_step` after the jitted step: the host side's
+        `finish` (e.g. host-executed tables' sparse update)."""
+        return state.replace(tables=self.host.finish(state.tables, state.step, next_batch))
 
     def eval_step(self, state: TrainState, batch) -> jax.Array:
         """The model's output on `batch` (jitted, no dropout)."""
-        if self.host_exec is not None:
-            state = state.replace(tables=self.host_exec.lookup(state.tables, batch, train=False))
-        if self.host_tables is not None:
-            tables, batch = self.host_tables.prepare_eval(state.tables, batch)
-            state = state.replace(tables=tables)
+        tables, batch = self.host.prepare(state.tables, batch, train=False)
+        state = state.replace(tables=tables)
         if self.shards_batch:
             batch = self.put_batch(batch)
         return self._jitted("eval", batch)(state, batch)
@@ -324,11 +309,11 @@ class Trainer:
     @property
     def layouts(self) -> Layouts:
         """Each embedding layer's `TableStore`, by module path, as of `init`
-        (`sparsejax.checkpoint.embedding_layouts(model, batch)` computes it anywhere)."""
+        (`sparsejax.nn.embedding_layouts(model, batch)` computes it anywhere)."""
         if self._layouts is None:
             raise RuntimeError(
                 "Trainer.layouts: call Trainer.init first, or use "
-                "sparsejax.checkpoint.embedding_layouts(model, batch)"
+                "sparsejax.nn.embedding_layouts(model, batch)"
             )
         return self._layouts
 
@@ -372,32 +357,16 @@ class Trainer:
         tables = tables_from_layers(
             layouts, {path: store.init(layer_keys[path]) for path, store in self._stores().items()}
         )
-        self.host_tables = self.host_exec = None
-        from ..embedding._host_store import HostExecution, HybridTableStore
-
-        if any(isinstance(store, HybridTableStore) for store in layouts.values()):
-            if jax.process_count() > 1:
-                raise ValueError(
-                    "host-executed tables (placement 'host') train in one process; "
-                    "place them on the devices to train across processes"
-                )
-            self.host_exec = HostExecution(
-                self._stores(),
-                self.mesh,
-                expansions=expansions,
-                schedule=self.sparse_schedule,
-                l2=self.sparse_l2,
-            )
-        if any(getattr(store, "tiered_tables", {}) for store in layouts.values()):
-            from ..embedding._tiered import HostTables
-
-            if jax.process_count() > 1:
-                raise ValueError(
-                    "dynamic or host-cached tables train in one process (each process "
-                    "would map raw ids to rows on its own); run them on one host's devices"
-                )
-            self.host_tables = HostTables(self._stores())
-            self.host_tables.init(layer_keys)
+        self.host.close()
+        self.host = host_side(
+            self._stores(),
+            self.mesh,
+            layer_keys=layer_keys,
+            expansions=expansions,
+            schedule=self.sparse_schedule,
+            l2=self.sparse_l2,
+            process_count=jax.process_count(),
+        )
         return self.put_state(
             TrainState(
                 step=jnp.zeros((), jnp.int32),
@@ -483,9 +452,9 @@ class Trainer:
         outs, labels, masks, losses, recalls = [], [], [], [], {k: [] for k in recall_k}
         examples = 0.0
         for batch in batches:
-            # this process's share -> the global batch (tiered tables: eval_step maps the
-            # raw ids to cache slots first, then places the batch; they run in one process)
-            if self.shards_batch and self.host_tables is None:
+            # this process's share -> the global batch (a host side that maps batches:
+            # eval_step prepares them first, then places the batch)
+            if self.shards_batch and not self.host.maps_batches:
                 batch = self.put_batch(batch)
             out = _host(self.eval_step(state, batch))
             batch = jax.tree.map(_host, batch)

@@ -29,13 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._hashing import mix64
-from ._admission import make_filter
-from ._device_store import _name_hash, _table_key
-from ._host_rows import HostRows
-from ._id_map import IdMap, unique_keys
-from ._snapshot import TableSnapshot
-from ._spec import (
+from ..._hashing import mix64
+from .._device_store import _name_hash, _table_key
+from .._spec import (
     FeatureSpec,
     TableSpec,
     constant_init,
@@ -43,7 +39,12 @@ from ._spec import (
     truncated_normal_init,
     uniform_init,
 )
-from ._store import subtree, with_subtree
+from .._store import subtree, with_subtree
+from ._admission import make_filter
+from ._host_rows import HostRows
+from ._id_map import IdMap, unique_keys
+from ._protocol import HostSide
+from ._snapshot import TableSnapshot
 
 
 class TieredInputError(ValueError):
@@ -264,7 +265,7 @@ class HostTable:
         if isinstance(init, uniform_init) and init.scale is None:
             init = uniform_init(init._bound((v, spec.dim)))
         rng = np.random.default_rng([*key_data, _name_hash(spec.name)])
-        from ._spec import FILL_CHUNK_ELEMENTS
+        from .._spec import FILL_CHUNK_ELEMENTS
 
         chunk = max(1, FILL_CHUNK_ELEMENTS // spec.dim) * 16
         for start in range(0, v, chunk):
@@ -781,19 +782,26 @@ def _pad(a: np.ndarray, n: int, fill=0) -> np.ndarray:
     return out
 
 
-class HostTables:
-    """The host side of every tiered table of a model, by embedding layer and table.
+class HostTables(HostSide):
+    """The host side (`HostSide`) of every tiered table of a model, by embedding layer
+    and table.
 
-    `Trainer` builds one at `init` when a layer has tiered tables (`trainer.host_tables`)
-    and calls `prepare_train` / `prepare_eval` before every step; checkpoints call
-    `snapshot` / `restore` / `mark_saved`. Each tiered table is a `HostTable` keyed
+    `Trainer` builds one at `init` when a layer has tiered tables (a part of
+    `trainer.host`) and calls `prepare` before every step; checkpoints call `snapshot` /
+    `restore` / `mark_saved`. Each tiered table is a `HostTable` keyed
     "<layer path>/<table>" (`tables`).
 
     Args:
       layouts: each embedding layer's `TableStore` by module path
-        (`sparsejax.checkpoint.embedding_layouts`).
+        (`sparsejax.nn.embedding_layouts`).
     """
 
+    name = "tiered tables"
+    saves_rows = True
+    one_process = (
+        "dynamic or host-cached tables train in one process (each process "
+        "would map raw ids to rows on its own); run them on one host's devices"
+    )
     release_every = 100
     """Train steps between `HostRows.release_pages` of the tables with a disk tier: the
     disk blocks' pages touched since leave the process's resident memory (they stay in
@@ -802,7 +810,7 @@ class HostTables:
     def __init__(self, layouts: Mapping):
         self.layers: dict[tuple, _Layer] = {}
         for path, store in layouts.items():
-            tiered = getattr(store, "tiered_tables", {})
+            tiered = store.tiered_tables
             if not tiered:
                 continue
             tables = {
@@ -816,7 +824,7 @@ class HostTables:
             self.layers[path] = _Layer(path, store, tables)
         readers: dict[str, list[tuple[str, bool]]] = {}  # feature -> (table, tiered)
         for store in layouts.values():
-            tiered = getattr(store, "tiered_tables", {})
+            tiered = store.tiered_tables
             for f in store.features.values():
                 readers.setdefault(f.name, []).append((f.table, f.table in tiered))
         for feature, tables in readers.items():
@@ -834,7 +842,7 @@ class HostTables:
     @staticmethod
     def needed(layouts: Mapping) -> bool:
         """Whether any layer of `layouts` has a tiered table."""
-        return any(getattr(s, "tiered_tables", {}) for s in layouts.values())
+        return any(s.tiered_tables for s in layouts.values())
 
     @property
     def tables(self) -> dict[str, HostTable]:
@@ -848,6 +856,12 @@ class HostTables:
                 ht.init(layer_keys[path])
 
     # ---- steps ---------------------------------------------------------------------------
+    def prepare(self, state_tables: Mapping, batch, *, train: bool):
+        """`prepare_train` or `prepare_eval`."""
+        if train:
+            return self.prepare_train(state_tables, batch)
+        return self.prepare_eval(state_tables, batch)
+
     def prepare_train(self, state_tables: Mapping, batch):
         """`(state_tables, batch)` for the next train step: raw ids mapped to cache slots,
         the misses loaded (one jitted exchange per layer, the state donated)."""
@@ -1007,8 +1021,9 @@ class HostTables:
             ht.mark_saved()
 
     def restore(self, chain) -> None:
-        """Rebuild every table from `chain` (snapshot dicts, full first, then deltas);
-        the device caches start empty (as `import_tables` leaves them)."""
+        """Rebuild every table from `chain` (snapshot dicts, full first, then deltas;
+        other host sides' tables in them are ignored); the device caches start empty (as
+        `import_tables` leaves them)."""
         if not chain:
             raise ValueError("HostTables.restore: an empty chain")
         for key, ht in self.tables.items():
@@ -1027,7 +1042,7 @@ class HostTables:
         step, cache hit rate, host bytes in RAM and on disk."""
         return {key: ht.report() for key, ht in self.tables.items()}
 
-    def tables_by_name(self, state_tables: Mapping) -> dict[str, dict]:
+    def export(self, state_tables: Mapping) -> dict[str, dict]:
         """`{key: {"keys", "weights", "slots"}}`, current (flushes), rows sorted by key."""
         self.flush(state_tables)
         out = {}

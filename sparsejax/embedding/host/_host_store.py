@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._compose import Expansion
-from ._device_store import DeviceTableStore
-from ._spec import FeatureSpec, TableSpec
-from ._store import StoreBase, default_mesh, subtree, with_subtree
+from .._compose import Expansion
+from .._device_store import DeviceTableStore
+from .._spec import FeatureSpec, TableSpec
+from .._store import StoreBase, default_mesh, subtree, with_subtree
+from ._protocol import HostSide
 
 HOST = "host"
 """The placement of a host-executed table, and the name of its state part."""
@@ -74,8 +75,6 @@ class HybridTableStore(StoreBase):
         mesh: Mesh | None = None,
         implementation: str | None = None,
     ):
-        from ._store import make_store
-
         tables, features = tuple(tables), tuple(features)
         self.mesh = default_mesh() if mesh is None else mesh
         self.implementation = implementation
@@ -97,18 +96,18 @@ class HybridTableStore(StoreBase):
             mesh=host_mesh(),
             implementation=_host_implementation(implementation),
         )
+        placed = sorted(t.name for t in dev_t if t.placement != "device")
+        if placed:
+            raise ValueError(
+                f"tables {sorted(host_names)} (placement 'host') sit beside tables placed "
+                f"on the mesh ({placed}); host tables work beside 'device' tables only"
+            )
         self.device = (
-            make_store(dev_t, dev_f, mesh=self.mesh, implementation=implementation)
+            DeviceTableStore(dev_t, dev_f, mesh=self.mesh, implementation=implementation)
             if dev_t
             else None
         )
-        if getattr(self.device, "shards_batch", False):
-            raise ValueError(
-                f"tables {sorted(host_names)} (placement 'host') sit beside tables placed "
-                f"on the mesh ({sorted(t.name for t in dev_t if t.placement != 'device')}); "
-                f"host tables work beside 'device' tables only"
-            )
-        self.tiered_tables = getattr(self.device, "tiered_tables", {})
+        self.tiered_tables = {} if self.device is None else self.device.tiered_tables
         self.stacks = {**(self.device.stacks if self.device else {}), HOST: None}
 
     def __repr__(self):
@@ -228,10 +227,10 @@ class _Ahead:
     previous: dict  # this step's lookups: the rows its update changes
 
 
-class HostExecution:
-    """The trainer's host side of host-executed tables: one per model.
+class HostExecution(HostSide):
+    """The host side (`HostSide`) of host-executed tables: one per model.
 
-    `lookup` (before a step) puts each hybrid layer's pooled host rows on the mesh in
+    `prepare` / `lookup` (before a step) puts each hybrid layer's pooled host rows on the mesh in
     place of its host tables; `finish` (after it) applies the rows' gradient on the
     host and puts the tables back. Between the two the state's `"host"` parts hold rows,
     not tables, so nothing else may read them then (the `Trainer` keeps the two together
@@ -244,6 +243,12 @@ class HostExecution:
         into its store's (composed tables' parts); None: as they are.
       schedule, l2: the trainer's `sparse_schedule` and `sparse_l2`.
     """
+
+    name = "host-executed tables"
+    one_process = (
+        "host-executed tables (placement 'host') train in one process; "
+        "place them on the devices to train across processes"
+    )
 
     def __init__(
         self,
@@ -261,7 +266,7 @@ class HostExecution:
         self._lookups: dict[tuple, tuple] = {}  # path -> (tables, residuals) of the step
         self._ahead: dict[tuple, _Ahead] = {}
         self._latest: dict[tuple, Any] = {}  # path -> the tables `finish` returned
-        self.look_ahead = any(d.platform != "cpu" for d in mesh.devices.flat)
+        self.looks_ahead = any(d.platform != "cpu" for d in mesh.devices.flat)
         """Whether `finish` looks the next batch up ahead (default: when the step runs
         on an accelerator; on a CPU-only machine host and device share the cores, and
         the bags recomputed after the update are extra work)."""
@@ -292,12 +297,36 @@ class HostExecution:
             self._jit_fix[path] = jax.jit(lambda *a, host=host: _fix(host, *a))
             self._jit_apply[path] = jax.jit(apply, donate_argnums=0)
 
+    @staticmethod
+    def needed(stores: Mapping) -> bool:
+        """Whether any layer of `stores` has host-executed tables."""
+        return any(isinstance(s, HybridTableStore) for s in stores.values())
+
     def stats(self) -> dict:
-        """`{"bags_looked_ahead", "recomputed_fraction"}`: bags of the train lookups
-        served by the look-ahead, and the fraction of them recomputed after the update
-        (they read a row it changed): what the look-ahead saved is the rest."""
+        """`{"host-executed tables": {"bags_looked_ahead", "recomputed_fraction"}}`: bags
+        of the train lookups served by the look-ahead, and the fraction of them
+        recomputed after the update (they read a row it changed): what the look-ahead
+        saved is the rest."""
         bags, dirty = self._ahead_bags
-        return {"bags_looked_ahead": bags, "recomputed_fraction": int(dirty) / max(bags, 1)}
+        return {
+            self.name: {"bags_looked_ahead": bags, "recomputed_fraction": int(dirty) / max(bags, 1)}
+        }
+
+    def prepare(self, tables: Mapping, batch, *, train: bool):
+        """`lookup`; the batch passes through."""
+        return self.lookup(tables, batch, train=train), batch
+
+    def step_sharding(self, tables: Mapping, replicated) -> dict:
+        """A host part holds its pooled rows (in) and their gradient (out), replicated."""
+        for path in self.stores:
+            tables = with_host_part(tables, path, replicated)
+        return tables
+
+    def device_tables(self, tables: Mapping) -> dict:
+        """The host parts emptied (the jitted step never takes host tables)."""
+        for path in self.stores:
+            tables = with_host_part(tables, path, {})
+        return tables
 
     def _look_up(self, path: tuple, tables, batch):
         """The host lookup of `batch`'s features of the layer at `path`: `(rows, lookups)`."""
@@ -338,7 +367,7 @@ class HostExecution:
         step = jax.device_put(step, self._cpu)
         for path in self.stores:
             host_tables, lks = self._lookups.pop(path)
-            if next_batch is not None and self.look_ahead:
+            if next_batch is not None and self.looks_ahead:
                 rows, nxt = self._look_up(path, host_tables, next_batch)
                 self._ahead[path] = _Ahead(next_batch, rows, nxt, lks)
             grads = jax.device_put(subtree(tables, path)[HOST][ROWS], self._cpu)

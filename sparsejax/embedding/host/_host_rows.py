@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ._memory import format_bytes
+from .._memory import format_bytes
 
 __all__ = ["HostRows", "HostStorageFullError", "storage_dtype"]
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._hashing import mix64
-from ._spec import BloomAdmission, CountAdmission
+from ..._hashing import mix64
+from .._spec import BloomAdmission, CountAdmission
 
 __all__ = ["BloomFilter", "CountFilter", "make_filter"]
 

@@ -39,7 +39,7 @@ _MIN_SLOTS = 16
 
 def _load_cpp():
     try:
-        from .. import _cpu_ext
+        from ... import _cpu_ext
     except ImportError as e:
         return None, f"sparsejax._cpu_ext is not built ({e})"
     if not hasattr(_cpu_ext, "IdMapCore"):
