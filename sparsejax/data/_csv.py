@@ -26,6 +26,7 @@ from ._loader import Examples
 from ._options import options_from_dict
 from ._text import (
     Hasher,
+    TextFields,
     items_of,
     parse_decimal,
     parse_float,
@@ -115,6 +116,15 @@ class ParseErrors:
         self.counts[reason] = self.counts.get(reason, 0) + 1
         if len(self.first) < ParseReport.MAX_FIRST_ERRORS:
             self.first.append((line_no, reason, field, value))
+
+    def add_many(self, line_nos: Sequence[int], reason: str, field: str, values: Sequence[str]):
+        """`add` of many lines with one reason and field (`values`: one per line)."""
+        if self.strict and len(line_nos):
+            self.add(int(line_nos[0]), reason, field, values[0])
+        self.counts[reason] = self.counts.get(reason, 0) + len(line_nos)
+        room = max(ParseReport.MAX_FIRST_ERRORS - len(self.first), 0)
+        for line_no, value in zip(line_nos[:room], values[:room], strict=True):
+            self.first.append((int(line_no), reason, field, value))
 
     def report(self, lines_read: int, lines_kept: int) -> ParseReport:
         return ParseReport(
@@ -235,6 +245,50 @@ class TableSchema:
                 raise ValueError(
                     f"TableSchema: column {c!r} is not in the file's columns {list(names)}{hint}"
                 )
+
+
+# ---------------------------------------------------------------------------------------
+# Raw columns
+
+
+def delimited_fields(
+    data: bytes,
+    delimiter: str,
+    n_fields: int,
+    columns: Sequence[int],
+    *,
+    first_line: int,
+    errs: ParseErrors,
+) -> tuple[TextFields, int]:
+    """Columns `columns` of a chunk of whole lines of delimited text, unconverted
+    (`TextFields`): for readers that keep raw values, such as the event log's ids and
+    dates. Split as `DelimitedParser` splits (`split_fields`). Blank lines are skipped
+    and not read; a line without exactly `n_fields` fields is skipped and added to
+    `errs` ("field_count", value "<k> fields"). Returns (the fields, lines read).
+    """
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+    if data and not data.endswith(b"\n"):
+        data += b"\n"
+    delim = delimiter.encode()
+    if len(delim) > 1:  # a non-ASCII delimiter: a control byte the chunk lacks stands in
+        used = np.bincount(np.frombuffer(data, np.uint8), minlength=256)
+        free = [b for b in range(1, 32) if not used[b]]
+        if not free:
+            raise ValueError(f"delimiter {delimiter!r}: the data uses every control byte")
+        data, delim = data.replace(delim, bytes(free[:1])), bytes(free[:1])
+    arr = np.frombuffer(data, np.uint8)
+    n, start, length, good, lo, hi = split_fields(arr, delim[0], n_fields)
+    blank = hi == lo
+    bad = np.flatnonzero(~good & ~blank)
+    if bad.size:
+        seps = np.flatnonzero(arr == delim[0])
+        count = np.searchsorted(seps, hi[bad]) - np.searchsorted(seps, lo[bad]) + 1
+        errs.add_many(first_line + bad, "field_count", "(line)", [f"{c} fields" for c in count])
+    keep = np.flatnonzero(good & ~blank)
+    cols = list(columns)
+    fields = TextFields(arr, first_line + keep, start[keep][:, cols], length[keep][:, cols])
+    return fields, int(n - blank.sum())
 
 
 # ---------------------------------------------------------------------------------------
@@ -501,5 +555,3 @@ class DelimitedParser:
 
 
 _EMPTY_HASH = stable_hash_bytes(b"")
-
-

@@ -417,11 +417,11 @@ def delimited_header(
     d = delimiter.encode()
     head = first_line(files[0])
     names = head.decode(errors="replace").split(delimiter)
-    skips = [_line1_bytes(files[0])]
+    skips = [line1_bytes(files[0])]
     for f in files[1:]:
         line = first_line(f)
         if line == head:
-            skips.append(_line1_bytes(f))
+            skips.append(line1_bytes(f))
             continue
         cells = line.split(d)
         if _looks_like_header(cells, {n.encode() for n in names}):
@@ -452,7 +452,8 @@ def _at(xs: list[str], i: int) -> str | None:
     return xs[i] if i < len(xs) else None
 
 
-def _line1_bytes(path: str) -> int:
+def line1_bytes(path: str) -> int:
+    """Bytes of line 1 of `path` with its newline (what a reader skips for a header)."""
     line = first_line(path)
     with open_file(path) as f:
         start = f.read(len(line) + 2)

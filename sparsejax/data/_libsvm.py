@@ -242,5 +242,3 @@ class LibsvmParser:
         }
         ex = Examples(labels=labels, dense=np.zeros((kept.shape[0], 0), np.float32), sparse=sparse)
         return ex, n
-
-

@@ -181,5 +181,3 @@ class ParquetParser:
         if s.dense_log1p:
             d = np.log1p(np.maximum(d, 0.0))
         return Examples(labels=labels, dense=d.astype(np.float32), sparse=out), n
-
-

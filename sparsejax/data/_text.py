@@ -7,7 +7,9 @@ for values the fast path does not handle, such as 20-digit numbers, to accept th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -68,6 +70,94 @@ def gather_matrix(arr: np.ndarray, start: np.ndarray, length: np.ndarray, width:
     if mat is None:
         return np.zeros((*start.shape, width), np.uint8)
     return np.where(j < length[..., None], mat, 0).astype(np.uint8)
+
+
+def field_strings(arr: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The fields arr[start:start+length] (1-D) as a numpy str array, decoded as UTF-8
+    (invalid bytes replaced): one gather of fixed-width windows, then ASCII at numpy's
+    speed (other text by `np.char.decode`)."""
+    n = start.shape[0]
+    width = max(int(length.max(initial=0)), 1)
+    padded = np.zeros(arr.shape[0] + width, np.uint8)
+    padded[: arr.shape[0]] = arr
+    windows = np.ndarray((arr.shape[0] + 1,), f"S{width}", padded, 0, (1,))
+    m = windows[start].view(np.uint8).reshape(n, width)
+    m[np.arange(width) >= length[:, None]] = 0
+    s = m.view(f"S{width}").reshape(n)
+    if not (m >= 128).any():
+        return s.astype(f"U{width}")
+    return np.char.decode(s, "utf-8", "replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextFields:
+    """Some columns of some lines of delimited text, not converted yet: field j of row i
+    is `data[start[i, j] : start[i, j] + length[i, j]]`, from line `lines[i]`. Readers
+    that keep raw values (the event log's ids and dates) convert each column as its
+    values allow: `ints`, `floats` or `strings`, each exactly as Python's `int`, `float`
+    and `str` of the field would, at numpy's speed for the common forms."""
+
+    data: np.ndarray  # u8[bytes]
+    lines: np.ndarray  # i64[n] 1-based line numbers
+    start: np.ndarray  # i64[n, k]
+    length: np.ndarray  # i64[n, k]
+
+    def __len__(self) -> int:
+        return int(self.lines.shape[0])
+
+    @staticmethod
+    def concat(parts: Sequence[TextFields], k: int) -> TextFields:
+        """The rows of `parts` (of `k` columns) in order, over one buffer."""
+        offsets = np.cumsum([0] + [p.data.shape[0] for p in parts])
+        return TextFields(
+            np.concatenate([np.zeros(0, np.uint8), *(p.data for p in parts)]),
+            np.concatenate([np.zeros(0, np.int64), *(p.lines for p in parts)]),
+            np.concatenate(
+                [
+                    np.zeros((0, k), np.int64),
+                    *(p.start + o for p, o in zip(parts, offsets[:-1], strict=True)),
+                ]
+            ),
+            np.concatenate([np.zeros((0, k), np.int64), *(p.length for p in parts)]),
+        )
+
+    def take(self, rows: np.ndarray) -> TextFields:
+        return TextFields(self.data, self.lines[rows], self.start[rows], self.length[rows])
+
+    def value(self, i: int, j: int) -> str:
+        s = int(self.start[i, j])
+        return bytes(self.data[s : s + int(self.length[i, j])]).decode(errors="replace")
+
+    def strings(self, j: int) -> np.ndarray:
+        return field_strings(self.data, self.start[:, j], self.length[:, j])
+
+    def ints(self, j: int) -> np.ndarray | None:
+        """Column j as int64 when Python's `int` takes every value, else None."""
+        val, bad = parse_decimal(self.data, self.start[:, j], self.length[:, j])
+        bad |= self.length[:, j] == 0
+        rows = np.flatnonzero(bad)
+        try:
+            val[rows] = [int(self.value(i, j)) for i in rows]
+        except (ValueError, OverflowError):
+            return None
+        return val
+
+    def floats(self, j: int) -> np.ndarray:
+        """Column j as float64 by Python's `float`, NaN where it refuses a value (an empty
+        field too). (`parse_float`'s fast path covers short fields only; times such as
+        Unix seconds are longer.)"""
+        values = self.strings(j).tolist()
+        try:
+            return np.fromiter(map(float, values), np.float64, len(values))
+        except ValueError:
+            return np.array([_float_or_nan(v) for v in values], np.float64)
+
+
+def _float_or_nan(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return np.nan
 
 
 _ONES = 0x0101010101010101
