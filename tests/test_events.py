@@ -356,6 +356,16 @@ def test_missing_column_names_the_file_and_the_column(tmp_path):
         sd.read_events(tmp_path / "nope.csv")
 
 
+def test_reader_takes_crlf_blank_lines_a_non_ascii_delimiter_and_long_ids(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_bytes("user¦item¦time\r\n7¦+3¦5\r\n\r\n99999999999999999999¦4¦6\r\n".encode())
+    log, report = sd.read_events(path, SequenceConfig(delimiter="¦"))
+    assert report.lines_read == 2 and report.lines_kept == 2
+    assert list(log.user) == ["7", "99999999999999999999"]  # too long for int64: strings
+    assert log.item.dtype == np.int64 and list(log.item) == [3, 4]  # as int("+3")
+    assert list(log.time) == [5.0, 6.0]
+
+
 def test_examples_fit_din_and_two_tower():
     data = build_sequences(_random_log(seed=5), SequenceConfig(history_length=5, eval_negatives=20))
     tables, features = data.specs(dim=8)

@@ -7,6 +7,8 @@ per distinct string; only lines the fast path flags are re-checked one by one in
 to name the reason and the field. `read_delimited` reads one file, several files or a
 glob (the header on the first file only; see `_files.delimited_header`), plain, gzip or
 zstd; `FileSource(format="delimited")` streams the same parse chunk by chunk.
+`delimited_fields` splits the same way but leaves the fields unconverted (`TextFields`),
+for readers that keep raw values (the event log's ids and dates).
 """
 
 from __future__ import annotations
