@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._hashing import mix32
-from ..ops._checks import check_lookups
+from ..ops import check_lookups
 
 KINDS = ("qr", "multihash")
 OPS = ("mul", "add", "concat")
