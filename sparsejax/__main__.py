@@ -56,7 +56,7 @@ def _split(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .sharding._distributed import initialize_from_env
+    from .sharding import initialize_from_env
 
     initialize_from_env()  # one of several processes: join them before any JAX work
     from . import runner
@@ -77,11 +77,10 @@ def _profile(args: argparse.Namespace) -> int:
     if "xla_gpu_enable_command_buffer" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
     from . import runner
-    from .runner._profile import profile
 
     files, overrides = _split(args.config)
     cfg = runner.load_config(files, overrides)
-    profile(cfg, steps=args.steps, warmup=args.warmup)
+    runner.profile(cfg, steps=args.steps, warmup=args.warmup)
     return 0
 
 
@@ -126,7 +125,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .serving import export_run
+    from .runner import export_run
 
     bad = [a for a in args.overrides if "=" not in a]
     if bad:
@@ -148,7 +147,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .serving._server import serve
+        from .serving import serve
     except ImportError as e:
         from .runner import ConfigError
 
@@ -179,11 +178,9 @@ def _config(args: argparse.Namespace) -> int:
         return 0
     import yaml
 
-    from .runner._config import to_dict
-
     files, overrides = _split(args.config)
     cfg = runner.load_config(files, overrides)
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    print(yaml.safe_dump(runner.to_dict(cfg), sort_keys=False), end="")
     return 0
 
 
@@ -191,7 +188,6 @@ def _info(args: argparse.Namespace) -> int:
     import jax
 
     from . import __version__, ops
-    from .ops import _cpu_ffi
 
     print(
         f"sparsejax {__version__}, jax {jax.__version__}, backend {jax.default_backend()}, "
@@ -202,7 +198,7 @@ def _info(args: argparse.Namespace) -> int:
         + (
             ""
             if ops.cpu_ffi_available()
-            else f" (C++ kernels unavailable: {_cpu_ffi.unavailable_reason()})"
+            else f" (C++ kernels unavailable: {ops.cpu_ffi_unavailable_reason()})"
         )
     )
     return 0
@@ -210,7 +206,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     from . import runner
-    from .sharding._launch import LOG_DIR, launch
+    from .sharding import LOG_DIR, launch
 
     files, overrides = _split(args.config)
     cfg = runner.load_config(files, overrides)  # a config error before any process starts
@@ -232,7 +228,7 @@ def _plan(args: argparse.Namespace) -> int:
         )
     if (args.hosts is None) != (args.devices_per_host is None):
         raise ConfigError("plan: --hosts and --devices-per-host go together")
-    from .runner._plan import plan_command  # noqa: PLC0415 - only when asked
+    from .runner import plan_command
 
     files, overrides = _split(args.config)
     out = plan_command(
@@ -479,7 +475,7 @@ def _is_user_error(e: BaseException) -> bool:
     `HostStorageFullError` (a tiered table's disk tier is full), an `OSError` of a full
     or read-only disk, `MemoryError` (the stores' memory check: a table too large)."""
     from .checkpoint import CheckpointError
-    from .embedding._host_rows import HostStorageFullError
+    from .embedding.host import HostStorageFullError
     from .serving import ModelLoadError
 
     if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
@@ -654,7 +650,7 @@ def _process_of_many() -> int | None:
     """This process's number when it is one of several (`jax.distributed`), else None."""
     if "sparsejax.sharding._distributed" not in sys.modules:
         return None
-    from .sharding._distributed import process_of_many
+    from .sharding import process_of_many
 
     return process_of_many()
 

@@ -137,7 +137,7 @@ def test_predictor_throughput_is_the_median_of_its_repetitions(bench):
 @pytest.mark.slow  # ~30 s: a training run, an export, two server processes
 def test_tiny_end_to_end_run_with_an_exported_model(bench, tmp_path):
     from sparsejax import runner
-    from sparsejax.serving import export_run
+    from sparsejax.runner import export_run
 
     cfg = runner.load_config(
         [],

@@ -402,7 +402,8 @@ def test_a_run_with_composed_tables_exports_and_serves_its_scores(tmp_path):
     the run's: the export's own check over the eval split, and a request from its
     example body."""
     from sparsejax import runner
-    from sparsejax.serving import Predictor, export_run
+    from sparsejax.runner import export_run
+    from sparsejax.serving import Predictor
 
     cfg = _run_config(
         tmp_path,

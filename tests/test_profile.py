@@ -17,6 +17,7 @@ from sparsejax.data import JaggedIds
 from sparsejax.embedding import FeatureSpec, TableSpec
 from sparsejax.ops import SGD, RowWiseAdagrad
 from sparsejax.runner import _profile
+from sparsejax.train import _profiling
 
 TINY = [
     "progress=false",
@@ -42,10 +43,10 @@ def test_hlo_instructions_are_charged_to_the_innermost_scope():
         return table, w - g, loss
 
     hlo = jax.jit(step).lower(table, w, jnp.arange(5)).compile().as_text()
-    parts = _profile.hlo_parts(hlo)
+    parts = _profiling.hlo_parts(hlo)
     found = set(parts.values())
     assert {"embedding_lookup", "dense", "sparse_update"} <= found
-    assert found <= {*_profile.PROFILE_SCOPES, "other_device"}
+    assert found <= {*_profiling.PROFILE_SCOPES, "other_device"}
     meta = 'metadata={op_name="jit(s)/%s"}'
     fake = (
         "%fused_computation (p: f32[8]) -> f32[] {\n"
@@ -63,7 +64,7 @@ def test_hlo_instructions_are_charged_to_the_innermost_scope():
         f"{meta % 'reduce_sum'}\n"
         "}\n"
     )
-    assert _profile.hlo_parts(fake) == {
+    assert _profiling.hlo_parts(fake) == {
         "all-reduce.3": "collectives",
         "dot.1": "dense",  # inside transpose(jvp(...))
         "copy.2": "dense",  # no metadata: its operand's part
@@ -77,17 +78,17 @@ def test_hlo_instructions_are_charged_to_the_innermost_scope():
 
 def test_overlapping_events_are_split_and_sum_to_the_busy_time():
     events = [(0, 10, "a"), (5, 15, "b"), (20, 30, "a"), (22, 24, "c")]
-    split = _profile.split_overlaps(events)
+    split = _profiling.split_overlaps(events)
     assert split == pytest.approx({"a": 5 + 2.5 + 8 + 1, "b": 2.5 + 5, "c": 1})
-    assert sum(split.values()) == pytest.approx(_profile._union([(s, e) for s, e, _ in events]))
+    assert sum(split.values()) == pytest.approx(_profiling._union([(s, e) for s, e, _ in events]))
 
 
 def test_kernels_without_run_ids_are_cut_into_executions_at_the_widest_gaps():
     events = [(0, 5, "a"), (1, 2, "b"), (6, 7, "c"), (50, 51, "a"), (51.5, 52, "b")]
     events += [(90, 91, "a"), (93, 94, "c")]
-    groups = _profile.split_executions(events, 3)
+    groups = _profiling.split_executions(events, 3)
     assert [[op for *_, op in g] for g in groups] == [["a", "b", "c"], ["a", "b"], ["a", "c"]]
-    assert _profile.split_executions(events, 1) == [sorted(events)]
+    assert _profiling.split_executions(events, 1) == [sorted(events)]
 
 
 def test_embedding_bytes_follow_the_byte_model():
@@ -103,7 +104,7 @@ def test_embedding_bytes_follow_the_byte_model():
         "y": JaggedIds(np.array([3, 0]), np.array([1, 2, 1])),
     }
     batch = BatchPacker(tables, features, batch_size=2).pack(host, labels=np.zeros(2))
-    got = _profile.embedding_bytes(tables, features, batch.features, 2)
+    got = _profiling.embedding_bytes(tables, features, batch.features, 2)
     lookup = 2 * (16 + 8) + 2 * 4 * 4 + 3 * (4 + 8) + 2 * 2 * 4
     update = 2 * (12 + 16) + 3 * (12 + 8) + 1 * 2 * (16 + 4) + 2 * 2 * (4 + 0)
     assert got == {"embedding_lookup": lookup, "sparse_update": update}
@@ -113,7 +114,7 @@ def test_profile_of_a_run_measures_every_part_and_writes_it_whole(tmp_path, caps
     cfg = runner.load_config([], [f"out_dir={tmp_path}", "name=p", *TINY])
     result = _profile.profile(cfg, steps=4, warmup=2, log=lambda _: None)
     parts = result.parts
-    assert set(parts) == set(_profile.PARTS)
+    assert set(parts) == set(_profiling.PARTS)
     for p in ("embedding_lookup", "dense", "sparse_update", "dense_optimizer", "dispatch"):
         assert parts[p] > 0, p
     assert parts["collectives"] == 0 and result.unattributed_events == 0
@@ -148,9 +149,9 @@ def test_a_profile_that_fails_leaves_no_partial_profile(tmp_path, monkeypatch, w
         raise RuntimeError("trace unreadable")
 
     if where == "_noop_step":
-        monkeypatch.setattr(_profile, where, lambda *a: broken)  # fails in the traced steps
+        monkeypatch.setattr(_profiling, where, lambda *a: broken)  # fails in the traced steps
     else:
-        monkeypatch.setattr(_profile, where, broken)
+        monkeypatch.setattr(_profiling, where, broken)
     with pytest.raises(RuntimeError, match="trace unreadable"):
         _profile.profile(cfg, steps=2, warmup=1, log=lambda _: None)
     assert (old / "summary.txt").read_text() == "the previous profile"

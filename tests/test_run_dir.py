@@ -16,7 +16,7 @@ import pytest
 
 from sparsejax import runner
 from sparsejax.__main__ import main
-from sparsejax.runner import ConfigError, RunLockedError, _lock, _run
+from sparsejax.runner import ConfigError, RunLockedError, _evaluate, _lock, _run, _run_dir
 
 TINY = {
     "steps": 4,
@@ -101,9 +101,9 @@ def test_a_different_config_is_refused_in_one_line_naming_the_keys(trained, caps
 
 def test_restart_moves_the_old_run_aside(trained, tmp_path):
     config, run_dir = _copy(trained, tmp_path)
-    cfg = _run.resolved_config(runner.load_config([config], ["model.embedding_dim=4"]))
+    cfg = _run_dir.resolved_config(runner.load_config([config], ["model.embedding_dim=4"]))
     with _lock.RunLock(str(run_dir)):
-        notes, entry = _run._prepare_run_dir(cfg, restart=True)
+        notes, entry = _run_dir._prepare_run_dir(cfg, restart=True)
     old = entry["previous_run"]
     assert os.path.basename(old).startswith("r.replaced-") and notes == [
         f"--restart: moved the previous run of {run_dir} to {old}"
@@ -175,7 +175,7 @@ def test_csv_predictions_match_the_scores():
         Batch(np.array([0.0, 2.0]), np.array([0.0, 1.0]), np.array([1.0, 1.0])),
         Batch(np.array([-1.0, 5.0]), np.array([1.0, 0.0]), np.array([1.0, 0.0])),  # 1 padded
     ]
-    cols = _run.predictions(trainer, None, batches)
+    cols = _evaluate.predictions(trainer, None, batches)
     assert cols["row"].tolist() == [0, 1, 2] and cols["label"].tolist() == [0.0, 1.0, 1.0]
     np.testing.assert_allclose(cols["score"], 1 / (1 + np.exp(-np.array([0.0, 2.0, -1.0]))))
 

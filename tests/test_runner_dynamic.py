@@ -185,7 +185,7 @@ def test_a_cache_size_may_change_on_resume_turning_a_cache_on_may_not(tmp_path):
 def test_the_shipped_dynamic_config_makes_every_criteo_table_dynamic():
     cfg = runner.load_config([CONFIGS / "dlrm_criteo_dynamic.yaml"])
     assert cfg.data.kind == "criteo" and cfg.model.name == "dlrm"
-    tc = runner._build.resolve_table(cfg.tables, "C7")
+    tc = runner._table_config.resolve_table(cfg.tables, "C7")
     assert (tc.dynamic, tc.cache_rows, tc.admission.min_count) == (True, 0.1, 2)
     static = runner.load_config([CONFIGS / "dlrm_criteo.yaml"])
     differ = {k for k, _, _ in runner.config_changes(*map(runner._config.to_dict, (static, cfg)))}

@@ -20,13 +20,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from sparsejax import runner
 from sparsejax.__main__ import main
 from sparsejax.data import BatchPacker, read_criteo
-from sparsejax.runner._run import restore_run
+from sparsejax.runner import export_run
+from sparsejax.runner._evaluate import restore_run
 from sparsejax.serving import (
     ModelLoadError,
     Predictor,
     RequestError,
     _export,
-    export_run,
     make_app,
 )
 

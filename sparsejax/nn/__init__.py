@@ -7,6 +7,7 @@ from ._embedding import EmbeddingBagCollection as EmbeddingBagCollection
 from ._embedding import StoreLookups as StoreLookups
 from ._embedding import apply_embedding_gradients as apply_embedding_gradients
 from ._embedding import tables_on as tables_on
+from ._embedding import tables_stored_by as tables_stored_by
 from ._layers import MLP as MLP
 from ._layers import CrossNetwork as CrossNetwork
 from ._layers import DotInteraction as DotInteraction

@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Callable
 
+from .._process import pid_alive
 from ._config import ConfigError
 
 LOCK_NAME = ".lock"
@@ -22,17 +23,6 @@ LOCK_NAME = ".lock"
 
 class RunLockedError(ConfigError):
     """Another process holds the run directory."""
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists on this machine (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, someone else's
-        return True
-    return True
 
 
 class RunLock:

@@ -1,9 +1,9 @@
 """Inference: export a trained run as a self-contained model dir, load it, predict on
 raw feature values, serve it over HTTP with dynamic batching.
 
-- `export_run` (`sparsejax export RUN_DIR --out MODEL_DIR [--quantize int8]`): the
-  model's computation (`jax.export`), its tables (fp32, fp16, bf16, row-wise int8/int4),
-  its preprocessing and id maps, and `example_request.json`.
+- `export_model`: a trained model as a model dir: its computation (`jax.export`), its
+  tables (fp32, fp16, bf16, row-wise int8/int4), its preprocessing and id maps, and
+  `example_request.json` (`sparsejax export RUN_DIR --out MODEL_DIR` calls it for a run).
 - `Predictor.load(MODEL_DIR)`: checked load, warm-up of every batch bucket;
   `predict(examples)` on raw feature values, `retrieve(users, k)` for two-tower models.
 - `DynamicBatcher`: groups concurrent requests into one model call (max batch, max wait).
@@ -15,7 +15,10 @@ raw feature values, serve it over HTTP with dynamic batching.
 from ._batching import DynamicBatcher as DynamicBatcher
 from ._export import DEFAULT_BUCKETS as DEFAULT_BUCKETS
 from ._export import KERNELS as KERNELS
-from ._export import export_run as export_run
+from ._export import ExportError as ExportError
+from ._export import Preprocessing as Preprocessing
+from ._export import check_export as check_export
+from ._export import export_model as export_model
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import ModelLoadError as ModelLoadError
 from ._predictor import Predictor as Predictor

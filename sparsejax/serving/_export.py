@@ -1,4 +1,4 @@
-"""`export_run`: a trained run directory -> a self-contained model dir (see `_format`).
+"""`export_model`: a trained model -> a self-contained model dir (see `_format`).
 
 What is exported:
 - the model's inference computation, `(params, tables, batch) -> scores`, serialized
@@ -8,11 +8,14 @@ What is exported:
   exported for cpu only, and loading checks that those kernels are registered;
 - its arguments: dense parameters and the tables in their serving form (fp32, fp16,
   bf16, or row-wise int8 / int4 that the lookup dequantizes), stacked as the exported
-  computation takes them. Dynamic tables become plain tables: every key the run holds
+  computation takes them. Dynamic tables become plain tables: every key the model holds
   gets a row, and a last row is the default row for keys it never saw;
-- the preprocessing: the input format, column transforms and id mappings (hash buckets,
-  a vocabulary's kept ids, a dynamic table's keys), so raw feature values go in;
-- `example_request.json`, a valid /v1/predict body built from rows of the run's data.
+- the preprocessing (`Preprocessing`): the input format, column transforms and id
+  mappings (hash buckets, a vocabulary's kept ids, a dynamic table's keys), so raw
+  feature values go in, and `example_request.json`, a valid /v1/predict body.
+
+Nothing here knows of run directories or configs: the runner's `sparsejax export`
+restores a run and calls `export_model`.
 """
 
 from __future__ import annotations
@@ -20,25 +23,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._process import pid_alive
 from .._version import __version__
-from ..checkpoint._layout import layer_key, tables_from_layers, trace_layouts
-from ..data import _criteo as criteo
-from ..data._batch import BatchPacker, JaggedIds, PaddedIds, SparseBatch
-from ..embedding._spec import FeatureSpec, TableSpec
-from ..embedding._tiered import layer_table_key
-from ..nn._embedding import EMBEDDING, tables_stored_by
-from ..runner._config import ConfigError
+from ..checkpoint import layer_key, tables_from_layers
+from ..data import (
+    BatchPacker,
+    HashMapping,
+    JaggedIds,
+    PaddedIds,
+    RawIdMapping,
+    SparseBatch,
+    VocabMapping,
+)
+from ..embedding import FeatureSpec, TableSpec
+from ..embedding.host import layer_table_key
+from ..nn import EMBEDDING, tables_stored_by, trace_layouts
+from ..ops import custom_call_targets
+from ..train import Trainer, TrainState
+from ..train import auc as auc_of
 from ._format import (
     EXAMPLE_REQUEST,
     EXAMPLE_RETRIEVE,
@@ -48,14 +60,32 @@ from ._format import (
     write_arrays,
     write_json,
 )
+from ._preprocess import KeyMapping
 from ._store import InferenceTableStore, quantize_table, serving_spec, storage_kind
 
 DEFAULT_BUCKETS = (1, 4, 16, 64, 256)
 """Padded batch sizes: one compiled computation each (a request of n examples runs in
 the smallest bucket >= n; larger ones in chunks of the largest)."""
 KERNELS = ("xla", "native")
-_FILE_KINDS = ("criteo", "delimited")
-_MAX_EXAMPLE_ROWS = 8
+
+
+class ExportError(ValueError):
+    """An export option is invalid; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessing:
+    """How raw feature values become the model's batch, as the model dir records it."""
+
+    input: Mapping[str, Any]
+    """The manifest's "input": `kind` ("criteo", "delimited" or "ids": ids as they are),
+    the raw `dense` and `sparse` field names, and (files) the column `transform` and the
+    delimited `schema`, as `sparsejax.serving.Preprocessor` reads them."""
+    mappings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Per feature name its id mapping (`sparsejax.data.HashMapping`, `VocabMapping`,
+    `RawIdMapping`); a feature without one takes its ids as rows."""
+    examples: Sequence[Mapping[str, Any]] = ()
+    """Raw examples for `example_request.json` (/v1/predict's body)."""
 
 
 # ---- the exported computation -------------------------------------------------------------
@@ -98,16 +128,10 @@ def inference_fn(model, features: Sequence[FeatureSpec], make_store, task: str) 
     return forward
 
 
-def _custom_call_targets() -> list[str]:
-    from ..ops import _cpu_ffi
-
-    return [v for k, v in vars(_cpu_ffi).items() if k.endswith("_TARGET") and isinstance(v, str)]
-
-
 def export_computation(fn, args, *, kernels: str) -> tuple[bytes, list[str]]:
     """`fn(*args)` serialized with `jax.export` and the sparsejax custom calls it uses."""
     if kernels == "native":
-        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _custom_call_targets()]
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in custom_call_targets()]
         platforms = (jax.default_backend(),)
     else:
         checks, platforms = [], ("cpu", "cuda")
@@ -136,8 +160,7 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
     for path, store in trainer.layouts.items():
         exported = trainer.tables_by_name(state)[layer_key(path)]
         by_layer[path] = (store, exported)
-    host = trainer.host_tables
-    host_rows = {} if host is None else host.tables_by_name(state.tables)
+    host_rows = trainer.host.export(state.tables)
     # which top-level table each layer table mirrors (DeepFM's "<t>_linear" reads t's ids;
     # the parts of a composed table read features of their own, not needed here)
     mirror = {}
@@ -178,52 +201,6 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
 
 
 # ---- preprocessing ------------------------------------------------------------------------
-def _input_spec(cfg, data) -> dict:
-    """The manifest's "input": the raw fields and how they become `Examples`."""
-    d = cfg.data
-    if d.kind in ("synthetic", "behavior"):
-        gen_dense = data.eval_batches[0].dense.shape[1]
-        return {
-            "kind": "ids",
-            "dense": [f"dense{i}" for i in range(gen_dense)],
-            "sparse": [f.name for f in data.features],
-        }
-    if d.kind not in _FILE_KINDS:
-        raise ConfigError(
-            f"export: data.kind={d.kind!r} is not exportable yet (criteo, delimited and "
-            f"synthetic data are)"
-        )
-    if d.joins:
-        raise ConfigError("export: data.joins (side tables) are not exportable yet")
-    t = data.transform
-    transform = {
-        "dense_names": list(t.dense_names),
-        "indicator_bags": {k: list(v) for k, v in t.indicator_bags.items()},
-        "drop": list(t.drop),
-        "max_ids": dict(t.max_ids),
-    }
-    if d.kind == "criteo":
-        return {
-            "kind": "criteo",
-            "dense": list(criteo.DENSE_NAMES),
-            "sparse": list(criteo.CATEGORICAL_NAMES),
-            "transform": transform,
-        }
-    from ..runner._build import _read_schema
-
-    schema, _ = _read_schema(d)
-    s = dataclasses.asdict(schema)
-    used = [*schema.dense, *schema.sparse_columns]
-    s.update(columns=used, label=None, header=False)
-    return {
-        "kind": "delimited",
-        "dense": list(schema.dense),
-        "sparse": list(schema.sparse_columns),
-        "schema": s,
-        "transform": transform,
-    }
-
-
 def _mapping_entry(mapping, table: str, keys: Mapping[str, np.ndarray], arrays: dict) -> dict:
     """A feature's id mapping as a manifest entry (its arrays added to `arrays`)."""
     if table in keys:
@@ -232,90 +209,36 @@ def _mapping_entry(mapping, table: str, keys: Mapping[str, np.ndarray], arrays: 
             "kind": "keys",
             "array": f"keys/{table}",
             "default_row": int(keys[table].shape[0]),
-            "raw_keys": isinstance(mapping, criteo.RawIdMapping),
+            "raw_keys": isinstance(mapping, RawIdMapping),
         }
-    if isinstance(mapping, criteo.HashMapping):
+    if isinstance(mapping, HashMapping):
         return {"kind": "hash", "buckets": mapping.buckets}
-    if isinstance(mapping, criteo.VocabMapping):
+    if isinstance(mapping, VocabMapping):
         arrays[f"vocab/{table}"] = mapping.values
         return {"kind": "vocab", "array": f"vocab/{table}"}
     return {"kind": "identity"}
 
 
-def _json_value(v):
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (np.floating,)):
-        return float(v)
-    return v
-
-
-def example_rows(cfg, data, spec: Mapping, n: int = _MAX_EXAMPLE_ROWS) -> list[dict]:
-    """Up to `n` raw examples from the run's data, as /v1/predict takes them."""
-    fields = (*spec["dense"], *spec["sparse"])
-    if spec["kind"] == "ids":
-        b = data.eval_batches[0]
-        per = {f.name: f.bags_per_example() for f in data.features}
-        rows = []
-        for i in range(min(n, int(np.sum(b.mask > 0)))):
-            ex = {f"dense{j}": float(x) for j, x in enumerate(np.asarray(b.dense[i]))}
-            for name, f in b.features.items():
-                ids, segs = np.asarray(f.ids), np.asarray(f.segments) // per[name]
-                mine = ids[(segs == i) & (ids >= 0)]
-                if mine.shape[0] == 1 and per[name] == 1:
-                    ex[name] = int(mine[0])
-                elif mine.shape[0]:
-                    ex[name] = [int(x) for x in mine]
-            rows.append(ex)
-        return rows
-    from ..runner._build import resolve_files
-
-    d = cfg.data
-    source = d.eval if d.eval is not None else (d.path if d.path is not None else d.train)
-    files = resolve_files(source, "data.eval")
-    from ..data._csv import open_text
-
-    rows = []
-    with open_text(files[0], "rt") as fh:
-        if spec["kind"] == "criteo":
-            names = ("label", *criteo.DENSE_NAMES, *criteo.CATEGORICAL_NAMES)
-            delim = "\t"
-        else:
-            schema = cfg.data.schema or {}
-            delim = schema.get("delimiter", ",")
-            header = schema.get("header", True)
-            names = tuple(schema.get("columns") or ())
-            if header:
-                first = fh.readline().rstrip("\r\n").split(delim)
-                names = names or tuple(first)
-        for line in fh:
-            parts = line.rstrip("\r\n").split(delim)
-            if len(parts) != len(names):
-                continue
-            ex = {}
-            for k, v in zip(names, parts, strict=True):
-                if k not in fields or v == "":
-                    continue
-                if spec["kind"] == "criteo" and k in criteo.DENSE_NAMES:
-                    try:
-                        ex[k] = int(v)
-                    except ValueError:
-                        break
-                else:
-                    ex[k] = v
-            else:
-                rows.append(ex)
-            if len(rows) >= n:
-                break
-    return rows
-
-
 # ---- the export ---------------------------------------------------------------------------
-def _parse_buckets(buckets) -> tuple[int, ...]:
-    out = sorted({int(b) for b in buckets})
-    if not out or out[0] < 1:
-        raise ConfigError(f"--buckets {list(buckets)}: give batch sizes >= 1")
-    return tuple(out)
+def check_export(
+    out: str,
+    *,
+    quantize: str | None = None,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    kernels: str = "xla",
+    overwrite: bool = False,
+) -> tuple[str, tuple[int, ...]]:
+    """`export_model`'s options checked (before any work): the table storage kind and
+    the sorted buckets; an `ExportError` (or `ValueError`) naming a bad one."""
+    kind = storage_kind(quantize)
+    if kernels not in KERNELS:
+        raise ExportError(f"--kernels {kernels!r}: expected one of {KERNELS}")
+    got = sorted({int(b) for b in buckets})
+    if not got or got[0] < 1:
+        raise ExportError(f"--buckets {list(buckets)}: give batch sizes >= 1")
+    if os.path.exists(out) and os.listdir(out) and not overwrite:
+        raise ExportError(f"--out {out} exists and is not empty (give another, or --overwrite)")
+    return kind, tuple(got)
 
 
 _TEMP = re.compile(r"^(.+)\.tmp-(\d+)$")  # <version>.tmp-<pid>: an export under way
@@ -326,8 +249,6 @@ def _temp_dir(out: str):
     """`<out>.tmp-<pid>`, the folder the model dir is written in before it is renamed
     to `out`; removed when the export fails. First, the temp folders beside it of
     exports whose process is gone (killed) are removed."""
-    from ..runner._lock import pid_alive
-
     parent, base = os.path.split(os.path.abspath(out))
     for name in os.listdir(parent) if os.path.isdir(parent) else ():
         m = _TEMP.match(name)
@@ -346,84 +267,62 @@ def _temp_dir(out: str):
         raise
 
 
-def _restore(run_dir: str, step: int | str | None, overrides: Sequence[str], log) -> tuple:
-    """`restore_run` of the step to export. By default the newest checkpoint, and only
-    it: when it is unreadable the export is refused (an older model is exported only
-    when named: `--step N`, or `--step last` for the newest readable one)."""
-    from ..checkpoint import CheckpointUnreadableError
-    from ..runner._run import _checkpoint_steps_in, restore_run
-
-    newest = _checkpoint_steps_in(os.path.join(run_dir, "checkpoints"))[-1:]
-    if step is not None or not newest:
-        return restore_run(run_dir, step=step, overrides=overrides, log=log)
-    try:
-        return restore_run(run_dir, step=newest[0], overrides=overrides, log=log)
-    except CheckpointUnreadableError as e:
-        raise CheckpointUnreadableError(
-            f"export: the newest checkpoint is unreadable: {e}; an older one is exported "
-            f"only when named (--step N, or --step last: the newest readable)"
-        ) from e
-
-
-def export_run(
-    run_dir: str,
+def export_model(
     out: str,
+    trainer: Trainer,
+    state: TrainState,
     *,
-    step: int | str | None = None,
+    make_model: Callable[[Sequence[TableSpec]], Any],
+    tables: Sequence[TableSpec],
+    features: Sequence[FeatureSpec],
+    preprocessing: Preprocessing,
+    eval_batches: Sequence[SparseBatch],
+    catalog: Mapping | None = None,
+    model_name: str = "",
+    source: Mapping[str, Any] | None = None,
     quantize: str | None = None,
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     kernels: str = "xla",
-    overrides: Sequence[str] = (),
     overwrite: bool = False,
-    log: Callable[[str], None] = print,
 ) -> dict:
-    """Export a run directory's checkpoint as a model dir (see the module docstring).
+    """Export a trained model as a model dir (see the module docstring).
 
     Args:
-      run_dir: the run directory.
-      out: the model dir to write (refused if it exists, unless `overwrite`). A
-        numbered subfolder of a serving folder (`models/3`) is a new version for a
-        running `sparsejax serve models` to pick up.
-      step: the checkpoint step: None (the newest; refused when it is unreadable),
-        a number, "last" (the newest readable: an unreadable newer one is skipped with
-        a warning) or "best" (kept by `early_stopping`).
+      out: the model dir to write (refused if it exists, unless `overwrite`), through
+        `<out>.tmp-<pid>`: a failed export leaves nothing.
+      trainer, state: the trained model (its layers' tables, whole, by name; a dynamic
+        table's keys from its host side) and its state, placed.
+      make_model: the same model over other tables (`tables` with the serving row
+        counts: a dynamic table's keys plus a default row), for inference.
+      tables, features: the model's table and feature specs.
+      preprocessing: how raw values become batches (input format, id mappings) and
+        the example request.
+      eval_batches: batches of the model's own data (nonempty): the exported model is
+        checked against `trainer` on them; the first gives the dense width.
+      catalog: a retrieval model's item catalog (its items' features by name), whose
+        item tower embeddings the model dir holds.
+      model_name, source: recorded in the manifest (`source` gains the state's step).
       quantize: table storage: fp32 (None), fp16, bf16, int8 or int4 (row-wise).
       buckets: the padded batch sizes compiled at load.
       kernels: "xla" (portable) or "native" (this platform's custom calls).
-      overrides: `key=value` config overrides for reading the run's data.
 
     Returns:
       The manifest written (also `out/model.json`), with "check": the exported model's
-      agreement with the run's own model on the eval split.
+      agreement with `trainer` on `eval_batches`.
     """
-    from ..runner._build import build_model
-    from ..runner._knobs import configure_model
-
-    kind = storage_kind(quantize)
-    if kernels not in KERNELS:
-        raise ConfigError(f"--kernels {kernels!r}: expected one of {KERNELS}")
-    buckets = _parse_buckets(buckets)
-    if os.path.exists(out) and os.listdir(out) and not overwrite:
-        raise ConfigError(f"--out {out} exists and is not empty (give another, or --overwrite)")
-    t0 = time.perf_counter()
-    cfg, data, trainer, state = _restore(run_dir, step, overrides, log)
-    catalog = getattr(data.train_source, "catalog", None)
-    if trainer.task == "retrieval" and catalog is None:
-        raise ConfigError(
-            f"export: model.name={cfg.model.name!r} ranks items, and data.kind="
-            f"{cfg.data.kind!r} has no item catalog to embed (synthetic behavior data has)"
-        )
-    spec = _input_spec(cfg, data)
-    top = {t.name: t for t in data.tables}
-    tables = _full_tables(trainer, state, top, data.features)
-    serving_tables = [serving_spec(t, tables.rows[t.name]) for t in data.tables]
-    features = tuple(data.features)
-    impl = "xla" if kernels == "xla" else None
-    model = configure_model(cfg, build_model(cfg, serving_tables, features)).clone(
-        implementation=impl
+    kind, buckets = check_export(
+        out, quantize=quantize, buckets=buckets, kernels=kernels, overwrite=overwrite
     )
+    if trainer.task == "retrieval" and catalog is None:
+        raise ExportError("export: a retrieval model needs its item catalog (catalog=)")
+    top = {t.name: t for t in tables}
+    features = tuple(features)
+    full = _full_tables(trainer, state, top, features)
+    serving_tables = [serving_spec(t, full.rows[t.name]) for t in tables]
+    impl = "xla" if kernels == "xla" else None
+    model = make_model(serving_tables).clone(implementation=impl)
     make_store = InferenceTableStore.factory(kind, impl)
-    num_dense = data.eval_batches[0].dense.shape[1]
+    num_dense = eval_batches[0].dense.shape[1]
     packers = {
         b: BatchPacker(serving_tables, features, batch_size=b, num_dense=num_dense) for b in buckets
     }
@@ -435,7 +334,7 @@ def export_run(
     states, table_info = {}, {}
     for path, store in layouts.items():
         per_table = {}
-        for name, w in tables.layers[path].items():
+        for name, w in full.layers[path].items():
             per_table[name] = quantize_table(w, kind, name)
             table_info[f"{layer_key(path)}/{name}"] = {
                 "rows": int(w.shape[0]),
@@ -466,11 +365,11 @@ def export_run(
         for f in features:
             if f.table not in mappings:
                 mappings[f.table] = _mapping_entry(
-                    (data.mappings or {}).get(f.name), f.table, tables.keys, arrays
+                    preprocessing.mappings.get(f.name), f.table, full.keys, arrays
                 )
         retrieval = None
         if trainer.task == "retrieval":
-            items, embeddings = _embed_catalog(fn, args, packers[buckets[-1]], catalog())
+            items, embeddings = _embed_catalog(fn, args, packers[buckets[-1]], catalog)
             arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
             retrieval = {
                 "temperature": float(model.temperature),
@@ -487,8 +386,8 @@ def export_run(
             "jax_version": jax.__version__,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "version": os.path.basename(os.path.abspath(out)),
-            "source": {"run_dir": os.path.abspath(run_dir), "step": int(state.step)},
-            "model": cfg.model.name,
+            "source": {**(source or {}), "step": int(state.step)},
+            "model": model_name,
             "task": trainer.task,
             "kernels": kernels,
             "platforms": ["cpu", "cuda"] if kernels == "xla" else [jax.default_backend()],
@@ -496,7 +395,7 @@ def export_run(
             "quantize": kind,
             "buckets": list(buckets),
             "exported": exported,
-            "input": spec,
+            "input": dict(preprocessing.input),
             "features": [
                 {
                     "name": f.name,
@@ -519,9 +418,9 @@ def export_run(
             "tables_bytes": sum(v["bytes"] for v in table_info.values()),
             "tables_fp32_bytes": sum(v["fp32_bytes"] for v in table_info.values()),
         }
-        manifest["check"] = _check(trainer, state, data, fn, args, tables.keys)
+        manifest["check"] = _check(trainer, state, eval_batches, features, fn, args, full.keys)
         write_json(os.path.join(tmp, MANIFEST), manifest)
-        rows = example_rows(cfg, data, spec)
+        rows = [dict(r) for r in preprocessing.examples]
         write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})
         if retrieval is not None and rows:
             user = {k: v for k, v in rows[0].items() if k in retrieval["user_features"]}
@@ -529,20 +428,6 @@ def export_run(
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
-    mem, check = manifest["memory"], manifest["check"]
-    share = mem["tables_bytes"] / max(mem["tables_fp32_bytes"], 1)
-    log(
-        f"exported {run_dir} @ step {int(state.step)} to {out} in "
-        f"{time.perf_counter() - t0:.1f} s: {kind} tables {mem['tables_bytes'] / 2**20:.2f} MiB "
-        f"({share:.1%} of fp32), kernels {kernels}, buckets {list(buckets)}; on "
-        f"{check['examples']:,} eval examples max |score - score_run| "
-        f"{check['max_abs_diff']:.2e}"
-        + (
-            f", AUC {check['auc']:.5f} (the run's model {check['auc_train_model']:.5f})"
-            if check["auc"] is not None
-            else ""
-        )
-    )
     return manifest
 
 
@@ -591,22 +476,19 @@ def _scores(out, task: str, temperature: float | None = None) -> np.ndarray:
     return np.asarray(out, np.float64).reshape(-1)
 
 
-def _check(trainer, state, data, fn, args, keys: Mapping[str, np.ndarray]) -> dict:
+def _check(trainer, state, batches, features, fn, args, keys: Mapping[str, np.ndarray]) -> dict:
     """The exported computation against the run's own model on the eval split's batches
     (a dynamic table's keys mapped to serving rows): max |score - score_run| (binary:
     probabilities) and, for binary models, both AUCs."""
-    from ..train._metrics import auc as auc_of
-    from ._preprocess import KeyMapping
-
     key_maps = {
         f.name: KeyMapping(keys[f.table], keys[f.table].shape[0])
-        for f in data.features
+        for f in features
         if f.table in keys
     }
     temperature = getattr(trainer.model, "temperature", None)
     ours, theirs, labels = [], [], []
     jitted = jax.jit(fn)
-    for batch in data.eval_batches:
+    for batch in batches:
         mask = np.asarray(batch.mask) > 0
         run = np.asarray(trainer.eval_step(state, batch), np.float64)
         if trainer.task == "retrieval":
@@ -627,8 +509,3 @@ def _check(trainer, state, data, fn, args, keys: Mapping[str, np.ndarray]) -> di
         "auc": float(auc_of(y, p)) if binary else None,
         "auc_train_model": float(auc_of(y, q)) if binary else None,
     }
-
-
-def read_json(path: str) -> dict:
-    with open(path) as fh:
-        return json.load(fh)
