@@ -34,7 +34,7 @@ def profile_run(
         train_loader(run, epochs=None),
         tables=run.data.tables,
         features=run.data.features,
-        host_tables=on_host,
+        host_placed=on_host,
         out_dir=out_dir or os.path.join(run.cfg.run_dir, "profile"),
         steps=steps,
         warmup=warmup,

@@ -366,18 +366,18 @@ def embedding_bytes(tables, features, host_features: Mapping, batch_size: int) -
 
 
 def step_bytes(
-    tables, features, host_tables: Collection[str], host_features: Mapping, batch_size: int
+    tables, features, host_placed: Collection[str], host_features: Mapping, batch_size: int
 ) -> dict[str, int]:
     """`embedding_bytes` of the device tables, and of the host-executed tables (names in
-    `host_tables`) as `"host_tables"` (their lookup and update run on the host)."""
+    `host_placed`) as `"host_tables"` (their lookup and update run on the host)."""
 
     def of(host: bool) -> dict[str, int]:
-        ts = [t for t in tables if (t.name in host_tables) == host]
-        fs = [f for f in features if (f.table in host_tables) == host]
+        ts = [t for t in tables if (t.name in host_placed) == host]
+        fs = [f for f in features if (f.table in host_placed) == host]
         return embedding_bytes(ts, fs, host_features, batch_size)
 
     out = of(False)
-    if host_tables:
+    if host_placed:
         out["host_tables"] = sum(of(True).values())
     return out
 
@@ -434,7 +434,7 @@ def profile_training(
     tables: Sequence,
     features: Sequence,
     out_dir: str,
-    host_tables: Collection[str] = (),
+    host_placed: Collection[str] = (),
     steps: int = 20,
     warmup: int = 5,
     log: Callable[[str], None] = print,
@@ -446,7 +446,7 @@ def profile_training(
       tables, features: the model's table and feature specs (the byte model).
       out_dir: where the trace and summaries go, once all is measured (replacing what
         is there; nothing is written when profiling fails).
-      host_tables: names of host-executed tables (their bytes are `"host_tables"`).
+      host_placed: names of host-executed tables (their bytes are `"host_tables"`).
 
     Returns:
       The profile, and the state after the profiled steps.
@@ -499,7 +499,7 @@ def profile_training(
         hlo = compiled.as_text()
         flops = _flops(compiled)
         nbytes = step_bytes(
-            tables, features, host_tables, jax.device_get(batch.features), batch.batch_size
+            tables, features, host_placed, jax.device_get(batch.features), batch.batch_size
         )
         noop = _noop_step(trainer, state, batch)
         walls, device_walls = [], []
