@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from sparsejax import runner
-from sparsejax.runner import ConfigError, _config, _schema
+from sparsejax.runner import ConfigError, _config, _optim
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -349,7 +349,7 @@ def _section(ref: str, head: str) -> str:
         (
             "optimizer.sparse",
             "optimizer.sparse_options",
-            _schema._SPARSE,
+            _optim._SPARSE,
         ),
     ],
     ids=["model", "sparse_optimizer"],

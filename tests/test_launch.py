@@ -19,7 +19,7 @@ from sparsejax import runner
 from sparsejax.__main__ import main
 from sparsejax.data import BatchPacker, JaggedIds
 from sparsejax.embedding import FeatureSpec, TableSpec
-from sparsejax.runner._build import ProcessSharePacker
+from sparsejax.runner._data import ProcessSharePacker
 from sparsejax.sharding import _distributed, _launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,7 @@ from sparsejax.embedding import FeatureSpec, TableSpec
 from sparsejax.embedding._memory import format_bytes
 from sparsejax.ops.optimizers import SGD, Adagrad, RowWiseAdagrad
 from sparsejax.runner import ConfigError
-from sparsejax.runner._plan import model_tables, plan_config, run_devices, shard_model
+from sparsejax.runner._plan import place_tables, plan_config, planned_tables, run_devices
 from sparsejax.sharding._placement import assign_table_wise
 from sparsejax.sharding._planner import PlanError, TableShape, comm_bytes, plan_tables
 
@@ -361,11 +361,9 @@ def _cfg(*overrides, tmp_path=None):
     return runner.load_config([], [*base, *overrides])
 
 
-def _model(cfg):
-    from sparsejax.runner._knobs import configure_model
-
+def _run_specs(cfg):
     data = runner.build_data(cfg)
-    return configure_model(cfg, runner.build_model(cfg, data.tables, data.features))
+    return data.tables, data.features
 
 
 def test_a_cpu_run_takes_one_device_unless_told_and_plans_when_it_has_more(monkeypatch):
@@ -374,33 +372,33 @@ def test_a_cpu_run_takes_one_device_unless_told_and_plans_when_it_has_more(monke
     monkeypatch.setenv("SPARSEJAX_LOCAL_DEVICES", "8")  # launch --devices-per-process 8
     assert len(run_devices(cfg)) == 8
     monkeypatch.delenv("SPARSEJAX_LOCAL_DEVICES")
-    model = _model(cfg)
-    assert shard_model(cfg, model) == (model, None)  # unchanged: placement "device"
+    tables, features = _run_specs(cfg)
+    assert place_tables(cfg, tables, features) == (tables, None)  # unchanged: "device"
     logged = []
     cfg = _cfg("sharding.devices=8", "sharding.model=4")
-    placed, mesh = shard_model(cfg, model, log=logged.append)
+    placed, mesh = place_tables(cfg, tables, features, log=logged.append)
     assert dict(mesh.shape) == {"data": 2, "model": 4}
-    assert {t.placement for t in placed.tables} == {"replicated"}
+    assert {t.placement for t in placed} == {"replicated"}
     assert logged[0].startswith("plan: 3 tables on 8 devices")
     cfg = _cfg("tables.C1.placement=row_wise")  # pinned: shards on its one device
-    placed, mesh = shard_model(cfg, model)
+    placed, mesh = place_tables(cfg, tables, features)
     assert dict(mesh.shape) == {"data": 1, "model": 1}
-    assert [t.placement for t in placed.tables] == ["row_wise", "replicated", "replicated"]
+    assert [t.placement for t in placed] == ["row_wise", "replicated", "replicated"]
     with pytest.raises(ConfigError, match="sharding.devices=16: the process has 8 devices"):
         run_devices(_cfg("sharding.devices=16"))
     with pytest.raises(PlanError, match="batch of 64 does not split over the 3 devices"):
-        shard_model(_cfg("sharding.devices=3"), model)
+        place_tables(_cfg("sharding.devices=3"), tables, features)
 
 
 def test_first_order_tables_follow_their_table():
     cfg = _cfg(
         "model.name=deepfm", "sharding.devices=8", "sharding.model=4", "optimizer.sparse=adagrad"
     )
-    model = _model(cfg)
-    tables, _, follow = model_tables(model)
-    assert follow == {f"C{i}_linear": f"C{i}" for i in (1, 2, 3)} and len(tables) == 6
-    placed, _ = shard_model(cfg, model)
-    assert all(t.placement == "replicated" for t in placed.tables)
+    tables, features = _run_specs(cfg)
+    planned, _, follow = planned_tables(cfg, tables, features)
+    assert follow == {f"C{i}_linear": f"C{i}" for i in (1, 2, 3)} and len(planned) == 6
+    placed, _ = place_tables(cfg, tables, features)
+    assert all(t.placement == "replicated" for t in placed)
     # a 1-dim first-order twin cannot split its columns over 4 devices
     pinned = _cfg(
         "model.name=deepfm",
@@ -410,7 +408,7 @@ def test_first_order_tables_follow_their_table():
         "tables.C1.placement=column_wise",
     )
     with pytest.raises(PlanError, match="'C1' pinned column_wise.*'C1_linear'"):
-        shard_model(pinned, model)
+        place_tables(pinned, tables, features)
 
 
 def _losses(run_dir):

@@ -29,7 +29,8 @@ from sparsejax.embedding import (
 from sparsejax.nn import MLP
 from sparsejax.ops.optimizers import SGD, RowWiseAdagrad
 from sparsejax.runner import ConfigError
-from sparsejax.runner._knobs import RunKnobs, build_trainer, configure_model, eval_every
+from sparsejax.runner._knobs import RunKnobs, build_trainer, eval_every
+from sparsejax.runner._model import configured_model
 from sparsejax.train import EarlyStopping, Schedule
 
 TINY = [
@@ -125,7 +126,7 @@ def _model(tmp_path, name, extra):
     cfg = _cfg(tmp_path, f"model.name={name}", *extra, "model.dropout=0.5")
     data = runner.build_data(cfg)
     batch = runner.first_train_batch(data)
-    model = configure_model(cfg, runner.build_model(cfg, data.tables, data.features))
+    model = configured_model(cfg, data.tables, data.features)
     return model, batch, jax.eval_shape(model.init, jax.random.key(0), batch)
 
 

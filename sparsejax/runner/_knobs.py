@@ -18,12 +18,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..checkpoint import Checkpointer
-from ..train import EarlyStopping, Hook, Trainer
-from ..train._ranking import candidate_metric_names
-from ._build import DataBundle, build_model
+from ..train import EarlyStopping, Hook, Trainer, candidate_metric_names
 from ._config import ConfigError
-from ._plan import shard_model
-from ._schema import EmbeddingInitConfig, RunConfig, dense_optimizer
+from ._data import DataBundle
+from ._model import configured_model
+from ._optim import dense_optimizer
+from ._plan import place_tables
+from ._schema import RunConfig
 
 BEST_DIR = "checkpoints_best"
 """Where a run keeps its best state (`early_stopping.keep_best`), next to checkpoints/."""
@@ -35,16 +36,6 @@ def total_steps(cfg: RunConfig, data: DataBundle) -> int | None:
         return cfg.steps
     per_epoch = data.steps_per_epoch
     return None if per_epoch is None else cfg.epochs * per_epoch
-
-
-def configure_model(cfg: RunConfig, model):
-    """`model` with the configured dropout and, when `model.embedding_init` is set, that
-    initializer on every table (unset: the tables keep the ones they were built with)."""
-    if cfg.model.embedding_init != EmbeddingInitConfig():
-        init = cfg.model.embedding_init.initializer()
-        tables = tuple(dataclasses.replace(t, initializer=init) for t in model.tables)
-        model = model.clone(tables=tables)
-    return model.clone(dropout=cfg.model.dropout)
 
 
 def _schedule(cfg: RunConfig, total: int | None):
@@ -66,13 +57,15 @@ def build_trainer(
     the schedule and weight decay, tables' learning rates following the schedule, L2 on
     touched rows (`trainer_kw` go to the trainer). With more than one device or a pinned
     table (`sharding`, `tables.<name>.placement`), the trainer gets the run's mesh and
-    the model's tables their planned placements, the plan printed through `log`
-    (`runner._plan.shard_model`); a `mesh` given in `trainer_kw` is used as is."""
-    model = configure_model(cfg, build_model(cfg, data.tables, data.features))
+    the model is built over its tables with their planned placements, the plan printed
+    through `log` (`runner._plan.place_tables`); a `mesh` given in `trainer_kw` is used
+    as is."""
+    tables = data.tables
     if "mesh" not in trainer_kw:
-        model, mesh = shard_model(cfg, model, log=log)
+        tables, mesh = place_tables(cfg, data.tables, data.features, log=log)
         if mesh is not None:
             trainer_kw["mesh"] = mesh
+    model = configured_model(cfg, tables, data.features)
     opt, total = cfg.optimizer, total_steps(cfg, data)
     sched = None if opt.schedule.is_constant else _schedule(cfg, total)
     trainer = Trainer(

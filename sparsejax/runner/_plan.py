@@ -1,7 +1,10 @@
 """The run's table plan: the devices a run trains on, its ("data", "model") mesh, and
-each table's placement on it (`sparsejax.sharding._planner`), for `build_trainer` (at
+each table's placement on it (`sparsejax.sharding.plan_tables`), for `build_trainer` (at
 the start of a run, printed through the run's log) and `sparsejax plan CONFIG` (without
 training, for this machine or for a mesh described by its size).
+
+Placement is a function of the table specs: `place_tables` gives the specs with their
+placements (and the mesh), and the model is built over them.
 
 A run shards its tables when it has more than one device (`sharding.devices`; on CPU,
 one device per process unless set or given by `sparsejax launch --devices-per-process`)
@@ -17,17 +20,20 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-from ..embedding import FeatureSpec
-from ..embedding._compose import stored_values
-from ..embedding._memory import available_memory
-from ..nn._models import DeepFM, WideAndDeep, linear_specs
-from ..sharding._distributed import ENV_LOCAL_DEVICES
-from ..sharding._placement import make_mesh
-from ..sharding._planner import Plan, TableShape, plan_tables
-from ._build import _with_dim, apply_tables, build_data, build_model, parse_bytes, resolve_table
+from ..data import SyntheticCriteo
+from ..embedding import FeatureSpec, TableSpec, available_memory, stored_values
+from ..nn import MODELS, DeepFM, WideAndDeep, linear_specs
+from ..sharding import ENV_LOCAL_DEVICES, Plan, TableShape, make_mesh, plan_tables
 from ._config import ConfigError
-from ._schema import RunConfig, load_config, sparse_optimizer
+from ._data import build_data
+from ._model import configured_model
+from ._optim import sparse_optimizer
+from ._options import parse_bytes
+from ._schema import RunConfig, load_config
+from ._table_config import resolve_table
+from ._tables import _with_dim, apply_tables
 
 _INT32_ROWS = 2**31 - 2
 """Rows of the static stand-in of a dynamic table of synthetic raw ids (as
@@ -70,25 +76,28 @@ def pinned_placements(cfg: RunConfig, names: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def model_tables(model) -> tuple[list, list, dict[str, str]]:
-    """Every embedding layer's tables and features of `model`, and `{table: leader}` of
-    the tables placed with another: DeepFM's and Wide & Deep's 1-dim first-order
-    tables (`linear_specs`) take their table's placement."""
+def planned_tables(
+    cfg: RunConfig, tables: Sequence[TableSpec], features: Sequence[FeatureSpec]
+) -> tuple[list, list, dict[str, str]]:
+    """Every table and feature of `cfg`'s model over `tables` and `features` (each
+    embedding layer's), and `{table: leader}` of the tables placed with another: DeepFM's
+    and Wide & Deep's 1-dim first-order tables (`linear_specs`) take their table's
+    placement."""
     # a composed table is planned as the memory its parts take (they share its placement)
-    tables = [
+    planned = [
         t if t.compose is None
         else dataclasses.replace(t, vocab_size=-(-stored_values(t) // t.dim), compose=None)
-        for t in model.tables
+        for t in tables
     ]  # fmt: skip
-    features = list(model.features)
+    features = list(features)
     follow: dict[str, str] = {}
-    if isinstance(model, (DeepFM, WideAndDeep)):
-        lin_tables, lin_features = linear_specs(model.tables, model.features)
-        by_name = {f"{t.name}_linear": t.name for t in model.tables}
+    if issubclass(MODELS[cfg.model.name], (DeepFM, WideAndDeep)):
+        lin_tables, lin_features = linear_specs(tables, features)
+        by_name = {f"{t.name}_linear": t.name for t in tables}
         follow = {t.name: by_name[t.name] for t in lin_tables}
-        tables += lin_tables
+        planned += lin_tables
         features += lin_features
-    return tables, features, follow
+    return planned, features, follow
 
 
 def memory_per_device(cfg: RunConfig, devices: Sequence[jax.Device], given=None) -> int:
@@ -104,8 +113,6 @@ def memory_per_device(cfg: RunConfig, devices: Sequence[jax.Device], given=None)
     measured = available_memory(mine)
     value = -1 if measured is None else int(measured[0])
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         kib = np.int32(-1 if value < 0 else min(value >> 10, 2**31 - 1))  # int32: no x64
         values = np.asarray(multihost_utils.process_allgather(kib))
         value = -1 if (values < 0).any() else int(values.min()) << 10
@@ -117,14 +124,22 @@ def memory_per_device(cfg: RunConfig, devices: Sequence[jax.Device], given=None)
     return value
 
 
-def plan_model(
-    cfg: RunConfig, model, *, mesh_shape: dict[str, int], hosts: int, device_memory: int
+def plan_specs(
+    cfg: RunConfig,
+    tables: Sequence[TableSpec],
+    features: Sequence[FeatureSpec],
+    *,
+    mesh_shape: dict[str, int],
+    hosts: int,
+    device_memory: int,
 ) -> Plan:
-    """The plan of `model`'s tables (every embedding layer's) on a mesh of `mesh_shape`
-    over `hosts` hosts, for the config's batch and pinned placements. Tables pinned to
-    the host (`placement: host`) take no device memory and are left out."""
-    tables, features, follow = model_tables(model)
-    pinned = pinned_placements(cfg, [t.name for t in model.tables])
+    """The plan of the tables of `cfg`'s model over `tables` and `features` (every
+    embedding layer's, `planned_tables`) on a mesh of `mesh_shape` over `hosts` hosts,
+    for the config's batch and pinned placements. Tables pinned to the host
+    (`placement: host`) take no device memory and are left out."""
+    names = [t.name for t in tables]
+    tables, features, follow = planned_tables(cfg, tables, features)
+    pinned = pinned_placements(cfg, names)
     host = {n for n, p in pinned.items() if p == "host"}
     if host:
         tables = [t for t in tables if follow.get(t.name, t.name) not in host]
@@ -144,20 +159,27 @@ def plan_model(
     return dataclasses.replace(plan, on_host=tuple(sorted(host)))
 
 
-def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
-    """`(model, mesh)` for a run: with more than one device or a pinned table, the mesh
-    of the run's devices ("model" of `sharding.model`, default the devices of one
-    process) and `model` with its tables placed as planned (the plan logged); else
-    `(model, None)`, unchanged."""
+def place_tables(
+    cfg: RunConfig,
+    tables: Sequence[TableSpec],
+    features: Sequence[FeatureSpec],
+    *,
+    log: Callable[[str], None] = print,
+):
+    """`(tables, mesh)` for a run over `tables` and `features`: with more than one device
+    or a pinned table, the mesh of the run's devices ("model" of `sharding.model`,
+    default the devices of one process) and `tables` with their planned placements (the
+    plan logged), which the model is then built over; else `(tables, None)`,
+    unchanged."""
     devices = run_devices(cfg)
-    pinned = pinned_placements(cfg, [t.name for t in model.tables])
+    pinned = pinned_placements(cfg, [t.name for t in tables])
     host = sorted(n for n, p in pinned.items() if p == "host")
     if host:
-        return _host_model(cfg, model, host, pinned, devices)
+        return _on_host(tables, host, pinned, devices)
     if len(devices) <= 1 and not pinned:
-        return model, None
+        return tables, None
     procs = jax.process_count()
-    tiered = sorted(t.name for t in model.tables if t.is_tiered)
+    tiered = sorted(t.name for t in tables if t.is_tiered)
     if tiered and procs > 1:
         raise ConfigError(
             f"tables {tiered} are dynamic or host-cached: they train in one process (each "
@@ -167,19 +189,20 @@ def shard_model(cfg: RunConfig, model, *, log: Callable[[str], None] = print):
     if len(devices) % size:
         raise ConfigError(f"sharding.model={size} does not divide the run's {len(devices)} devices")
     mesh = make_mesh(model=size, devices=devices)
-    plan = plan_model(
+    plan = plan_specs(
         cfg,
-        model,
+        tables,
+        features,
         mesh_shape=dict(mesh.shape),
         hosts=procs,
         device_memory=memory_per_device(cfg, devices),
     )
     log(plan.table())
-    return model.clone(tables=plan.apply(model.tables)), mesh
+    return plan.apply(tables), mesh
 
 
-def _host_model(cfg: RunConfig, model, host: list[str], pinned: dict, devices):
-    """`shard_model` of a run with host-executed tables (`placement: host`): those
+def _on_host(tables: Sequence[TableSpec], host: list[str], pinned: dict, devices):
+    """`place_tables` of a run with host-executed tables (`placement: host`): those
     tables on the host, the others whole on every device (data parallel over the
     run's devices; the planner's placements do not combine with host tables)."""
     placed = sorted(n for n, p in pinned.items() if p != "host")
@@ -194,11 +217,10 @@ def _host_model(cfg: RunConfig, model, host: list[str], pinned: dict, devices):
             f"tables {host} have placement 'host': they train in one process; place them "
             f"on the devices to train across processes"
         )
-    tables = [
-        dataclasses.replace(t, placement="host") if t.name in host else t for t in model.tables
-    ]
-    model = model.clone(tables=tables)
-    return model, (make_mesh(model=1, devices=devices) if len(devices) > 1 else None)
+    tables = tuple(
+        dataclasses.replace(t, placement="host") if t.name in host else t for t in tables
+    )
+    return tables, (make_mesh(model=1, devices=devices) if len(devices) > 1 else None)
 
 
 def _specs(cfg: RunConfig) -> tuple[list, list]:
@@ -210,8 +232,6 @@ def _specs(cfg: RunConfig) -> tuple[list, list]:
     if d.kind != "synthetic":
         data = build_data(cfg)
         return list(data.tables), list(data.features)
-    from ..data import SyntheticCriteo
-
     gen = SyntheticCriteo(
         max_vocab=d.max_vocab, zipf_exponent=d.zipf, seed=cfg.seed, **d.synthetic_options
     )
@@ -241,8 +261,6 @@ def plan_config(
     on the run's devices here (a mesh given by its size: on one device of this
     machine). Builds the specs and the model only: no table is allocated, no batch
     made (file data is read for its vocabularies)."""
-    from ._knobs import configure_model
-
     if devices is not None and (hosts is not None or devices_per_host is not None):
         raise ConfigError("plan: give devices, or hosts with devices_per_host, not both")
     if (hosts is None) != (devices_per_host is None):
@@ -262,10 +280,11 @@ def plan_config(
         raise ConfigError(f"sharding.model={model_size} does not divide the {n} devices")
     memory = memory_per_device(cfg, local, device_memory)
     tables, features = _specs(cfg)
-    model = configure_model(cfg, build_model(cfg, tables, features))
-    return plan_model(
+    model = configured_model(cfg, tables, features)
+    return plan_specs(
         cfg,
-        model,
+        model.tables,
+        model.features,
         mesh_shape={"data": n // model_size, "model": model_size},
         hosts=hosts,
         device_memory=memory,
