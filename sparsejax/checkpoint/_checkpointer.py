@@ -374,7 +374,7 @@ class Checkpointer:
     def read_host_chain(self, step: int | None = None) -> list[dict]:
         """The host tables' chain of checkpoint `step` (default: latest): the
         `{"layer/table": TableSnapshot}` of its last full save and of each delta after
-        it, oldest first, checksums verified; what `HostTables.restore` takes (serving
+        it, oldest first, checksums verified; what `host.restore` takes (serving
         a tiered table needs it besides `restore_tables`).
 
         Raises:

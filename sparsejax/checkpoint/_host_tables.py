@@ -337,7 +337,7 @@ def read_step(directory: str | os.PathLike, step: int) -> dict[str, TableSnapsho
 
 
 def read_chain(directory: str | os.PathLike, step: int) -> list[dict[str, TableSnapshot]]:
-    """What `HostTables.restore` takes for `step`: the snapshots of its last full save,
+    """What a host side's `restore` takes for `step`: the snapshots of its last full save,
     then of each delta up to `step`, oldest first, every file's checksum, size, shape
     and dtype verified before any is returned.
 

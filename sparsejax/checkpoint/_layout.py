@@ -29,11 +29,9 @@ def layer_key(path: tuple[str, ...]) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _export(store: TableStore):
-    """`store.export_tables`, jitted once per store (one compile instead of one per
-    slice and reshape of every table; the values are the same), or as the store jits
-    it (`jitted_export`: a store whose state spans devices no one jit takes)."""
-    jitted = getattr(store, "jitted_export", None)
-    return jitted() if jitted is not None else jax.jit(store.export_tables)
+    """`store.export_tables`, jitted once per store as the store jits it (one compile
+    instead of one per slice and reshape of every table; the values are the same)."""
+    return store.jitted_export()
 
 
 def tables_by_name(layouts: Layouts, tables: Mapping) -> dict:

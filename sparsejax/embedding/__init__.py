@@ -48,6 +48,7 @@ from ._store import default_mesh as default_mesh
 from ._store import empty_table as empty_table
 from ._store import stack_shapes as stack_shapes
 from ._store import subtree as subtree
+from ._store import tiered_feature_key as tiered_feature_key
 from ._store import with_subtree as with_subtree
 from .host import HybridTableStore as HybridTableStore
 
@@ -88,6 +89,7 @@ __all__ = [
     "stack_name",
     "stored_values",
     "subtree",
+    "tiered_feature_key",
     "truncated_normal_init",
     "uniform_init",
     "with_subtree",

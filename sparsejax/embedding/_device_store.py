@@ -24,12 +24,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import ops
-from ..ops._checks import check_lookups
+from ..ops import check_lookups
 from ..ops.optimizers import SparseOptimizer
 from ._memory import available_memory, format_bytes
 from ._spec import FeatureSpec, TableSpec, check_specs
 from ._stacking import MAX_STACK_ROWS, Stack, plan_stacks
-from ._store import StoreBase, check_saved_table, default_mesh, empty_table, stack_shapes
+from ._store import (
+    StoreBase,
+    check_saved_table,
+    default_mesh,
+    empty_table,
+    stack_shapes,
+    tiered_feature_key,
+)
 
 MESH_AXES = ("data", "model")
 """Mesh axes the device store accepts: "data" (any size; the batch may be split along
@@ -339,7 +346,7 @@ class DeviceTableStore(StoreBase):
             for f in group.features:
                 jag = features[f.name]
                 if f.table in self.tiered_tables:  # its own slot ids, if the batch has them
-                    jag = features.get(f"{f.name}@{f.table}", jag)
+                    jag = features.get(tiered_feature_key(f.name, f.table), jag)
                 table = self.device_tables[f.table]
                 start = stack.offset_of(f.table)
                 bags = batch_size * f.bags_per_example()

@@ -12,7 +12,7 @@ a layer's specs and placements.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
@@ -133,6 +133,10 @@ class TableStore(Protocol):
 
     def with_mesh(self, mesh: Mesh) -> TableStore: ...
 
+    def jitted_export(self) -> Callable[[State], dict]: ...
+
+    def batch_features(self) -> dict[str, FeatureSpec]: ...
+
 
 class StoreBase:
     """What both table stores share: identity from their specs, mesh and kernels
@@ -167,6 +171,21 @@ class StoreBase:
         """`export_tables`' shapes and dtypes, without allocating (restore targets)."""
         return jax.eval_shape(self.export_tables, self.abstract_state())
 
+    def jitted_export(self) -> Callable[[Mapping], dict]:
+        """`export_tables` jitted (a store whose state spans devices no one jit takes
+        jits it in parts)."""
+        return jax.jit(self.export_tables)
+
+    def batch_features(self) -> dict[str, FeatureSpec]:
+        """Every batch key its lookup reads, with the feature behind it: each feature,
+        and each tiered table's own slot ids of a feature (`tiered_feature_key`)."""
+        out = {}
+        for f in self.features.values():
+            out[f.name] = f
+            if f.table in self.tiered_tables:
+                out[tiered_feature_key(f.name, f.table)] = f
+        return out
+
     def init(self, key: jax.Array) -> dict:
         """Fresh weights (each table from its own initializer) and optimizer slots."""
         return {name: self.init_part(key, name) for name in self.stacks}
@@ -179,6 +198,12 @@ class StoreBase:
     def state_from_tables(self, tables: Mapping) -> dict:
         """Old name of `import_tables`."""
         return self.import_tables(tables)
+
+
+def tiered_feature_key(feature: str, table: str) -> str:
+    """The batch key of `feature`'s slot ids in tiered `table`, when several tiered
+    tables read the feature (the store's lookup prefers it to the feature's name)."""
+    return f"{feature}@{table}"
 
 
 def stack_shapes(rows: int, dim: int, dtype: str, optimizer, sharding) -> dict:

@@ -49,6 +49,7 @@ from ..embedding import (
     format_bytes,
     stack_name,
     stack_shapes,
+    tiered_feature_key,
 )
 from . import _placement as pl
 
@@ -438,7 +439,7 @@ class ShardedTableStore(StoreBase):
         for name, f in self.features.items():
             jag = features[name]
             if f.table in self.tiered_tables:  # its own slot ids, if the batch has them
-                jag = features.get(f"{name}@{f.table}", jag)
+                jag = features.get(tiered_feature_key(name, f.table), jag)
             if jag.ids.shape[0] % self.num_devices:
                 raise ValueError(
                     f"feature {name!r}: {jag.ids.shape[0]} ids do not split over "

@@ -27,7 +27,7 @@ from ..nn import (
     tables_on,
     trace_layers,
 )
-from ..sharding import AXES, padding_batch
+from ..sharding import AXES, padding_batch, shard_batch
 from . import _metrics
 
 
@@ -205,16 +205,11 @@ class Trainer:
             return jax.device_put(batch, self._batch_prefix(batch))
         if isinstance(batch.mask, jax.Array) and batch.mask.sharding == self._every():
             return batch  # already placed
-        from ..sharding import shard_batch
-
         batch = jax.tree.map(np.asarray, batch)
         local, first = self._local_devices()
-        specs = {}
-        for store in self._layouts.values():
-            for f in store.features.values():
-                specs[f.name] = f
-                if f.table in store.tiered_tables:  # its slot ids, per table
-                    specs[f"{f.name}@{f.table}"] = f
+        specs = {
+            k: f for store in self._layouts.values() for k, f in store.batch_features().items()
+        }
         batch = shard_batch(
             batch,
             specs,

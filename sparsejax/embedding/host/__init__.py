@@ -24,7 +24,6 @@ from ._tiered import (
     TieredInputError,
     keyed_rows,
     layer_table_key,
-    tiered_feature_key,
 )
 
 __all__ = [
@@ -49,7 +48,6 @@ __all__ = [
     "host_side",
     "keyed_rows",
     "layer_table_key",
-    "tiered_feature_key",
     "unique_keys",
     "with_host_part",
 ]

@@ -39,7 +39,7 @@ from .._spec import (
     truncated_normal_init,
     uniform_init,
 )
-from .._store import subtree, with_subtree
+from .._store import subtree, tiered_feature_key, with_subtree
 from ._admission import make_filter
 from ._host_rows import HostRows
 from ._id_map import IdMap, unique_keys
@@ -700,12 +700,6 @@ class HostTable:
         if self.dynamic:
             out["pending_admission"] = int(self.admission.pending)
         return out
-
-
-def tiered_feature_key(feature: str, table: str) -> str:
-    """The batch key of `feature`'s slot ids in tiered `table`, when several tiered
-    tables read the feature (the store's lookup prefers it to the feature's name)."""
-    return f"{feature}@{table}"
 
 
 def layer_table_key(path: tuple[str, ...], table: str) -> str:
