@@ -252,12 +252,15 @@ def test_all_checkpoints_unreadable_is_one_line(trained, tmp_path, capsys):
 
 
 def test_throughput_excludes_evals_and_saves(monkeypatch):
+    from sparsejax.embedding.host import HostSides
     from sparsejax.train import _loop
 
     clock = [0.0]
     monkeypatch.setattr(_loop, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     class Trainer:
+        host = HostSides()  # no host work
+
         def train_step(self, state, batch):
             clock[0] += 0.01  # 10 ms per step of 100 examples: 10,000 samples/s
             return types.SimpleNamespace(step=state.step + 1), {"loss": np.float32(0.5)}
@@ -401,7 +404,7 @@ def test_a_full_disk_while_saving_host_tables_is_one_line(tmp_path, monkeypatch,
     def full(path, a):
         raise OSError(28, "No space left on device", path)
 
-    monkeypatch.setattr(_host_tables, "_write_array", full)
+    monkeypatch.setattr(_host_tables, "write_array", full)
     config = _write_config(
         tmp_path / "dyn.yaml",
         out_dir=str(tmp_path / "runs"),

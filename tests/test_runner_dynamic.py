@@ -354,7 +354,7 @@ def test_bad_ids_of_a_dynamic_table_name_the_feature(values, message):
 
 
 def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
-    pytest.importorskip("sparsejax.embedding.host._tiered")
+    pytest.importorskip("sparsejax.embedding.host")
     cfg = _load(
         tmp_path,
         "name=dyn",
@@ -383,7 +383,7 @@ def test_a_run_with_dynamic_tables_reports_their_stats(tmp_path):
 def test_a_full_disk_while_spilling_is_one_line_and_the_last_checkpoint_restores(
     tmp_path, monkeypatch, capsys
 ):
-    pytest.importorskip("sparsejax.embedding.host._tiered")
+    pytest.importorskip("sparsejax.embedding.host")
     import errno
     import os
 

@@ -21,7 +21,7 @@ from sparsejax.embedding import (
     TableSpec,
 )
 from sparsejax.embedding._spec import normal_init, truncated_normal_init, uniform_init
-from sparsejax.embedding.host._tiered import (
+from sparsejax.embedding.host import (
     CacheCapacityError,
     DynamicTableFullError,
     TieredInputError,
@@ -388,7 +388,7 @@ def test_disk_tier_bloom_admission_norm_eviction_and_a_trainable_default_row(tmp
     before a key's min_count-th sighting; norm eviction removes keys; a trainable
     default row is saved and restored with the table."""
     from sparsejax.embedding import BloomAdmission
-    from sparsejax.embedding.host._tiered import HostTables
+    from sparsejax.embedding.host import HostTables
 
     monkeypatch.setattr(HostTables, "release_every", 3)
 
@@ -508,7 +508,7 @@ def test_a_feature_read_by_tiered_tables_in_two_layers_gets_each_tables_slots():
         "linear/user_linear",
     ]
 
-    from sparsejax.embedding.host._tiered import HostTables
+    from sparsejax.embedding.host import HostTables
 
     plain = DeviceTableStore(
         [TableSpec(name="u2", vocab_size=10, dim=DIM)], [FeatureSpec(name="user", table="u2")]

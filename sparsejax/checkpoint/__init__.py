@@ -4,10 +4,12 @@ traces them from a model). Depends on the embedding layer only: serving restores
 without a trainer (`Checkpointer.restore_tables`)."""
 
 from ._checkpointer import Checkpointer as Checkpointer
-from ._checkpointer import CheckpointError as CheckpointError
-from ._checkpointer import CheckpointUnreadableError as CheckpointUnreadableError
-from ._checkpointer import CheckpointWriteError as CheckpointWriteError
-from ._checkpointer import NonFiniteStateError as NonFiniteStateError
+from ._files import CheckpointError as CheckpointError
+from ._files import CheckpointUnreadableError as CheckpointUnreadableError
+from ._files import CheckpointWriteError as CheckpointWriteError
+from ._files import NonFiniteStateError as NonFiniteStateError
+from ._files import read_array as read_array
+from ._files import write_array as write_array
 from ._layout import Layouts as Layouts
 from ._layout import layer_key as layer_key
 from ._layout import stack_tables as stack_tables

@@ -43,20 +43,13 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from ..embedding.host import HostSide
 from . import _host_tables
+from ._files import (
+    CheckpointError,
+    CheckpointUnreadableError,
+    CheckpointWriteError,
+    NonFiniteStateError,
+)
 from ._layout import Layouts, layer_key, stack_tables, tables_by_name, uncovered_layer
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written from, or restored into, the current model."""
-
-
-class CheckpointUnreadableError(CheckpointError):
-    """A checkpoint's files cannot be read (truncated, corrupt, missing parts)."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint could not be written (disk full, no permission, ...); its partial
-    files were removed and the checkpoints before it are kept."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -66,10 +59,6 @@ def _one_line(e: BaseException) -> str:
     if len(first) > 200:
         first = first[:200] + "..."
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
-
-
-class NonFiniteStateError(FloatingPointError):
-    """The state holds NaN or inf; it is not saved, so the last checkpoint stays good."""
 
 
 @jax.jit

@@ -27,13 +27,20 @@ import os
 import re
 import shutil
 import uuid
-import zlib
 from collections.abc import Iterable, Mapping
 from urllib.parse import quote
 
 import numpy as np
 
 from ..embedding.host import TableSnapshot
+from ._files import (
+    CheckpointError,
+    CheckpointUnreadableError,
+    NonFiniteStateError,
+    fsync_dir,
+    read_array,
+    write_array,
+)
 
 HOST_DIR = "host_tables"
 """The folder of the host steps, inside a checkpoint directory."""
@@ -42,18 +49,6 @@ MANIFEST = "manifest.json"
 _FORMAT = 1
 _CHUNK = 16 << 20
 _TEMP = re.compile(r"^\.(tmp|old)-(\d+)-(\d+)-[0-9a-f]+$")  # .tmp-<step>-<pid>-<hex>
-
-
-def _unreadable(msg: str) -> Exception:
-    from ._checkpointer import CheckpointUnreadableError  # it imports this module
-
-    return CheckpointUnreadableError(msg)
-
-
-def _error(msg: str) -> Exception:
-    from ._checkpointer import CheckpointError
-
-    return CheckpointError(msg)
 
 
 def host_dir(directory: str | os.PathLike) -> str:
@@ -76,45 +71,6 @@ def _json_default(x):
     if isinstance(x, np.ndarray):
         return x.tolist()
     raise TypeError(f"{type(x).__name__} is not JSON")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _CrcWriter:
-    """A file object that checksums what `np.lib.format.write_array` writes through it
-    (not a real file to numpy, so it writes in chunks via `write`)."""
-
-    def __init__(self, fh):
-        self.fh, self.crc, self.size = fh, 0, 0
-
-    def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
-        self.size += len(memoryview(data).cast("B"))
-        return self.fh.write(data)
-
-
-def _write_array(path: str, a: np.ndarray) -> dict:
-    a = np.asarray(a)
-    if a.dtype.hasobject:
-        raise TypeError(f"{path}: object arrays cannot be saved")
-    with open(path, "wb") as fh:
-        w = _CrcWriter(fh)
-        np.lib.format.write_array(w, a, allow_pickle=False)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return {
-        "file": os.path.basename(path),
-        "crc32": w.crc,
-        "bytes": w.size,
-        "shape": list(a.shape),
-        "dtype": str(a.dtype),
-    }
 
 
 def _non_finite(a: np.ndarray) -> bool:
@@ -148,13 +104,13 @@ def write_step(
       NonFiniteStateError: a float array holds NaN/inf (named); nothing is written.
       CheckpointError: a delta without a previous step, or a bad snapshot.
     """
-    from ._checkpointer import NonFiniteStateError
-
     step = int(step)
     kinds = {k: s.kind for k, s in snapshots.items()}
     for key, snap in snapshots.items():
         if snap.kind not in ("full", "delta"):
-            raise _error(f"host table {key!r}: snapshot kind {snap.kind!r} (not full/delta)")
+            raise CheckpointError(
+                f"host table {key!r}: snapshot kind {snap.kind!r} (not full/delta)"
+            )
         for name, a in snap.arrays.items():
             if _non_finite(a):
                 raise NonFiniteStateError(
@@ -173,12 +129,14 @@ def write_step(
     if kind == "delta":
         if previous is None:
             delta = sorted(k for k, v in kinds.items() if v == "delta")
-            raise _error(
+            raise CheckpointError(
                 f"step {step}: host tables {delta} gave delta snapshots but there is no "
                 f"previous save to build on"
             )
         if not int(previous) < step:
-            raise _error(f"step {step}: a delta must build on an earlier step, got {previous}")
+            raise CheckpointError(
+                f"step {step}: a delta must build on an earlier step, got {previous}"
+            )
         manifest["previous"] = int(previous)
         manifest["previous_id"] = read_manifest(directory, int(previous))["id"]
 
@@ -192,8 +150,8 @@ def write_step(
             os.makedirs(os.path.join(tmp, folder))
             arrays = {}
             for name, a in snap.arrays.items():
-                arrays[name] = _write_array(os.path.join(tmp, folder, _fs_name(name) + ".npy"), a)
-            _fsync_dir(os.path.join(tmp, folder))
+                arrays[name] = write_array(os.path.join(tmp, folder, _fs_name(name) + ".npy"), a)
+            fsync_dir(os.path.join(tmp, folder))
             manifest["tables"][key] = {
                 "dir": folder,
                 "kind": snap.kind,
@@ -206,14 +164,14 @@ def write_step(
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = os.path.join(root, str(step))
         old = None
         if os.path.lexists(final):
             old = os.path.join(root, f".old-{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -242,9 +200,11 @@ def read_manifest(directory: str | os.PathLike, step: int) -> dict:
             m = json.load(fh)
     except FileNotFoundError:
         what = "missing" if os.path.isdir(step_dir(directory, step)) else "missing (no such step)"
-        raise _unreadable(f"host-table file {path} is {what}") from None
+        raise CheckpointUnreadableError(f"host-table file {path} is {what}") from None
     except (OSError, ValueError) as e:
-        raise _unreadable(f"host-table file {path} is unreadable ({type(e).__name__}: {e})") from e
+        raise CheckpointUnreadableError(
+            f"host-table file {path} is unreadable ({type(e).__name__}: {e})"
+        ) from e
     ok = (
         isinstance(m, dict)
         and m.get("format") == _FORMAT
@@ -255,7 +215,7 @@ def read_manifest(directory: str | os.PathLike, step: int) -> dict:
         and (m["kind"] == "full" or isinstance(m.get("previous"), int))
     )
     if not ok:
-        raise _unreadable(f"host-table file {path} is not a manifest of step {step}")
+        raise CheckpointUnreadableError(f"host-table file {path} is not a manifest of step {step}")
     return m
 
 
@@ -272,54 +232,19 @@ def chain_steps(directory: str | os.PathLike, step: int) -> list[int]:
     while m["kind"] == "delta":
         prev = m["previous"]
         if not prev < steps[-1]:
-            raise _unreadable(
+            raise CheckpointUnreadableError(
                 f"host-table file {os.path.join(step_dir(directory, steps[-1]), MANIFEST)} "
                 f"builds on step {prev}, not an earlier one"
             )
         pm = read_manifest(directory, prev)
         if pm["id"] != m["previous_id"]:
-            raise _unreadable(
+            raise CheckpointUnreadableError(
                 f"host-table step {steps[-1]} builds on a save of step {prev} that was since "
                 f"replaced ({os.path.join(step_dir(directory, prev), MANIFEST)} is another save)"
             )
         steps.append(prev)
         m = pm
     return steps[::-1]
-
-
-def _read_array(
-    path: str, entry: dict, *, error=_unreadable, what: str = "host-table"
-) -> np.ndarray:
-    """The array in `path`, after checking its size, crc32, shape and dtype against the
-    manifest's `entry`; memory-mapped copy-on-write when large (writable, never written
-    back). A failed check raises `error(one line)`."""
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise error(f"{what} file {path} is missing") from None
-    if size != entry["bytes"]:
-        raise error(f"{what} file {path} has {size} bytes, the manifest says {entry['bytes']}")
-    crc, buf = 0, bytearray(min(_CHUNK, max(size, 1)))
-    view = memoryview(buf)
-    with open(path, "rb") as fh:
-        while n := fh.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    if crc != entry["crc32"]:
-        raise error(f"{what} file {path} is corrupt (crc32 mismatch)")
-    shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
-    try:
-        big = dtype.itemsize * int(np.prod(shape)) >= (1 << 20)
-        a = np.load(path, mmap_mode="c" if big else None, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise error(f"{what} file {path} is unreadable ({type(e).__name__}: {e})") from e
-    if a.dtype != dtype and a.dtype.itemsize == dtype.itemsize and a.dtype.kind == "V":
-        a = a.view(dtype)  # bfloat16 and other ml_dtypes are saved as raw bytes
-    if a.shape != shape or a.dtype != dtype:
-        raise error(
-            f"{what} file {path} holds {a.dtype}{list(a.shape)}, the manifest says "
-            f"{dtype}{list(shape)}"
-        )
-    return a
 
 
 def read_step(directory: str | os.PathLike, step: int) -> dict[str, TableSnapshot]:
@@ -329,7 +254,7 @@ def read_step(directory: str | os.PathLike, step: int) -> dict[str, TableSnapsho
     out = {}
     for key, t in m["tables"].items():
         arrays = {
-            name: _read_array(os.path.join(folder, t["dir"], e["file"]), e)
+            name: read_array(os.path.join(folder, t["dir"], e["file"]), e)
             for name, e in t["arrays"].items()
         }
         out[key] = TableSnapshot(kind=t["kind"], step=t["step"], arrays=arrays, meta=t["meta"])

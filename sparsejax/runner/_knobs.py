@@ -170,10 +170,12 @@ def run_knobs(run, log: Callable[[str], None] = print) -> RunKnobs:
             raise ConfigError("early_stopping needs eval data (data.eval_batches > 0)")
         ckpt = None
         if es.keep_best:
-            host = getattr(run.trainer, "host_tables", None)  # tiered tables: saved full,
-            kw = {} if host is None else {"host_tables": host, "tracks_changes": False}
-            ckpt = Checkpointer(  # leaving the run's checkpoints' deltas complete
-                os.path.join(cfg.run_dir, BEST_DIR), run.checkpointer.layouts, max_to_keep=1, **kw
+            ckpt = Checkpointer(  # host rows saved full, leaving the run's deltas complete
+                os.path.join(cfg.run_dir, BEST_DIR),
+                run.checkpointer.layouts,
+                max_to_keep=1,
+                host=run.trainer.host,
+                tracks_changes=False,
             )
         early = EarlyStopping(
             es.metric,

@@ -192,7 +192,7 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
                 full[got_keys] = w
             else:
                 top_keys = keys[mirror[(path, name)]]
-                default = host.tables[layer_table_key(path, name)].default_row()[0]
+                default = ht["default"]
                 full = np.tile(np.asarray(default, np.float32), (top_keys.shape[0] + 1, 1))
                 full[np.searchsorted(top_keys, got_keys)] = w
             out[name] = full

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..checkpoint._host_tables import _read_array, _write_array
+from .. import checkpoint
 
 FORMAT = "sparsejax-model"
 FORMAT_VERSION = 1
@@ -57,7 +57,7 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
         while name in used:
             name += "_"
         used.add(name)
-        entry = _write_array(os.path.join(directory, name + ".npy"), np.asarray(a))
+        entry = checkpoint.write_array(os.path.join(directory, name + ".npy"), np.asarray(a))
         entry["file"] = os.path.join(os.path.basename(directory), entry["file"])
         entries[key] = entry
     return entries
@@ -65,7 +65,7 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
 
 def read_array(model_dir: str, entry: Mapping) -> np.ndarray:
     """One array of the manifest, checked (size, crc32, shape, dtype)."""
-    return _read_array(
+    return checkpoint.read_array(
         os.path.join(model_dir, entry["file"]), dict(entry), error=ModelLoadError, what="model"
     )
 

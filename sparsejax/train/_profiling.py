@@ -49,7 +49,7 @@ import numpy as np
 
 from ..data import Loader
 from ..embedding import expand
-from ..embedding.host import with_host_part
+from ..embedding.host import HostSides
 from ..ops import embedding_bag
 from ._loop import Hook
 from ._trainer import Trainer, TrainState
@@ -456,19 +456,18 @@ def profile_training(
     batches = iter(loader)
 
     step_args = None  # the jitted step's argument shapes (host tables' rows in place)
+    spent: dict[tuple[str, str], float] = defaultdict(float)  # (phase, profile part) -> s
 
     def phases(state, step_fn):
         """One step in timed phases: (state, (input, host, host tables, device) s,
-        batch). Host tables: host-executed tables' lookup before the step and update
-        after it (`finish_train`); host: the rest of `prepare_train`."""
+        batch). Each host side's `prepare` and `finish` time goes to its
+        `profile_part` ("host_tables": host-executed tables' lookup and update);
+        host: the rest of `prepare_train` (e.g. placing the batch)."""
         nonlocal step_args
         t0 = time.perf_counter()
         batch = next(batches)
         t1 = time.perf_counter()
-        if trainer.host_exec is not None:  # prepare_train then skips it
-            tables = trainer.host_exec.lookup(state.tables, batch)
-            state = jax.block_until_ready(state.replace(tables=tables))
-        t2 = time.perf_counter()
+        spent.clear()
         state, batch = jax.block_until_ready(trainer.prepare_train(state, batch))
         step_args = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -478,12 +477,15 @@ def profile_training(
         state, metrics = step_fn(state, batch)
         jax.block_until_ready((state, metrics))
         t4 = time.perf_counter()
-        host_tables = 0.0
-        if trainer.host_exec is not None:
-            state = jax.block_until_ready(trainer.finish_train(state))
-            host_tables = t2 - t1 + time.perf_counter() - t4
-        times = (t1 - t0, t3 - t2, host_tables, t4 - t3)
+        state = jax.block_until_ready(trainer.finish_train(state))
+        before = spent["prepare", "host_tables"]
+        host_tables = before + spent["finish", "host_tables"]
+        host = t3 - t1 - before + spent["finish", "host"]
+        times = (t1 - t0, host, host_tables, t4 - t3)
         return state, times, batch
+
+    untimed = trainer.host
+    trainer.host = _TimedHostSides(untimed.parts, spent)
 
     tmp = None
     try:
@@ -557,6 +559,7 @@ def profile_training(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        trainer.host = untimed
         loader.close()
     return result, state
 
@@ -578,13 +581,31 @@ def _noop_step(trainer, state, batch):
 
 
 def _without_host(trainer, state):
-    """`state` without host-executed tables (the jitted step never takes them)."""
-    if trainer.host_exec is None:
-        return state
-    tables = state.tables
-    for path in trainer.host_exec.stores:
-        tables = with_host_part(tables, path, {})
-    return state.replace(tables=tables)
+    """`state` as a jitted step takes it without the host (`HostSide.device_tables`)."""
+    return state.replace(tables=trainer.host.device_tables(state.tables))
+
+
+class _TimedHostSides(HostSides):
+    """The trainer's host sides, each part's `prepare` and `finish` waited for and its
+    seconds added to `spent[phase, part.profile_part]`."""
+
+    def __init__(self, parts, spent: dict):
+        super().__init__(parts)
+        self.spent = spent
+
+    def prepare(self, tables, batch, *, train):
+        for p in self.parts:
+            t = time.perf_counter()
+            tables, batch = jax.block_until_ready(p.prepare(tables, batch, train=train))
+            self.spent["prepare", p.profile_part] += time.perf_counter() - t
+        return tables, batch
+
+    def finish(self, tables, step, next_batch=None):
+        for p in self.parts:
+            t = time.perf_counter()
+            tables = jax.block_until_ready(p.finish(tables, step, next_batch))
+            self.spent["finish", p.profile_part] += time.perf_counter() - t
+        return tables
 
 
 def _device_text(dev) -> str:

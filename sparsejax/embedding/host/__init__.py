@@ -13,18 +13,17 @@
 from ._factory import host_side
 from ._host_rows import HostRows, HostStorageFullError
 from ._host_store import HOST, ROWS, HostExecution, HybridTableStore, host_mesh, with_host_part
-from ._id_map import EMPTY_KEY, IdMap, unique_keys
-from ._protocol import HostOperationError, HostSide, HostSides
-from ._snapshot import TableSnapshot
-from ._tiered import (
+from ._host_table import (
     CacheCapacityError,
     DynamicTableFullError,
     HostTable,
-    HostTables,
     TieredInputError,
     keyed_rows,
-    layer_table_key,
 )
+from ._id_map import EMPTY_KEY, IdMap, unique_keys
+from ._protocol import HostOperationError, HostSide, HostSides
+from ._snapshot import TableSnapshot
+from ._tiered import HostTables, layer_table_key
 
 __all__ = [
     "EMPTY_KEY",

@@ -245,6 +245,7 @@ class HostExecution(HostSide):
     """
 
     name = "host-executed tables"
+    profile_part = "host_tables"
     one_process = (
         "host-executed tables (placement 'host') train in one process; "
         "place them on the devices to train across processes"

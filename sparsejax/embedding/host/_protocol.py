@@ -36,6 +36,8 @@ class HostSide:
         the devices (its ids are not yet the device's rows).
       looks_ahead: whether `finish` wants the next batch (it works on it during a step).
       one_process: why it trains in one process only (None: it works in many).
+      profile_part: where a step profile puts its `prepare` / `finish` time: "host"
+        (host work of the step) or "host_tables" (tables run on the host).
     """
 
     name = "host side"
@@ -43,6 +45,7 @@ class HostSide:
     maps_batches = True
     looks_ahead = False
     one_process: str | None = None
+    profile_part = "host"
 
     @property
     def tables(self) -> Mapping[str, Any]:
@@ -89,7 +92,8 @@ class HostSide:
         self._unsupported("restore")
 
     def export(self, tables: Mapping) -> dict:
-        """`{table key: {"keys", "weights", "slots"}}`: its host rows, current."""
+        """`{table key: {"keys", "weights", "slots", "default"}}`: its host rows, current,
+        and the row a key without one reads."""
         self._unsupported("export")
 
     def stats(self) -> dict:
