@@ -16,7 +16,6 @@ from ._config import ConfigError
 from ._data import DataBundle, build_data
 from ._knobs import BEST_DIR, build_trainer
 from ._report import format_metrics, plain
-from ._run import _host_kw
 from ._run_dir import _checkpoint_steps_in
 from ._schema import RunConfig, load_config
 
@@ -108,7 +107,7 @@ def restore_run(
     data = build_data(cfg)
     _, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
     template = trainer.init(jax.random.key(cfg.seed), data.eval_batches[0])
-    ckpt = Checkpointer(where, trainer.layouts, **_host_kw(trainer))
+    ckpt = Checkpointer(where, trainer.layouts, host=trainer.host)
     try:
         if step in (None, "last", "best"):
             state, _, _ = ckpt.restore_readable(template, warn=lambda m: log(f"warning: {m}"))

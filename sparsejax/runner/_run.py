@@ -94,7 +94,8 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
         os.path.join(cfg.run_dir, "checkpoints"),
         trainer.layouts,  # each layer's store on the trainer's mesh
         max_to_keep=cfg.keep_checkpoints,
-        **_host_kw(trainer, full_every=cfg.checkpoint_full_every),
+        host=trainer.host,
+        full_every=cfg.checkpoint_full_every,
     )
     position: dict = {"epoch": 0, "batch": 0}
     log_window: list = []
@@ -149,11 +150,6 @@ def _data_position(loader: Loader) -> Callable[[], dict]:
     return gathered
 
 
-def _host_kw(trainer: Trainer, **kw) -> dict:
-    """The Checkpointer's `host` (and `kw`) of a trainer."""
-    return {"host": trainer.host, **kw}
-
-
 def table_stats(trainer: Trainer) -> dict | None:
     """Per table with host work ("layer/table") its host side's stats (rows live,
     admitted, rejected, evicted, lookups, cache hit rate...), for summary.json; None
@@ -162,10 +158,11 @@ def table_stats(trainer: Trainer) -> dict | None:
 
 
 def _tables_line(stats: Mapping[str, Mapping]) -> str:
-    """The tiered tables' stats in one line (all of them are in summary.json)."""
-    tiered = {k: s for k, s in stats.items() if "rows_live" in s}
-    live = sum(int(s["rows_live"]) for s in tiered.values())
-    text = f"tables: {len(tiered)} tiered, {live:,} rows live"
+    """The host-side stats in one line (all of them are in summary.json): the tiered
+    tables (those with host rows), their rows live and cache hit rates."""
+    rows = {k: s for k, s in stats.items() if "rows_live" in s}
+    live = sum(int(s["rows_live"]) for s in rows.values())
+    text = f"tables: {len(rows)} tiered, {live:,} rows live"
     hits = {k: s["cache_hit_rate"] for k, s in stats.items() if "cache_hit_rate" in s}
     if hits:
         low = min(hits, key=hits.get)
