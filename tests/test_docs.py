@@ -1,8 +1,8 @@
 """The user docs stay true: README and docs/ link only to files that exist, the CSV
 walk-through of docs/data.md trains and evaluates as written, no doc or config names a
 folder outside the repository, and the CHANGELOG's newest release is the package's
-version. (The README's Flax snippet: tests/test_cli.py; the data guide's second config:
-tests/test_runner_data.py; docs/config.md: tests/test_config.py.)"""
+version. (The README's Flax snippet: tests/runner/test_cli.py; the data guide's second config:
+tests/runner/test_runner_data.py; docs/config.md: tests/runner/test_config.py.)"""
 
 import json
 import pathlib
