@@ -361,6 +361,7 @@ class DeviceTableStore(StoreBase):
                     i,
                     s,
                     w,
+                    defer=self.mesh.size > 1,  # a raising callback would hang the others
                 )
                 if group.needs_coefficients and group.combiner == "sum":
                     coefs.append(

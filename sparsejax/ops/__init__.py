@@ -18,6 +18,7 @@ from ._checks import check_lookups as check_lookups
 from ._checks import checks as checks
 from ._checks import checks_enabled as checks_enabled
 from ._checks import set_checks as set_checks
+from ._checks import surface_check_errors as surface_check_errors
 from ._cpu_ffi import custom_call_targets as custom_call_targets
 from ._dispatch import IMPLEMENTATIONS as IMPLEMENTATIONS
 from ._dispatch import cpu_ffi_available as cpu_ffi_available

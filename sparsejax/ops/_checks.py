@@ -6,12 +6,26 @@ checked mode is on (`set_checks(True)`, `with checks():` or `SPARSEJAX_CHECKS=1`
 through a host callback. The fast kernels never read out of bounds either way: an
 id outside `[0, vocab)` contributes nothing. Checked mode turns that into an error
 that names the table, the position and the id.
+
+An error raised in a host callback reaches the caller of the jitted function as a
+`jax.errors.JaxRuntimeError` whose message is the callback's whole traceback. The
+callback records the error it raised; `surface_check_errors()` (which `checks()` and
+the trainer's steps apply) re-raises such a runtime error as the recorded one-line
+`IndexError` / `ValueError`. In a program that spans several devices the callback
+must not raise (it would end one device's part of the program, and the others would
+wait for it in their next collective forever): there the check is deferred
+(`check_lookups(..., defer=True)`): the callback records the error, the program runs
+on (such an id looks up nothing, as without checks) and `surface_check_errors()`
+raises the error when it exits.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +48,67 @@ def checks_enabled() -> bool:
 
 @contextlib.contextmanager
 def checks(enabled: bool = True):
-    """Context manager form of `set_checks`; applies to functions traced inside it."""
+    """Context manager form of `set_checks`; applies to functions traced inside it.
+
+    A value check that fails in a jitted call made inside it is raised as the check's
+    one-line `IndexError` / `ValueError` (`surface_check_errors`)."""
     global _CHECKS
     previous, _CHECKS = _CHECKS, bool(enabled)
     try:
-        yield
+        with surface_check_errors():
+            yield
     finally:
         _CHECKS = previous
+
+
+# (type, message) of the errors the checked-mode callbacks raised lately (callbacks may
+# run on XLA's threads; no traceback kept, so no frame and its arrays stays alive)
+_FAILED: collections.deque[tuple[type, str]] = collections.deque(maxlen=16)
+_PENDING: list[tuple[type, str]] = []  # the deferred ones not raised yet
+_FAILED_LOCK = threading.Lock()
+
+
+def check_error(error: BaseException) -> Exception | None:
+    """The failed value check `error` (a `JaxRuntimeError`) carries, as a fresh one-line
+    exception of the check's type; None if it carries none."""
+    if not isinstance(error, jax.errors.JaxRuntimeError):
+        return None
+    text = str(error)
+    with _FAILED_LOCK:
+        for kind, message in reversed(_FAILED):
+            if message in text:
+                return kind(message)
+    return None
+
+
+@contextlib.contextmanager
+def surface_check_errors():
+    """Context manager (or decorator): a value check of checked mode that fails inside
+    a jitted call comes out as the check's one-line `IndexError` / `ValueError` (naming
+    the table, id and position), not as the `jax.errors.JaxRuntimeError` holding the
+    host callback's traceback. Other errors pass unchanged.
+
+    A deferred check (`check_lookups(..., defer=True)`, in programs that span several
+    devices) that failed is raised when it exits (the first one, once).
+
+    Example::
+
+        with sparsejax.ops.surface_check_errors():
+            out = jax.block_until_ready(step(state, batch))
+    """
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        found = check_error(e)
+        if found is None:
+            raise
+        raise found from None
+    with _FAILED_LOCK:
+        pending = _PENDING[:1]
+        _PENDING.clear()
+    if pending:
+        kind, message = pending[0]
+        raise kind(message)
 
 
 def require(cond: bool, op: str, message: str) -> None:
@@ -110,17 +178,40 @@ def host_check_lookups(op, table_name, vocab, num_segments, ids, segment_ids, we
             raise ValueError(f"{where}: weight at position {k} is {w[k]}")
 
 
-def check_lookups(op, table_name, vocab, num_segments, ids, segment_ids=None, weights=None):
-    """Value checks: now if the inputs are concrete, in a host callback in checked mode."""
+def check_lookups(
+    op, table_name, vocab, num_segments, ids, segment_ids=None, weights=None, *, defer=False
+):
+    """Value checks: now if the inputs are concrete, in a host callback in checked mode.
+
+    `defer`: in checked mode inside `jit`, the callback records a failed check instead
+    of raising it, and `surface_check_errors()` raises it when it exits. For programs
+    that span several devices, where a raising callback would hang the others."""
     if _is_concrete(ids, segment_ids, weights):
         host_check_lookups(op, table_name, vocab, num_segments, ids, segment_ids, weights)
     elif _CHECKS:
         jax.debug.callback(
-            lambda i, s, w: host_check_lookups(op, table_name, vocab, num_segments, i, s, w),
+            functools.partial(
+                _recorded, defer, host_check_lookups, op, table_name, vocab, num_segments
+            ),
             ids,
             segment_ids,
             weights,
         )
+
+
+def _recorded(defer: bool, check, *args) -> None:
+    """`check(*args)` in a host callback. The error it raises is recorded, for
+    `surface_check_errors` to raise in place of the runtime error that carries it;
+    then raised, or, deferred, left pending for `surface_check_errors`."""
+    try:
+        check(*args)
+    except (IndexError, ValueError) as e:
+        with _FAILED_LOCK:
+            _FAILED.append((type(e), str(e)))
+            if defer and len(_PENDING) < 16:
+                _PENDING.append((type(e), str(e)))
+        if not defer:
+            raise
 
 
 def check_unsharded(op: str, name: str, table):

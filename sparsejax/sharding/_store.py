@@ -451,9 +451,22 @@ class ShardedTableStore(StoreBase):
 
     def lookup(self, state: Mapping, features: Mapping, batch_size: int):
         """Pooled rows per group (`[N x local bags, D]`, device-major) and what each
-        owner received (the update's residuals)."""
+        owner received (the update's residuals). Ids outside their table look up
+        nothing; `sparsejax.ops.checks()` reports them by feature, table and position."""
         b_local = self._local_batch(batch_size)
         feats = self._split_features(features)
+        for name, f in self.features.items():  # the whole batch: positions as given
+            jag = feats[name]
+            ops.check_lookups(
+                f"{type(self).__name__}.lookup of feature {name!r}",
+                f.table,
+                self.tables[f.table].device_view().vocab_size,
+                batch_size * f.bags_per_example(),
+                jnp.asarray(jag.ids, jnp.int32),
+                jnp.asarray(jag.segments, jnp.int32),
+                None if jag.weights is None else jnp.asarray(jag.weights, jnp.float32),
+                defer=self.num_devices > 1,  # a raising callback would hang the others
+            )
         state_specs = jax.tree.map(lambda s: s.spec, self.state_shardings())
         feat_specs = jax.tree.map(lambda _: P(ALL), feats)
 

@@ -27,6 +27,7 @@ from ..nn import (
     tables_on,
     trace_layers,
 )
+from ..ops import checks_enabled, surface_check_errors
 from ..sharding import AXES, padding_batch, shard_batch
 from . import _metrics
 
@@ -81,17 +82,33 @@ def _host(x):
 
 
 def shape_batch(batch):
-    """`batch` with 64-bit ids (the raw keys of dynamic tables) as int32 zeros (-1 kept):
-    the shapes a model's init traces with; the values never matter there."""
+    """`batch` with every id as an int32 zero (padding, a negative id, as -1): the shapes
+    a model's init traces with. Ids' values never matter there (tables come from each
+    store's `init`, dense parameters from the key), and raw ids are no rows of the
+    device yet: a dynamic table's are 64-bit keys, a host-cached table's index its full
+    vocabulary, not its device cache, until the host side maps them to cache slots."""
     if not isinstance(batch, SparseBatch):
         return batch
     features = {}
     for name, f in batch.features.items():
-        if f.ids.dtype.itemsize == 8:  # host arrays: device ids are 32-bit
-            keys = np.asarray(f.ids).view(np.int64)
-            f = dataclasses.replace(f, ids=np.where(keys >= 0, 0, -1).astype(np.int32))
-        features[name] = f
+        if isinstance(f.ids, jax.Array):  # may span processes: stays on its devices
+            ids = jnp.where(f.ids >= 0, 0, -1).astype(jnp.int32)
+        else:  # host arrays; 64-bit keys (device ids are 32-bit) read as int64
+            ids = np.asarray(f.ids)
+            ids = ids.view(np.int64) if ids.dtype.itemsize == 8 else ids
+            ids = np.where(ids >= 0, 0, -1).astype(np.int32)
+        features[name] = dataclasses.replace(f, ids=ids)
     return dataclasses.replace(batch, features=features)
+
+
+def _checked_wait(out):
+    """`out`, waited for (with its host callbacks) in checked mode, so that a failed
+    value check is raised by the step that failed it (asynchronous dispatch would raise
+    it later, anywhere)."""
+    if checks_enabled():
+        out = jax.block_until_ready(out)
+        jax.effects_barrier()
+    return out
 
 
 class Trainer:
@@ -267,6 +284,10 @@ class Trainer:
         return fn
 
     # ---- steps ----------------------------------------------------------------------
+    # A value check of checked mode (`sparsejax.ops.checks()`) that fails in a step is
+    # raised where the step is called, as its one-line IndexError / ValueError: the
+    # steps surface it (`surface_check_errors`) and, in checked mode, wait for the step.
+    @surface_check_errors()
     def train_step(self, state: TrainState, batch, next_batch=None) -> tuple[TrainState, dict]:
         """One jitted step (`state` is donated): `(new state, {"loss": loss})`, between
         the host side's `prepare` and `finish` (`self.host`): e.g. tiered tables' raw ids
@@ -275,9 +296,10 @@ class Trainer:
         `next_batch` (the batch of the next call, if known) is handed to `finish`, which
         may work on it while this step runs (`self.host.looks_ahead`)."""
         state, batch = self.prepare_train(state, batch)
-        state, metrics = self._jitted("train", batch)(state, batch)
+        state, metrics = _checked_wait(self._jitted("train", batch)(state, batch))
         return self.finish_train(state, next_batch), metrics
 
+    @surface_check_errors()
     def prepare_train(self, state: TrainState, batch) -> tuple[TrainState, object]:
         """The host's part of `train_step` before the jitted step: the host side's
         `prepare`, then placing the batch on the mesh. The step's output goes to
@@ -288,18 +310,20 @@ class Trainer:
             batch = self.put_batch(batch)
         return state, batch
 
+    @surface_check_errors()
     def finish_train(self, state: TrainState, next_batch=None) -> TrainState:
         """The host's part of `train_step` after the jitted step: the host side's
         `finish` (e.g. host-executed tables' sparse update)."""
         return state.replace(tables=self.host.finish(state.tables, state.step, next_batch))
 
+    @surface_check_errors()
     def eval_step(self, state: TrainState, batch) -> jax.Array:
         """The model's output on `batch` (jitted, no dropout)."""
         tables, batch = self.host.prepare(state.tables, batch, train=False)
         state = state.replace(tables=tables)
         if self.shards_batch:
             batch = self.put_batch(batch)
-        return self._jitted("eval", batch)(state, batch)
+        return _checked_wait(self._jitted("eval", batch)(state, batch))
 
     @property
     def layouts(self) -> Layouts:

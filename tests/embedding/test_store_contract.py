@@ -420,37 +420,7 @@ def test_an_id_outside_its_table_looks_up_nothing_or_is_refused_in_one_line(run)
             np.testing.assert_array_equal(got[f.name], want[f.name])
 
 
-def _checked(kind: str, reason: str | None = None):
-    return pytest.param(
-        kind, marks=[] if reason is None else pytest.mark.xfail(strict=True, reason=reason)
-    )
-
-
-@pytest.mark.parametrize(
-    "kind",
-    [
-        _checked(
-            "device",
-            "the checked lookup's IndexError reaches the caller as JaxRuntimeError "
-            "'INTERNAL: CpuCallback error calling callback: Traceback ...': the whole "
-            "traceback is the message, the one line naming the id at its end",
-        ),
-        _checked(
-            "sharded",
-            "ShardedTableStore.lookup never calls check_lookups: under ops.checks() an "
-            "id outside its table passes silently",
-        ),
-        _checked("host", "as 'device': the host part is a checked DeviceTableStore"),
-        _checked(
-            "tiered",
-            "Trainer.init under ops.checks() fails for a host-cached static table: init "
-            "traces the model on the batch's raw ids (shape_batch zeroes 64-bit ids "
-            "only), which the checked lookup of the device cache (25 rows) refuses: "
-            "'id 39 ... ids must be < 25' (a JaxRuntimeError holding a traceback)",
-        ),
-        _checked("dynamic"),
-    ],
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_checks_report_an_id_outside_its_table_in_one_line(kind):
     """With `ops.checks()` on while the steps are traced, every store reports an id
     outside its table by name (a host side that maps ids does so always)."""
