@@ -141,6 +141,12 @@ def _is_concrete(*xs) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in xs if x is not None)
 
 
+def _addressable(*xs) -> bool:
+    """Whether this process can read every array whole (a global array of many processes
+    is checked inside the jitted step, on each process's shards)."""
+    return all(x.is_fully_addressable for x in xs if x is not None and isinstance(x, jax.Array))
+
+
 def host_check_lookups(op, table_name, vocab, num_segments, ids, segment_ids, weights) -> None:
     """Raise IndexError / ValueError naming the first bad entry (numpy, on the host)."""
     ids = np.asarray(ids).reshape(-1)
@@ -187,7 +193,8 @@ def check_lookups(
     of raising it, and `surface_check_errors()` raises it when it exits. For programs
     that span several devices, where a raising callback would hang the others."""
     if _is_concrete(ids, segment_ids, weights):
-        host_check_lookups(op, table_name, vocab, num_segments, ids, segment_ids, weights)
+        if _addressable(ids, segment_ids, weights):  # else no one host sees them whole:
+            host_check_lookups(op, table_name, vocab, num_segments, ids, segment_ids, weights)
     elif _CHECKS:
         jax.debug.callback(
             functools.partial(
