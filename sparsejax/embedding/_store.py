@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._spec import FeatureSpec, TableSpec
 
@@ -170,6 +170,37 @@ class StoreBase:
     def abstract_tables(self) -> dict:
         """`export_tables`' shapes and dtypes, without allocating (restore targets)."""
         return jax.eval_shape(self.export_tables, self.abstract_state())
+
+    # ---- sharded per-table form: what checkpoints and exports write, shard by shard ----
+    def abstract_sharded_tables(self) -> dict:
+        """`{table: {"weights": ShapeDtypeStruct([rows, dim], dtype, sharding), "slots":
+        {...}}}`: each table in its logical layout (row `i` is the table's row `i`), as
+        this store places it: `sharding` says which device holds which rows (or
+        columns), and `rows` is `vocab_size` padded up to a multiple of the table's row
+        shards (padding rows are never read). Tiered tables are left out. Base: every
+        table whole, replicated on the store's mesh."""
+        everywhere = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=everywhere),
+            self.abstract_tables(),
+        )
+
+    def sharded_tables(self, state: Mapping) -> dict:
+        """The arrays `abstract_sharded_tables` describes, built from the rows each device
+        already holds (a sharded store gathers no table into one place)."""
+        shardings = jax.tree.map(lambda s: s.sharding, self.abstract_sharded_tables())
+        return jax.jit(self.export_tables, out_shardings=shardings)(state)
+
+    def import_sharded_tables(self, tables: Mapping) -> dict:
+        """Inverse of `sharded_tables`: arrays placed as `abstract_sharded_tables` says
+        (e.g. restored so by orbax, each process reading only its rows), with at least
+        `vocab_size` rows (rows past it are padding); each device builds its own part of
+        the state from its own rows."""
+        trimmed = {
+            name: jax.tree.map(lambda a, v=self.tables[name].vocab_size: a[:v], t)
+            for name, t in tables.items()
+        }
+        return self.import_tables(trimmed)
 
     def jitted_export(self) -> Callable[[Mapping], dict]:
         """`export_tables` jitted (a store whose state spans devices no one jit takes

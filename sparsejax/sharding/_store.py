@@ -25,7 +25,6 @@ Bytes per step grow with the batch, the features and the dim, never with the voc
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -37,7 +36,6 @@ from jax.sharding import PartitionSpec as P
 from .. import ops
 from ..embedding import (
     FeatureSpec,
-    GroupLookups,
     StoreBase,
     TableSpec,
     apply_group_gradients,
@@ -47,158 +45,14 @@ from ..embedding import (
     empty_table,
     fill_table,
     format_bytes,
-    stack_name,
     stack_shapes,
     tiered_feature_key,
 )
 from . import _placement as pl
+from ._exchange import gather_update, lookup_group
+from ._layout import Entry, Piece, ShardedGroup, ShardedStack, build_stacks
 
 ALL = pl.AXES
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One table, or one column piece of a column-wise table, inside a stack."""
-
-    table: TableSpec  # the piece's own spec (a column piece: dim / M)
-    source: str  # the user's table
-    column: int | None  # index of a column piece
-    shard: int  # table-wise: the shard holding it
-    offset: int  # first local row on its shard(s)
-    stride: int  # 1: whole on `shard`; S: row i on shard i % S, local row offset + i // S
-
-    @property
-    def local_rows(self) -> int:
-        return -(-self.table.vocab_size // self.stride)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedStack:
-    """Tables of one placement, dim, dtype and optimizer: one state array of `shards`
-    blocks of `rows_per_shard` rows, block `s` on the devices of shard `s`."""
-
-    name: str
-    placement: str
-    pieces: tuple[Piece, ...]
-    dim: int
-    dtype: str
-    optimizer: object
-    shards: int
-    rows_per_shard: int
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return pl.shard_axes(self.placement)
-
-    @property
-    def replicas(self) -> tuple[str, ...]:
-        return pl.replica_axes(self.placement)
-
-    def spec(self, ndim: int) -> P:
-        """The `PartitionSpec` of a state leaf of rank `ndim` (rows split over `axes`)."""
-        axes = self.axes
-        first = None if not axes else axes[0] if len(axes) == 1 else axes
-        return P(first, *([None] * (ndim - 1)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One feature reading one piece: a slice of its group's bags."""
-
-    feature: FeatureSpec
-    piece: Piece
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedGroup:
-    """One lookup call: the entries of one stack pooled the same way ("sum" carries
-    sum/mean/sqrtn and sequences through per-id coefficients; "max" is its own)."""
-
-    name: str
-    stack: str
-    entries: tuple[Entry, ...]
-    combiner: str
-
-    @property
-    def needs_coefficients(self) -> bool:
-        return any(
-            e.feature.weighted or e.feature.combiner in ("mean", "sqrtn") for e in self.entries
-        )
-
-
-def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
-    """`(stack kind, piece)` of every table; offsets are filled in by `_stacks`."""
-    out = []
-    model = int(mesh_shape.get("model", 1))
-    for t in tables:
-        p = "replicated" if t.placement == "device" else t.placement
-        if t.is_tiered and p == "column_wise":
-            raise ValueError(
-                f"table {t.name!r}: a dynamic or host-cached table cannot be column_wise "
-                f"(its host side moves whole rows)"
-            )
-        if p == "column_wise":
-            if t.dim % model:
-                raise ValueError(
-                    f"table {t.name!r}: column_wise placement splits dim {t.dim} over the "
-                    f"{model} devices of the 'model' axis; it must divide by {model}"
-                )
-            if any(s.per_row for s in t.optimizer.slots()):
-                raise ValueError(
-                    f"table {t.name!r}: column_wise placement splits each row over devices, "
-                    f"but {type(t.optimizer).__name__} keeps one value per whole row; use "
-                    f"Adagrad, Adam, FTRL or SGD, or a row placement"
-                )
-            width = t.dim // model
-            for k in range(model):
-                piece_spec = dataclasses.replace(t, dim=width, placement="table_wise")
-                out.append(("table_wise", Piece(piece_spec, t.name, k, k, 0, 1)))
-            continue
-        t = t.device_view()  # a tiered table: its device cache (the host side fills it)
-        out.append((p, Piece(t, t.name, None, 0, 0, 1)))
-    return out
-
-
-def _stacks(tables, mesh_shape) -> dict[str, ShardedStack]:
-    by_key: dict[tuple, list[Piece]] = {}
-    for kind, piece in _build_pieces(tables, mesh_shape):
-        t = piece.table
-        by_key.setdefault((kind, stack_name(t.dim, t.dtype, t.optimizer)), []).append(piece)
-    stacks = {}
-    for (kind, base), pieces in sorted(by_key.items()):
-        shards = pl.num_shards(kind, mesh_shape)
-        whole = [p for p in pieces if p.column is None]
-        shard_of = (
-            pl.assign_table_wise(
-                {p.source: p.table.vocab_size * pl.row_bytes(p.table) for p in whole}, shards
-            )
-            if kind == "table_wise"
-            else {}
-        )
-        load = [0] * shards
-        placed = []
-        for p in sorted(pieces, key=lambda p: (p.source, p.column or 0)):
-            if kind == "table_wise":
-                s = p.shard if p.column is not None else shard_of[p.source]
-                placed.append(dataclasses.replace(p, shard=s, offset=load[s], stride=1))
-                load[s] += p.table.vocab_size
-            else:
-                stride = 1 if kind == "replicated" else shards
-                p = dataclasses.replace(p, shard=0, offset=load[0], stride=stride)
-                placed.append(p)
-                load[0] += p.local_rows
-        rows = max(load)
-        if rows >= 2**31:
-            raise ValueError(
-                f"stack {kind}_{base}: {rows} rows on one device exceed the int32 row ids "
-                f"of the kernels; shard its tables over more devices"
-            )
-        first = placed[0].table
-        name = f"{kind}_{base}"
-        stacks[name] = ShardedStack(
-            name, kind, tuple(placed), first.dim, first.dtype, first.optimizer, shards, max(rows, 1)
-        )
-    return stacks
 
 
 class ShardedTableStore(StoreBase):
@@ -241,7 +95,7 @@ class ShardedTableStore(StoreBase):
         self.implementation = implementation
         shape = dict(self.mesh.shape)
         self.num_devices = int(self.mesh.size)
-        self.stacks = _stacks(tables, shape)
+        self.stacks = build_stacks(tables, shape)
         pieces = {}
         for s in self.stacks.values():
             for p in s.pieces:
@@ -474,7 +328,7 @@ class ShardedTableStore(StoreBase):
             outputs, residuals = {}, {}
             for gname, group in self.groups.items():
                 st = self.stacks[group.stack]
-                outputs[gname], residuals[gname] = _lookup_group(
+                outputs[gname], residuals[gname] = lookup_group(
                     group, st, state[st.name]["weights"], feats, b_local, self.implementation
                 )
             return outputs, residuals
@@ -541,7 +395,7 @@ class ShardedTableStore(StoreBase):
             lookups, g_all = {}, {}
             for gname, group in self.groups.items():
                 st = self.stacks[group.stack]
-                lookups[gname], g_all[gname] = _gather_update(
+                lookups[gname], g_all[gname] = gather_update(
                     group, st, residuals[gname], grads[gname], mesh_shape
                 )
             return apply_group_gradients(
@@ -577,106 +431,3 @@ class ShardedTableStore(StoreBase):
             scalars,
         )
         return {**state, **new}
-
-
-def _piece_owner(piece: Piece, ids: jax.Array, shards: int) -> tuple[jax.Array, jax.Array]:
-    """Owner shard and local row of a piece's (valid) ids."""
-    if piece.stride == 1:
-        return jnp.full_like(ids, piece.shard), piece.offset + ids
-    return ids % shards, piece.offset + ids // shards
-
-
-def _lookup_group(group, st, weights, feats, b_local, implementation):
-    """One device's part of a group's lookup: partial bags from the owners, summed."""
-    me = jax.lax.axis_index(ALL)
-    owners, rows, segs, coefs = [], [], [], []
-    bags = 0
-    for e in group.entries:
-        f, piece = e.feature, e.piece
-        jag = feats[f.name]
-        fb = b_local * f.bags_per_example()
-        i = jnp.asarray(jag.ids, jnp.int32)
-        s = jnp.asarray(jag.segments, jnp.int32) - me * fb
-        w = None if jag.weights is None else jnp.asarray(jag.weights, jnp.float32)
-        vocab = piece.table.vocab_size
-        valid = (i >= 0) & (i < vocab) & (s >= 0) & (s < fb)
-        if group.needs_coefficients and group.combiner == "sum":
-            coefs.append(ops.pooling_coefficients(i, s, fb, vocab, w, f.combiner or "sum"))
-        elif group.needs_coefficients:
-            coefs.append(jnp.ones(i.shape, jnp.float32) if w is None else w)
-        owner, local = _piece_owner(piece, jnp.where(valid, i, 0), st.shards)
-        owners.append(jnp.where(valid, owner, st.shards))
-        rows.append(local)
-        segs.append(jnp.clip(s, 0, fb - 1) + bags)
-        bags += fb
-    owner, row, seg = (jnp.concatenate(x) for x in (owners, rows, segs))
-    coef = jnp.concatenate(coefs) if coefs else None
-    row, seg, coef = _route(owner, row, seg, coef, st, bags)
-    pooled = ops.embedding_bag(
-        weights,
-        row,
-        seg,
-        st.shards * bags,
-        weights=coef,
-        combiner=group.combiner,
-        implementation=implementation,
-        name=st.name,
-    )
-    if st.shards == 1:
-        return pooled, (row, seg, coef)
-    if group.combiner == "max":  # bags an owner has no id of: no candidate
-        count = jax.ops.segment_sum((row >= 0).astype(jnp.int32), seg, st.shards * bags)
-        pooled = jnp.where((count > 0)[:, None], pooled, -jnp.inf)
-    back = jax.lax.all_to_all(
-        pooled.reshape(st.shards, bags, -1), st.axes, 0, 0, tiled=True
-    ).astype(jnp.float32)
-    if group.combiner == "max":
-        best = back.max(0)
-        out = jnp.where(jnp.isneginf(best), 0.0, best)
-    else:
-        out = back.sum(0)
-    return out.astype(pooled.dtype), (row, seg, coef)
-
-
-def _route(owner, row, seg, coef, st, bags):
-    """Bucket a device's lookups by owner (`n` slots per owner: never overflows) and
-    swap the buckets over the shard axes. Returns what this device owns, from every
-    peer: rows, bags (peer q's bag k is `q * bags + k`) and coefficients."""
-    if st.shards == 1:
-        return jnp.where(owner < 1, row, -1), seg, coef
-    s, n = st.shards, owner.shape[0]
-    order = jnp.argsort(owner, stable=True)
-    so = owner[order]
-    counts = jnp.zeros((s + 1,), jnp.int32).at[so].add(1)
-    start = jnp.cumsum(counts) - counts
-    dest = jnp.where(so < s, so * n + jnp.arange(n, dtype=jnp.int32) - start[so], s * n)
-
-    def send(values, fill):
-        buf = jnp.full((s * n,), fill, values.dtype).at[dest].set(values[order], mode="drop")
-        return jax.lax.all_to_all(buf.reshape(s, n), st.axes, 0, 0, tiled=True)
-
-    recv_row = send(row, -1).reshape(-1)
-    recv_seg = (send(seg, bags - 1) + (jnp.arange(s, dtype=jnp.int32) * bags)[:, None]).reshape(-1)
-    recv_coef = None if coef is None else send(coef, 0.0).reshape(-1)
-    return recv_row, recv_seg, recv_coef
-
-
-def _gather_update(group, st, residual, grad, mesh_shape):
-    """The update's lookups and gradients on one device: its shard's received lookups
-    with every peer's bag gradients, from every replica of the shard."""
-    row, seg, coef = residual
-    bags = grad.shape[0]
-    g = grad if st.shards == 1 else jax.lax.all_gather(grad, st.axes, axis=0, tiled=True)
-    replicas = st.replicas
-    r = pl.axis_size(mesh_shape, replicas)
-    if r > 1:
-        span = st.shards * bags
-
-        def gather(x):
-            return jax.lax.all_gather(x, replicas, axis=0, tiled=False)
-
-        seg = (gather(seg) + (jnp.arange(r, dtype=jnp.int32) * span)[:, None]).reshape(-1)
-        row = gather(row).reshape(-1)
-        coef = None if coef is None else gather(coef).reshape(-1)
-        g = gather(g).reshape(r * span, -1)
-    return GroupLookups(row, seg, coef, st.name, group.combiner, st.optimizer), g
