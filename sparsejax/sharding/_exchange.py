@@ -10,16 +10,8 @@ import jax.numpy as jnp
 from .. import ops
 from ..embedding import GroupLookups
 from . import _placement as pl
-from ._layout import Piece
 
 ALL = pl.AXES
-
-
-def _piece_owner(piece: Piece, ids: jax.Array, shards: int) -> tuple[jax.Array, jax.Array]:
-    """Owner shard and local row of a piece's (valid) ids."""
-    if piece.stride == 1:
-        return jnp.full_like(ids, piece.shard), piece.offset + ids
-    return ids % shards, piece.offset + ids // shards
 
 
 def lookup_group(group, st, weights, feats, b_local, implementation):
@@ -40,7 +32,7 @@ def lookup_group(group, st, weights, feats, b_local, implementation):
             coefs.append(ops.pooling_coefficients(i, s, fb, vocab, w, f.combiner or "sum"))
         elif group.needs_coefficients:
             coefs.append(jnp.ones(i.shape, jnp.float32) if w is None else w)
-        owner, local = _piece_owner(piece, jnp.where(valid, i, 0), st.shards)
+        owner, local = piece.route(jnp.where(valid, i, 0), st.shards)
         owners.append(jnp.where(valid, owner, st.shards))
         rows.append(local)
         segs.append(jnp.clip(s, 0, fb - 1) + bags)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..embedding import FeatureSpec, TableSpec, stack_name
@@ -26,6 +28,14 @@ class Piece:
     @property
     def local_rows(self) -> int:
         return -(-self.table.vocab_size // self.stride)
+
+    def route(self, ids, shards: int):
+        """Owner shard and local row of the piece's (valid) ids: jnp on the device
+        (int32), or numpy on the host (int64 ids of any size in, int32 local rows out)."""
+        xp = np if isinstance(ids, np.ndarray) else jnp
+        if self.stride == 1:
+            return xp.full_like(ids, self.shard), self.offset + ids
+        return ids % shards, self.offset + ids // shards
 
 
 @dataclasses.dataclass(frozen=True)
