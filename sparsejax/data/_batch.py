@@ -23,15 +23,24 @@ class PaddedIds:
     primitives take them as they are. Padding: id -1, weight 0, segment equal to the
     last bag (keeps the order). Named for what it is, padded ids, so it does not read as
     TorchRec's `JaggedTensor` (lengths + values), which is `JaggedIds` here.
+
+    Ids are int32, or int64 on the host for a dynamic table's raw keys and for a table
+    of 2**31 rows or more. The sharded store's batch (`sparsejax.sharding.shard_batch`)
+    may add two things: `owners`, when the host routed a row-split table's ids (then
+    `ids` holds each id's int32 row on its owner shard, so no int64 reaches a device),
+    and `exchange`, the send-buffer capacity per lookup group (static: part of the
+    compiled step's signature; empty means room for every id).
     """
 
-    ids: jax.Array | np.ndarray  # i32[capacity] (i64: a dynamic table's raw keys), -1 = padding
+    ids: jax.Array | np.ndarray  # i32[capacity] (i64 on the host, see above), -1 = padding
     segments: jax.Array | np.ndarray  # i32[capacity], bag of each id
     weights: jax.Array | np.ndarray | None = None  # f32[capacity] or None
+    owners: jax.Array | np.ndarray | None = None  # i32[capacity]: owner shard (host-routed)
+    exchange: tuple[tuple[str, int], ...] = ()  # ((group, ids per owner), ...)
 
 
 jax.tree_util.register_dataclass(
-    PaddedIds, data_fields=["ids", "segments", "weights"], meta_fields=[]
+    PaddedIds, data_fields=["ids", "segments", "weights", "owners"], meta_fields=["exchange"]
 )
 
 
@@ -87,6 +96,9 @@ class JaggedIds:
         )
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _example(lengths: np.ndarray, k: int) -> int:
     """The example (0-based, within the chunk) that flat id position `k` belongs to."""
     return int(np.searchsorted(np.cumsum(lengths), k, side="right"))
@@ -102,7 +114,8 @@ class BatchPacker:
 
     Features of a dynamic table (`TableSpec.dynamic`) keep their raw keys: `PaddedIds.ids`
     is int64 (-1 pads), and their ids must be int64 or uint64 in [0, 2**63); other
-    features get int32 rows.
+    features get int32 rows, but those of a table of 2**31 rows or more int64 rows (the
+    sharded store routes them to their owners on the host: `shard_batch`).
     """
 
     def __init__(
@@ -213,6 +226,8 @@ class BatchPacker:
             if not ok.any():
                 continue
             ids = np.full((len(specs), cap), -1, np.int64 if dynamic else np.int32)
+            if not dynamic and max(self.vocab[s.table] for s in specs) > _INT32_MAX:
+                continue  # int64 rows: the per-feature path
             ids[:, :n] = values
             seg = np.full((len(specs), cap), self.batch_size - 1, np.int32)
             seg[:, :n] = np.arange(n, dtype=np.int32)
@@ -280,7 +295,8 @@ class BatchPacker:
                 f"{name}: the batch holds {values.shape[0]} ids but the "
                 f"capacity is {cap}; set FeatureSpec(capacity>={values.shape[0]})"
             )
-        ids_out = np.full(cap, -1, np.int64 if dynamic else np.int32)
+        wide = dynamic or self.vocab[spec.table] > _INT32_MAX  # 64-bit rows stay int64
+        ids_out = np.full(cap, -1, np.int64 if wide else np.int32)
         seg_out = np.full(cap, num_bags - 1, np.int32)
         ids_out[: values.shape[0]] = values
         seg_out[: values.shape[0]] = segments
