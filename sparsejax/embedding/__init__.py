@@ -16,12 +16,16 @@ from ._compose import Composition as Composition
 from ._compose import Expansion as Expansion
 from ._compose import expand as expand
 from ._compose import stored_values as stored_values
+from ._device_store import INIT_BLOCK_ELEMENTS as INIT_BLOCK_ELEMENTS
 from ._device_store import MESH_AXES as MESH_AXES
 from ._device_store import DeviceTableStore as DeviceTableStore
 from ._device_store import GroupLookups as GroupLookups
+from ._device_store import aligned_empty as aligned_empty
 from ._device_store import apply_group_gradients as apply_group_gradients
 from ._device_store import check_mesh as check_mesh
+from ._device_store import fill_rows as fill_rows
 from ._device_store import fill_table as fill_table
+from ._device_store import init_block_rows as init_block_rows
 from ._memory import available_memory as available_memory
 from ._memory import format_bytes as format_bytes
 from ._spec import MISSING_KEY as MISSING_KEY
@@ -81,7 +85,11 @@ __all__ = [
     "host",
     "empty_table",
     "expand",
+    "INIT_BLOCK_ELEMENTS",
+    "aligned_empty",
+    "fill_rows",
     "fill_table",
+    "init_block_rows",
     "format_bytes",
     "normal_init",
     "plan_stacks",

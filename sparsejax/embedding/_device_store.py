@@ -27,7 +27,7 @@ from .. import ops
 from ..ops import check_lookups
 from ..ops.optimizers import SparseOptimizer
 from ._memory import available_memory, format_bytes
-from ._spec import FeatureSpec, TableSpec, check_specs
+from ._spec import FeatureSpec, TableSpec, check_specs, uniform_init
 from ._stacking import MAX_STACK_ROWS, Stack, plan_stacks
 from ._store import (
     StoreBase,
@@ -90,23 +90,82 @@ def _table_key(key: jax.Array, name: str) -> jax.Array:
     return jax.random.fold_in(key, _name_hash(name))
 
 
+INIT_BLOCK_ELEMENTS = 1 << 20
+"""Elements of one init block (4 MiB of float32): a table's rows are drawn in blocks of
+`init_block_rows(dim)` rows, each from its own generator, so any range of rows can be
+drawn alone and gets the values the whole table would have."""
+
+
+def init_block_rows(dim: int) -> int:
+    """Rows of one init block of a table of `dim` columns."""
+    return max(1, INIT_BLOCK_ELEMENTS // dim)
+
+
+def _block_initializer(init, shape: tuple[int, int]):
+    """`init` with a default that depends on the whole table's shape fixed from it (the
+    default uniform bound sqrt(1 / vocab_size)), so a block draws the table's
+    distribution."""
+    if isinstance(init, uniform_init) and init.scale is None:
+        return uniform_init(init._bound(shape))
+    return init
+
+
+def _draw_block(key: jax.Array, key_data: list, table: TableSpec, block: int, out: np.ndarray):
+    """Block `block` of `table`'s initial weights (`out`: `[rows of the block, dim]`)."""
+    init = _block_initializer(table.initializer, (table.vocab_size, table.dim))
+    if hasattr(init, "fill") or hasattr(init, "host"):
+        rng = np.random.default_rng([*key_data, _name_hash(table.name), block])
+        if hasattr(init, "fill"):
+            init.fill(rng, out)
+        else:
+            out[...] = init.host(rng, out.shape, out.dtype)
+    else:  # a jax initializer: one draw per block (it sees the block's shape)
+        k = jax.random.fold_in(_table_key(key, table.name), block)
+        out[...] = np.asarray(init(k, out.shape, out.dtype))
+
+
+def fill_rows(
+    key: jax.Array,
+    table: TableSpec,
+    start: int,
+    out: np.ndarray,
+    columns: slice | None = None,
+) -> None:
+    """Write rows `[start, start + len(out))` of `table`'s initial weights (columns
+    `columns` of them, default all) into the host array `out` (the storage dtype).
+
+    The values are a pure function of `key`, the table's name and the global row: rows
+    are drawn in fixed blocks of `init_block_rows(dim)` rows, block `b` from a
+    generator seeded by (key data, name hash, b) (counter-based), so one device, 8
+    devices or 64 processes, each drawing only its own rows, give the same table.
+    Whole blocks are drawn in place; a block cut by the range (or a column piece) is
+    drawn into a temporary of one block and copied."""
+    n = out.shape[0]
+    if n == 0:
+        return
+    br = init_block_rows(table.dim)
+    v = table.vocab_size
+    key_data = np.asarray(jax.random.key_data(key)).ravel().tolist()
+    dtype = jnp.dtype(table.dtype)
+    for b in range(start // br, (start + n - 1) // br + 1):
+        lo, hi = b * br, min((b + 1) * br, v)
+        a, z = max(lo, start), min(hi, start + n)
+        dst = out[a - start : z - start]
+        if a == lo and z == hi and columns is None and out.dtype == dtype:
+            _draw_block(key, key_data, table, b, dst)
+            continue
+        tmp = np.empty((hi - lo, table.dim), dtype)
+        _draw_block(key, key_data, table, b, tmp)
+        dst[...] = tmp[a - lo : z - lo] if columns is None else tmp[a - lo : z - lo, columns]
+
+
 def fill_table(key: jax.Array, table: TableSpec, rows: np.ndarray) -> None:
     """Write `table`'s initial weights (a function of `key` and its name only) into the
-    host array `rows` ([vocab_size, dim], the storage dtype), drawing with numpy when
-    the initializer can (`fill` in chunks, or `host`)."""
-    init = table.initializer
-    if hasattr(init, "fill") or hasattr(init, "host"):
-        key_data = np.asarray(jax.random.key_data(key)).ravel().tolist()
-        rng = np.random.default_rng([*key_data, _name_hash(table.name)])
-        if hasattr(init, "fill"):
-            init.fill(rng, rows)
-        else:
-            rows[...] = init.host(rng, rows.shape, rows.dtype)
-    else:
-        rows[...] = np.asarray(init(_table_key(key, table.name), rows.shape, rows.dtype))
+    host array `rows` ([vocab_size, dim], the storage dtype): `fill_rows` of every row."""
+    fill_rows(key, table, 0, rows)
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialized host array aligned to 64 bytes, which the CPU client can adopt
     as a device buffer without a copy (`device_put(..., may_alias=True)`)."""
     dtype = np.dtype(dtype)
@@ -266,7 +325,7 @@ class DeviceTableStore(StoreBase):
             )
             return {"weights": weights, "slots": stack.optimizer.init_slots(stack.rows, stack.dim)}
         self.check_memory(name)
-        weights = _aligned_empty((stack.rows, stack.dim), jnp.dtype(stack.dtype))
+        weights = aligned_empty((stack.rows, stack.dim), jnp.dtype(stack.dtype))
         for t, off in zip(stack.tables, stack.offsets, strict=True):
             fill_table(key, t, weights[off : off + t.vocab_size])
         r = self._replicated()

@@ -1,6 +1,13 @@
 """How the sharded store lays tables out: pieces (a table, or a column piece of one) in
 stacks (one state array of `shards` blocks of `rows_per_shard` rows), and groups (one
-lookup call per stack and pooling kind)."""
+lookup call per stack and pooling kind).
+
+A row-split table of `V` rows over `S` shards is cut into contiguous blocks of
+`B = ceil(V / S)` rows (TorchRec's row-wise layout): shard `s` holds the table's rows
+`[s * B, (s + 1) * B)` at local rows `offset .. offset + B`, so each device's rows of a
+table are one block of the table's logical `[B * S, dim]` layout (what a checkpoint
+writes as that device's shard). `Piece.route` is the one place that maps ids to
+(owner shard, local row)."""
 
 from __future__ import annotations
 
@@ -23,19 +30,38 @@ class Piece:
     column: int | None  # index of a column piece
     shard: int  # table-wise: the shard holding it
     offset: int  # first local row on its shard(s)
-    stride: int  # 1: whole on `shard`; S: row i on shard i % S, local row offset + i // S
+    stride: int  # 1: whole on `shard`; S: split over S shards in blocks of `local_rows`
 
     @property
     def local_rows(self) -> int:
+        """Rows the piece takes on each shard holding it (`B = ceil(V / S)` when split)."""
         return -(-self.table.vocab_size // self.stride)
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows of the piece's logical layout: `local_rows * stride` (>= vocab_size)."""
+        return self.local_rows * self.stride
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """`[lo, hi)`: the table rows (not padding) that shard `shard` holds, at local rows
+        `offset .. offset + hi - lo` (empty for a shard that holds none)."""
+        if self.stride == 1:
+            return (0, self.table.vocab_size) if shard == self.shard else (0, 0)
+        lo = min(shard * self.local_rows, self.table.vocab_size)
+        return lo, min(lo + self.local_rows, self.table.vocab_size)
 
     def route(self, ids, shards: int):
         """Owner shard and local row of the piece's (valid) ids: jnp on the device
-        (int32), or numpy on the host (int64 ids of any size in, int32 local rows out)."""
+        (int32), or numpy on the host (int64 ids of any size in, int64 local rows out:
+        below 2**31 on every shard). A split piece's row `i` is on shard `i // B` at
+        local row `offset + i % B` (`B = local_rows`)."""
         xp = np if isinstance(ids, np.ndarray) else jnp
         if self.stride == 1:
             return xp.full_like(ids, self.shard), self.offset + ids
-        return ids % shards, self.offset + ids // shards
+        del shards  # the piece's own split (`stride`) is the stack's shards
+        b = self.local_rows
+        owner = ids // b
+        return owner, self.offset + (ids - owner * b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,13 +181,43 @@ def build_stacks(tables, mesh_shape) -> dict[str, ShardedStack]:
                 load[0] += p.local_rows
         rows = max(load)
         if rows >= 2**31:
-            raise ValueError(
-                f"stack {kind}_{base}: {rows} rows on one device exceed the int32 row ids "
-                f"of the kernels; shard its tables over more devices"
-            )
+            raise ValueError(_too_many_rows(kind, base, placed, shards, rows))
         first = placed[0].table
         name = f"{kind}_{base}"
         stacks[name] = ShardedStack(
             name, kind, tuple(placed), first.dim, first.dtype, first.optimizer, shards, max(rows, 1)
         )
     return stacks
+
+
+def _too_many_rows(kind: str, base: str, pieces, shards: int, rows: int) -> str:
+    """One line: which table (or stack) overflows a shard's int32 rows, and how many
+    devices (shards) it needs."""
+    limit = 2**31 - 1
+    big = max(pieces, key=lambda p: p.local_rows)
+    if kind in ("row_wise", "table_row_wise"):
+        total = sum(p.table.vocab_size for p in pieces)
+        need = -(-total // limit)
+        while sum(-(-p.table.vocab_size // need) for p in pieces) > limit:
+            need += 1
+        axis = "devices" if kind == "row_wise" else "devices on the 'model' axis"
+        what = (
+            f"table {big.source!r}"
+            if len(pieces) == 1
+            else f"stack {kind}_{base} (tables {sorted(p.source for p in pieces)})"
+        )
+        return (
+            f"{what}: {rows} rows on each of {shards} shards exceed the {limit} int32 rows "
+            f"of one device; {kind} needs at least {need} {axis}"
+        )
+    if big.local_rows > limit:
+        return (
+            f"table {big.source!r}: {big.local_rows} rows on one device exceed the {limit} "
+            f"int32 rows of one device; place it row_wise over at least "
+            f"{-(-big.local_rows // limit)} devices"
+        )
+    return (
+        f"stack {kind}_{base}: {rows} rows on one device (tables "
+        f"{sorted(p.source for p in pieces)}) exceed the {limit} int32 rows of one device; "
+        f"place them over at least {-(-rows // limit)} devices (e.g. row_wise)"
+    )

@@ -4,9 +4,13 @@ under `shard_map` with explicit collectives that move ids and pooled rows, never
 Every device holds `B / N` examples of the batch (`shard_batch` re-pads the ids per
 device) and one piece of every table (`_placement`). Tables of one placement, dim,
 dtype and optimizer share a stack: on each shard a block of `rows_per_shard` rows, where
-each table keeps its own rows (table-wise: on its one shard; row-wise: row `i` on shard
-`i % S` at local row `offset + i // S`, so the hot low ids of skewed data spread over
-every shard instead of filling the first).
+each table keeps its own rows (table-wise: on its one shard; row-wise: shard `s` holds
+the table's rows `[s * B, (s + 1) * B)`, `B = ceil(V / S)`, contiguous at local rows
+`offset .. offset + B`, TorchRec's row-wise layout; `_layout.Piece.route`). So each
+device's rows of a table are one block of the table's logical layout: `init` draws only
+those rows (`sparsejax.embedding.fill_rows`, a pure function of key, table name and
+row), and `sharded_tables` / `import_sharded_tables` pass them to and from a sharded
+`jax.Array` of the logical `[B * S, dim]` table without a gather.
 
 One step, per stack and pooling kind, with S shards and R replicas:
 - lookup: each device sorts its ids by owner into S buckets of `n` entries each (`n`:
@@ -38,13 +42,15 @@ from ..embedding import (
     FeatureSpec,
     StoreBase,
     TableSpec,
+    aligned_empty,
     apply_group_gradients,
     available_memory,
     check_saved_table,
     check_specs,
     empty_table,
-    fill_table,
+    fill_rows,
     format_bytes,
+    init_block_rows,
     stack_shapes,
     tiered_feature_key,
 )
@@ -148,36 +154,122 @@ class ShardedTableStore(StoreBase):
         st = self.stacks[name]
         return st.rows_per_shard * pl.row_bytes(st.pieces[0].table)
 
+    def _device_shards(self, st: ShardedStack) -> dict:
+        """`{device: shard index}` of this process's devices of the mesh, for stack `st`
+        (rows split over its axes, "data" major)."""
+        devices = self.mesh.devices
+        model = devices.shape[1]
+        out = {}
+        for (i, k), d in np.ndenumerate(devices):
+            if d.process_index != jax.process_index():
+                continue
+            out[d] = {(): 0, ("model",): k, ("data", "model"): i * model + k}[st.axes]
+        return out
+
+    def _what(self, st: ShardedStack) -> str:
+        tables = sorted({p.source for p in st.pieces})
+        if len(tables) == 1:
+            return f"table {tables[0]!r} ({st.placement})"
+        return f"stack {st.name!r} (tables {tables}, {st.placement})"
+
+    def init_memory(self, name: str) -> tuple[int, int]:
+        """`(per device, host of this process)` bytes that `init_part(key, name)` peaks
+        at: one shard's weights and slots per device; on the host, this process's
+        shards (CPU devices: the devices' buffers are host memory, the weights adopted
+        without a copy) or one shard's weights staged at a time (other devices), plus
+        one init block drawn aside (`fill_rows`)."""
+        st = self.stacks[name]
+        per_device = self.device_bytes(name)
+        local = list(self._device_shards(st))
+        weights = st.rows_per_shard * st.dim * jnp.dtype(st.dtype).itemsize
+        block = init_block_rows(st.dim) * st.dim * 4
+        if all(d.platform == "cpu" for d in local):
+            host = per_device * len(local) + block
+        else:
+            host = weights + block
+        return per_device, host
+
     def check_memory(self, name: str) -> None:
-        """Refuse, before allocating, a stack whose shard does not fit on a device."""
-        need = self.device_bytes(name)
-        avail = available_memory(list(self.mesh.devices.flat))
-        if avail is not None and need > avail[0]:
-            st = self.stacks[name]
-            raise MemoryError(
-                f"ShardedTableStore.init: stack {name!r} (tables "
-                f"{sorted({p.source for p in st.pieces})}, {st.placement}) needs "
-                f"{format_bytes(need)} per device but {format_bytes(avail[0])} is "
-                f"available ({avail[1]}); use more devices or a row placement"
-            )
+        """Refuse, before allocating, a stack whose shard does not fit on a device, or
+        whose shards do not fit in this process's host memory (one line: the table or
+        stack, the need and what is available)."""
+        st = self.stacks[name]
+        per_device, host = self.init_memory(name)
+        local = list(self._device_shards(st))
+        if local and all(d.platform == "cpu" for d in local):
+            checks = [
+                (
+                    host,
+                    available_memory([]),
+                    f"on this process's host ({len(local)} "
+                    f"device(s) x {format_bytes(per_device)} + an init block)",
+                )
+            ]
+        else:
+            checks = [
+                (per_device, available_memory(local), "per device"),
+                (host, available_memory([]), "on the host to stage one shard"),
+            ]
+        for need, avail, where in checks:
+            if avail is not None and need > avail[0]:
+                raise MemoryError(
+                    f"ShardedTableStore.init: {self._what(st)} needs {format_bytes(need)} "
+                    f"{where} but {format_bytes(avail[0])} is available ({avail[1]}); use "
+                    f"more devices or processes, or a row placement"
+                )
+
+    def _fill_shard(self, key: jax.Array, st: ShardedStack, shard: int) -> np.ndarray:
+        """Host block `[rows_per_shard, dim]` of shard `shard`'s weights: each piece's
+        own rows drawn in place (`fill_rows`), zeros elsewhere."""
+        block = aligned_empty((st.rows_per_shard, st.dim), jnp.dtype(st.dtype))
+        end = 0
+        for p in sorted(st.pieces, key=lambda p: p.offset):
+            lo, hi = p.shard_rows(shard)
+            if p.stride == 1 and p.shard != shard:
+                continue
+            block[end : p.offset] = 0
+            spec = self.tables[p.source].device_view()
+            cols = None if p.column is None else slice(p.column * st.dim, (p.column + 1) * st.dim)
+            fill_rows(key, spec, lo, block[p.offset : p.offset + hi - lo], cols)
+            end = p.offset + hi - lo
+        block[end:] = 0
+        return block
 
     def init_part(self, key: jax.Array, name: str) -> dict:
-        """Weights and slots of stack `name`: every table's values are the ones the
-        single-device store draws (a function of `key` and the table's name)."""
+        """Weights and slots of stack `name`: every table's values are the ones every
+        store draws (`fill_rows`: a function of `key`, the table's name and the row).
+        Each process draws only the shards its devices hold, one host block per shard
+        (adopted as the device buffer on CPU), and no host or device ever holds a whole
+        row-split table; a stack that cannot fit is refused first (`check_memory`)."""
         st = self.stacks[name]
+        abstract = self.abstract_state()[name]
         if isinstance(key, jax.core.Tracer):
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract_state()[name])
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
         self.check_memory(name)
-        tables = {}
-        for src in sorted({p.source for p in st.pieces}):
-            spec = self.tables[src].device_view()
-            rows = np.empty((spec.vocab_size, spec.dim), jnp.dtype(spec.dtype))
-            fill_table(key, spec, rows)
-            tables[src] = {
-                "weights": rows,
-                "slots": spec.optimizer.init_slots(spec.vocab_size, spec.dim),
-            }
-        return self._import_stack(name, tables)
+        by_shard: dict[int, list] = {}
+        for d, shard in self._device_shards(st).items():
+            by_shard.setdefault(shard, []).append(d)
+        weights, slots = [], {s.name: [] for s in st.optimizer.slots()}
+        for shard, devices in sorted(by_shard.items()):
+            block = self._fill_shard(key, st, shard)
+            for i, d in enumerate(devices):
+                host = block
+                if i and d.platform == "cpu":  # a replica owns its own buffer
+                    host = aligned_empty(block.shape, block.dtype)
+                    host[...] = block
+                weights.append(jax.device_put(host, d, may_alias=True))
+                for s in st.optimizer.slots():
+                    shape = (st.rows_per_shard,) if s.per_row else (st.rows_per_shard, st.dim)
+                    slots[s.name].append(jnp.full(shape, s.init, s.dtype, device=d))
+            del block, host
+        make = jax.make_array_from_single_device_arrays
+        return {
+            "weights": make(abstract["weights"].shape, abstract["weights"].sharding, weights),
+            "slots": {
+                k: make(abstract["slots"][k].shape, abstract["slots"][k].sharding, v)
+                for k, v in slots.items()
+            },
+        }
 
     # ---- per-table form -------------------------------------------------------------
     def _piece_rows(self, st: ShardedStack, piece: Piece, a: jax.Array) -> jax.Array:
@@ -186,17 +278,16 @@ class ShardedTableStore(StoreBase):
         if piece.stride == 1:
             return blocks[piece.shard, piece.offset : piece.offset + piece.table.vocab_size]
         rows = blocks[:, piece.offset : piece.offset + piece.local_rows]
-        rows = jnp.swapaxes(rows, 0, 1).reshape(-1, *a.shape[1:])
-        return rows[: piece.table.vocab_size]
+        return rows.reshape(-1, *a.shape[1:])[: piece.table.vocab_size]
 
     def _set_piece_rows(self, st, piece, a, rows):
         blocks = a.reshape(st.shards, st.rows_per_shard, *a.shape[1:])
         if piece.stride == 1:
             blocks = blocks.at[piece.shard, piece.offset : piece.offset + rows.shape[0]].set(rows)
         else:
-            pad = piece.local_rows * st.shards - rows.shape[0]
+            pad = piece.padded_rows - rows.shape[0]
             rows = jnp.pad(rows, [(0, pad)] + [(0, 0)] * (rows.ndim - 1))
-            rows = jnp.swapaxes(rows.reshape(piece.local_rows, st.shards, *rows.shape[1:]), 0, 1)
+            rows = rows.reshape(st.shards, piece.local_rows, *rows.shape[1:])
             blocks = blocks.at[:, piece.offset : piece.offset + piece.local_rows].set(rows)
         return blocks.reshape(a.shape)
 
@@ -261,20 +352,214 @@ class ShardedTableStore(StoreBase):
 
     def cache_rows(self, table: str) -> tuple[str, Callable[[np.ndarray], np.ndarray], int]:
         """Where tiered `table`'s device cache lives: its stack, the stack rows of cache
-        rows (slot `i` of a row-split cache lives on shard `i % S`), and the stack's rows
-        (an out-of-bounds index, for padding)."""
+        rows (a row-split cache is split as any table, `Piece.route`), and the stack's
+        rows (an out-of-bounds index, for padding)."""
         ((name, piece),) = self._pieces[table]
         st = self.stacks[name]
 
         def rows(slots: np.ndarray) -> np.ndarray:
-            shard, local = (
-                (piece.shard, slots)
-                if piece.stride == 1
-                else (slots % st.shards, slots // st.shards)
-            )
-            return (shard * st.rows_per_shard + piece.offset + local).astype(np.int32)
+            shard, local = piece.route(np.asarray(slots, np.int64), st.shards)
+            return (shard * st.rows_per_shard + local).astype(np.int32)
 
         return name, rows, st.shards * st.rows_per_shard
+
+    # ---- sharded per-table form: each device's own rows, no gather -----------------
+    def _table_sharding(self, src: str, ndim: int) -> NamedSharding:
+        """Where the logical `[rows, dim]` (or `[rows]`) table `src` lives: row-split over
+        its shard axes, columns over "model", replicated, or (table-wise) copied on the
+        devices of its one shard only (a sub-mesh)."""
+        (sn, p), *rest = self._pieces[src]
+        st = self.stacks[sn]
+        if p.column is not None:
+            return NamedSharding(self.mesh, P(None, "model") if ndim == 2 else P(None))
+        if p.stride > 1:
+            return NamedSharding(self.mesh, st.spec(ndim))
+        if st.placement == "table_wise":
+            sub = Mesh(self.mesh.devices[:, p.shard : p.shard + 1], ALL)
+            return NamedSharding(sub, P())
+        return NamedSharding(self.mesh, P())
+
+    def abstract_sharded_tables(self) -> dict:
+        """`{table: {"weights", "slots"}}` as `jax.ShapeDtypeStruct`s of each table's
+        logical layout: rows padded to `B * S` for a row-split table (shard `s` holds
+        rows `[s * B, (s + 1) * B)`), `vocab_size` otherwise; sharded as this store
+        places it (row-split over its shard axes and copied over the others; column-wise
+        `P(None, "model")`; replicated `P()`; table-wise on the devices of its shard).
+        Tiered tables are left out."""
+        out = {}
+        for src, pieces in self._pieces.items():
+            if src in self.tiered_tables:
+                continue
+            spec = self.tables[src]
+            rows = pieces[0][1].padded_rows
+            out[src] = {
+                "weights": jax.ShapeDtypeStruct(
+                    (rows, spec.dim), jnp.dtype(spec.dtype), sharding=self._table_sharding(src, 2)
+                ),
+                "slots": {
+                    s.name: jax.ShapeDtypeStruct(
+                        (rows,) if s.per_row else (rows, spec.dim),
+                        jnp.dtype(s.dtype),
+                        sharding=self._table_sharding(src, 1 if s.per_row else 2),
+                    )
+                    for s in spec.optimizer.slots()
+                },
+            }
+        return out
+
+    @staticmethod
+    def _leaf(tree: Mapping, path: tuple[str, ...]):
+        for k in path:
+            tree = tree[k]
+        return tree
+
+    @staticmethod
+    def _leaf_paths(optimizer) -> list[tuple[str, ...]]:
+        return [("weights",)] + [("slots", s.name) for s in optimizer.slots()]
+
+    def _piece_on(self, src: str, device) -> tuple[ShardedStack, Piece, int]:
+        """The stack, piece and stack shard of table `src` on `device`."""
+        for sn, p in self._pieces[src]:
+            st = self.stacks[sn]
+            shard = self._device_shards(st)[device]
+            if p.stride > 1 or p.shard == shard:
+                return st, p, shard
+        raise AssertionError(f"table {src!r} has no piece on {device}")
+
+    def sharded_tables(self, state: Mapping) -> dict:
+        """The arrays `abstract_sharded_tables` describes, each device's part a slice of
+        its own stack block (the block itself, without a copy, when the table is a whole
+        stack's block): no device gathers rows of another."""
+        abstract = self.abstract_sharded_tables()
+        local: dict = {}
+
+        def block(st, path, device):
+            k = (st.name, path)
+            if k not in local:
+                arr = self._leaf(state[st.name], path)
+                local[k] = {sh.device: sh.data for sh in arr.addressable_shards}
+            return local[k][device]
+
+        out = {}
+        for src, sds_tree in abstract.items():
+            out[src] = {"weights": None, "slots": {}}
+            for path in self._leaf_paths(self.tables[src].optimizer):
+                sds = self._leaf(sds_tree, path)
+                parts = []
+                for d in sds.sharding.addressable_devices:
+                    st, p, _ = self._piece_on(src, d)
+                    b = block(st, path, d)
+                    n = p.local_rows
+                    parts.append(
+                        b if (p.offset, n) == (0, st.rows_per_shard) else b[p.offset : p.offset + n]
+                    )
+                arr = jax.make_array_from_single_device_arrays(
+                    sds.shape, sds.sharding, parts, dtype=sds.dtype
+                )
+                if path == ("weights",):
+                    out[src]["weights"] = arr
+                else:
+                    out[src]["slots"][path[1]] = arr
+        return out
+
+    def _placed(self, src: str, tree: Mapping, abstract: Mapping) -> dict:
+        """Table `src` (checked) with every leaf shaped and placed as `abstract` says:
+        as given when it already is, else padded or cut to the rows and resharded by
+        XLA (a whole table from an older checkpoint, or another store's layout)."""
+        spec = self.tables[src]
+        w = tree["weights"]
+        if w.ndim != 2 or w.shape[1] != spec.dim or w.shape[0] < spec.vocab_size:
+            raise ValueError(
+                f"table {src!r}: sharded weights have shape {tuple(w.shape)}, the spec needs "
+                f"[>= {spec.vocab_size}, {spec.dim}]"
+            )
+        want = sorted(s.name for s in spec.optimizer.slots())
+        if sorted(tree.get("slots", {})) != want:
+            raise ValueError(
+                f"table {src!r}: saved optimizer slots {sorted(tree.get('slots', {}))}, "
+                f"{type(spec.optimizer).__name__} needs {want}"
+            )
+
+        def fit(a, sds):
+            if (
+                isinstance(a, jax.Array)
+                and a.shape == sds.shape
+                and a.dtype == sds.dtype
+                and a.sharding.is_equivalent_to(sds.sharding, a.ndim)
+            ):
+                return a
+            rows = sds.shape[0]
+
+            def cut(x):
+                x = x[:rows].astype(sds.dtype)
+                pad = rows - x.shape[0]
+                return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+
+            return jax.jit(cut, out_shardings=sds.sharding)(a)
+
+        return {
+            "weights": fit(w, abstract["weights"]),
+            "slots": {k: fit(tree["slots"][k], abstract["slots"][k]) for k in want},
+        }
+
+    def import_sharded_tables(self, tables: Mapping) -> dict:
+        """Inverse of `sharded_tables`: arrays placed as `abstract_sharded_tables` says
+        (e.g. restored so by orbax, each process reading only its rows; anything else is
+        resharded to that first), at least `vocab_size` rows each (padding rows are
+        ignored). Each device builds its stack block from its own rows only. Tiered tables
+        get an empty device cache; a missing table or a mismatched shape is named."""
+        abstract = self.abstract_sharded_tables()
+        placed = {}
+        for src in abstract:
+            if src not in tables:
+                raise KeyError(f"no saved state for table {src!r} (saved: {sorted(tables)})")
+            placed[src] = self._placed(src, tables[src], abstract[src])
+        out = {}
+        for name, st in self.stacks.items():
+            target = self.abstract_state()[name]
+            out[name] = {"weights": None, "slots": {}}
+            slots = {s.name: s for s in st.optimizer.slots()}
+            for path in self._leaf_paths(st.optimizer):
+                sds = self._leaf(target, path)
+                init = 0 if path == ("weights",) else slots[path[1]].init
+                arrays = []
+                for d, shard in self._device_shards(st).items():
+                    arrays.append(self._build_block(st, shard, d, path, placed, sds, init))
+                arr = jax.make_array_from_single_device_arrays(
+                    sds.shape, sds.sharding, arrays, dtype=sds.dtype
+                )
+                if path == ("weights",):
+                    out[name]["weights"] = arr
+                else:
+                    out[name]["slots"][path[1]] = arr
+        return out
+
+    def _build_block(self, st, shard, device, path, placed, sds, init) -> jax.Array:
+        """Shard `shard`'s block of one state leaf on `device`, from the rows of each
+        table that `device` holds (zeros or the slot's initial value elsewhere)."""
+        tail = sds.shape[1:]
+        dtype = sds.dtype
+        fill = lambda n, v: jnp.full((n, *tail), v, dtype, device=device)  # noqa: E731
+        parts, end = [], 0
+        for p in sorted(st.pieces, key=lambda p: p.offset):
+            if p.stride == 1 and p.shard != shard:
+                continue
+            lo, hi = p.shard_rows(shard)
+            if p.offset > end:
+                parts.append(fill(p.offset - end, 0))
+            if p.source in self.tiered_tables:  # an empty device cache
+                parts.append(fill(p.local_rows, init))
+            else:
+                arr = self._leaf(placed[p.source], path)
+                (rows,) = [sh.data for sh in arr.addressable_shards if sh.device == device]
+                rows = rows[: hi - lo].astype(dtype)
+                parts.append(rows)
+                if hi - lo < p.local_rows:  # padding rows past the vocabulary
+                    parts.append(fill(p.local_rows - (hi - lo), 0))
+            end = p.offset + p.local_rows
+        if end < st.rows_per_shard:
+            parts.append(fill(st.rows_per_shard - end, 0))
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     # ---- lookup and update ------------------------------------------------------------
     def _local_batch(self, batch_size: int) -> int:

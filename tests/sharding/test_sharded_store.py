@@ -139,9 +139,13 @@ def test_state_is_an_ordinary_sharded_array_and_row_wise_splits_rows_over_every_
     assert w.sharding.spec == P(("data", "model"), None)
     assert len({s.index[0].start for s in w.addressable_shards}) == 8
     assert w.shape[0] == 8 * stack.rows_per_shard
-    # rows 0..7 of a table land on 8 different devices (hot low ids spread)
+    # contiguous row blocks: shard s holds rows [s * B, (s + 1) * B), B = ceil(50 / 8)
     piece = next(p for p in stack.pieces if p.source == "user")
-    assert piece.stride == 8
+    assert (piece.stride, piece.local_rows) == (8, 7)
+    owner, local = piece.route(np.arange(50, dtype=np.int64), 8)
+    np.testing.assert_array_equal(owner, np.arange(50) // 7)
+    np.testing.assert_array_equal(local, piece.offset + np.arange(50) % 7)
+    assert [piece.shard_rows(s) for s in (0, 6, 7)] == [(0, 7), (42, 49), (49, 50)]
 
 
 def test_export_import_restores_exactly_on_another_mesh():
@@ -275,3 +279,64 @@ def test_dynamic_and_cached_tables_train_on_a_mesh_as_on_one_device():
     for key in h1:
         np.testing.assert_array_equal(h8[key]["keys"], h1[key]["keys"])
         np.testing.assert_allclose(h8[key]["weights"], h1[key]["weights"], rtol=1e-5, atol=1e-6)
+
+
+def _random_tables(store, seed):
+    """Every table of `store` with random weights and slots (the per-table form)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda s: rng.uniform(0.1, 1.0, s.shape).astype(s.dtype), store.abstract_tables()
+    )
+
+
+@pytest.mark.parametrize(
+    "placement", ["replicated", "table_wise", "column_wise", "table_row_wise", "row_wise"]
+)
+def test_sharded_tables_round_trip_on_1_2_4_8_devices(placement):
+    """The per-shard seam: each table in its logical layout (row-split: rows padded to
+    B * S, shard s holding rows [s * B, (s + 1) * B)), placed as the store places it,
+    and back; several tables per stack, vocabularies that do not divide."""
+    opt = ops.Adagrad(learning_rate=0.1)
+    tables, features = _specs(placement, opt)
+    for data, model in [(1, 1), (1, 2), (2, 2), (2, 4)]:
+        store = ShardedTableStore(tables, features, mesh=_mesh(data, model))
+        want = _random_tables(store, data * model)
+        state = store.import_tables(want)
+        abstract = store.abstract_sharded_tables()
+        sharded = store.sharded_tables(state)
+        for name, t in sharded.items():
+            spec = store.tables[name]
+            split = placement in ("row_wise", "table_row_wise")
+            shards = {"row_wise": data * model, "table_row_wise": model}.get(placement, 1)
+            rows = -(-spec.vocab_size // shards) * shards if split else spec.vocab_size
+            w = t["weights"]
+            assert w.shape == abstract[name]["weights"].shape == (rows, spec.dim)
+            assert w.sharding == abstract[name]["weights"].sharding
+            np.testing.assert_array_equal(np.asarray(w)[: spec.vocab_size], want[name]["weights"])
+            np.testing.assert_array_equal(
+                np.asarray(t["slots"]["accumulator"])[: spec.vocab_size],
+                want[name]["slots"]["accumulator"],
+            )
+            if split:  # each device's shard is its contiguous block of rows
+                b = rows // shards
+                for sh in w.addressable_shards:
+                    assert sh.data.shape[0] == b and (sh.index[0].start or 0) % b == 0
+        # padding rows are ignored on the way back
+        padded = {
+            name: jax.tree.map(lambda a, v=store.tables[name].vocab_size: a.at[v:].set(7.0), t)
+            for name, t in sharded.items()
+        }
+        back = store.import_sharded_tables(padded)
+        got = jax.tree.map(np.asarray, store.export_tables(back))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        # the whole-table form (an older checkpoint) is resharded on the way in
+        again = store.import_sharded_tables(want)
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            jax.tree.map(np.asarray, store.export_tables(again)),
+            want,
+        )
+    with pytest.raises(ValueError, match=r"table 'user': sharded weights have shape \(3, 8\)"):
+        store.import_sharded_tables({**want, "user": {**want["user"], "weights": np.zeros((3, 8))}})
+    with pytest.raises(KeyError, match="no saved state for table 'item'"):
+        store.import_sharded_tables({k: v for k, v in want.items() if k != "item"})

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._hashing import mix64
-from .._device_store import _name_hash, _table_key
+from .._device_store import _name_hash, fill_rows, init_block_rows
 from .._spec import (
     FeatureSpec,
     TableSpec,
@@ -229,29 +229,14 @@ class HostTable:
             return
         spec, v = self.spec, self.spec.vocab_size
         self.rows.ensure(v)
-        init = spec.initializer
         dtype = jnp.dtype(spec.dtype)
-        if not hasattr(init, "fill"):
-            if hasattr(init, "host"):
-                w = init.host(
-                    np.random.default_rng([*key_data, _name_hash(spec.name)]), (v, spec.dim), dtype
-                )
-            else:
-                w = np.asarray(init(_table_key(layer_key, spec.name), (v, spec.dim), dtype))
-            self._write_initial(np.arange(v), w)
-            return
-        # `fill` draws chunk by chunk; sub-ranges aligned to its chunks give the same values
-        # (a default scale that depends on the table's size is fixed from the whole table)
-        if isinstance(init, uniform_init) and init.scale is None:
-            init = uniform_init(init._bound((v, spec.dim)))
-        rng = np.random.default_rng([*key_data, _name_hash(spec.name)])
-        from .._spec import FILL_CHUNK_ELEMENTS
-
-        chunk = max(1, FILL_CHUNK_ELEMENTS // spec.dim) * 16
+        # drawn block by block as every store draws it (`fill_rows`: a pure function
+        # of the key, the table's name and the row)
+        chunk = init_block_rows(spec.dim) * 4
         for start in range(0, v, chunk):
             rows = np.arange(start, min(v, start + chunk))
             w = np.empty((rows.shape[0], spec.dim), dtype)
-            init.fill(rng, w)
+            fill_rows(layer_key, spec, start, w)
             self._write_initial(rows, w)
 
     def default_row(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
