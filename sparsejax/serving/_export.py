@@ -57,8 +57,10 @@ from ._format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    read_argument,
     write_arrays,
     write_json,
+    write_piece,
 )
 from ._preprocess import KeyMapping
 from ._store import InferenceTableStore, quantize_table, serving_spec, storage_kind
@@ -145,7 +147,8 @@ def export_computation(fn, args, *, kernels: str) -> tuple[bytes, list[str]]:
 @dataclasses.dataclass
 class _Tables:
     """The run's tables in serving form: per top-level table its rows and mapping entry;
-    per layer and layer table the fp32 weights."""
+    per layer and layer table its weights: a static table's sharded `jax.Array` (the
+    store's `sharded_tables`, rows maybe padded), a tiered one's fp32 rows from its host."""
 
     rows: dict[str, int]
     keys: dict[str, np.ndarray]  # dynamic tables: sorted keys (row i), default row last
@@ -153,13 +156,17 @@ class _Tables:
 
 
 def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tables:
-    """Every table whole, by layer: static ones as they are, tiered ones from the host
-    (a dynamic table's keys unioned over the layers that read it, the default row last)."""
+    """Every table by layer: static ones as their stores shard them, tiered ones from the
+    host (a dynamic table's keys unioned over the layers that read it, the default row
+    last)."""
     top_of_feature = {f.name: f.table for f in features}
     by_layer = {}
     for path, store in trainer.layouts.items():
-        exported = trainer.tables_by_name(state)[layer_key(path)]
-        by_layer[path] = (store, exported)
+        node = state.tables
+        for k in path:
+            node = node[k]
+        # each table in its logical layout, sharded as the store keeps it (no gather)
+        by_layer[path] = (store, store.sharded_tables(node))
     host_rows = trainer.host.export(state.tables)
     # which top-level table each layer table mirrors (DeepFM's "<t>_linear" reads t's ids;
     # the parts of a composed table read features of their own, not needed here)
@@ -183,7 +190,7 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
         out = {}
         for name, t in store.tables.items():
             if not t.is_tiered:
-                out[name] = np.asarray(exported[name]["weights"], np.float32)
+                out[name] = exported[name]["weights"]  # a jax.Array, rows maybe padded
                 continue
             ht = host_rows[layer_table_key(path, name)]
             got_keys, w = ht["keys"], np.asarray(ht["weights"], np.float32)
@@ -198,6 +205,88 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
             out[name] = full
         layers[path] = out
     return _Tables(rows, keys, layers)
+
+
+def _row_blocks(name: str, w, rows: int):
+    """`(first, stop, f32[stop - first, dim])` of the rows < `rows` of a table that this
+    process holds: each row shard's replica 0 (its column pieces joined), in row order;
+    a whole host array is one block."""
+    if isinstance(w, np.ndarray):
+        yield 0, rows, np.asarray(w[:rows], np.float32)
+        return
+    by_rows: dict[tuple[int, int], list] = {}
+    for shard in w.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        r = shard.index[0]
+        r0, r1 = r.start or 0, w.shape[0] if r.stop is None else r.stop
+        c0 = shard.index[1].start or 0 if len(shard.index) > 1 else 0
+        by_rows.setdefault((r0, r1), []).append((c0, shard))
+    for (r0, r1), parts in sorted(by_rows.items()):
+        stop = min(r1, rows)
+        if stop <= r0:
+            continue
+        cols = [np.asarray(s.data)[: stop - r0] for _, s in sorted(parts, key=lambda p: p[0])]
+        block = cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)
+        if block.shape[1] != w.shape[1]:
+            raise ExportError(
+                f"table {name!r}: rows {r0}..{stop - 1} are split by columns over processes; "
+                f"export needs each row's columns on one process"
+            )
+        yield r0, stop, np.asarray(block, np.float32)
+
+
+class _Arg:
+    """A table argument of the exported computation: one array (`kind`) of one stack of
+    an embedding layer's serving store; its value is written in row pieces."""
+
+    def __init__(self, path: tuple, stack: str, kind: str, shape: tuple, dtype):
+        self.path, self.stack, self.kind = path, stack, kind
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+
+def _write_tables(tmp: str, layouts, full: _Tables, kind: str) -> tuple[dict, dict, dict]:
+    """Every layer's tables in serving form, written shard by shard: each block of rows
+    this process holds is quantized on its own (row-wise quantization is per row) and
+    written as a piece of its stack's argument. Returns `({(path, stack, kind): [piece
+    entries]}, table_info, {path: {stack: {kind: _Arg}}})`."""
+    pieces: dict[tuple, list] = {}
+    table_info: dict[str, dict] = {}
+    markers: dict = {}
+    directory = os.path.join(tmp, "arrays")
+    for path, store in layouts.items():
+        shapes = store.abstract_state()
+        markers[path] = {
+            sname: {k: _Arg(path, sname, k, sd.shape, sd.dtype) for k, sd in arrays.items()}
+            for sname, arrays in shapes.items()
+        }
+        for sname, stack in store.stacks.items():
+            offset = 0
+            for t in stack.tables:
+                w = full.layers[path].get(t.name)
+                if w is None:
+                    have = sorted(full.layers[path])
+                    raise KeyError(f"no arrays for table {t.name!r} (have {have})")
+                info = table_info.setdefault(
+                    f"{layer_key(path)}/{t.name}",
+                    {"rows": int(t.vocab_size), "dim": int(t.dim), "fp32_bytes": 0, "bytes": 0},
+                )
+                for r0, r1, block in _row_blocks(t.name, w, t.vocab_size):
+                    info["fp32_bytes"] += int(block.nbytes)
+                    for k, a in quantize_table(block, kind, t.name).items():
+                        info["bytes"] += int(a.nbytes)
+                        pieces.setdefault((path, sname, k), []).append(
+                            write_piece(
+                                directory,
+                                f"{layer_key(path)}.{t.name}.{k}.{r0}-{r1}",
+                                a,
+                                rows=[offset + r0, offset + r1],
+                                table=t.name,
+                                table_rows=[r0, r1],
+                            )
+                        )
+                offset += t.vocab_size
+    return pieces, table_info, markers
 
 
 # ---- preprocessing ------------------------------------------------------------------------
@@ -319,6 +408,7 @@ def export_model(
     features = tuple(features)
     full = _full_tables(trainer, state, top, features)
     serving_tables = [serving_spec(t, full.rows[t.name]) for t in tables]
+    keys = full.keys
     impl = "xla" if kernels == "xla" else None
     model = make_model(serving_tables).clone(implementation=impl)
     make_store = InferenceTableStore.factory(kind, impl)
@@ -326,46 +416,58 @@ def export_model(
     packers = {
         b: BatchPacker(serving_tables, features, batch_size=b, num_dense=num_dense) for b in buckets
     }
-    # the serving layout of every embedding layer, and its tables in serving form
+    # the serving layout of every embedding layer
     arrays: dict[str, np.ndarray] = {}
     example = _pad_batch(packers[buckets[0]])
     with tables_stored_by(make_store):
         layouts, _ = trace_layouts(model, example)
-    states, table_info = {}, {}
-    for path, store in layouts.items():
-        per_table = {}
-        for name, w in full.layers[path].items():
-            per_table[name] = quantize_table(w, kind, name)
-            table_info[f"{layer_key(path)}/{name}"] = {
-                "rows": int(w.shape[0]),
-                "dim": int(w.shape[1]),
-                "fp32_bytes": int(w.nbytes),
-                "bytes": int(sum(a.nbytes for a in per_table[name].values())),
-            }
-        states[path] = store.import_tables(per_table)
-    serving_tables_state = tables_from_layers(layouts, states)
     params = jax.device_get(state.params)
     fn = inference_fn(model, features, make_store, trainer.task)
-    args = (params, jax.device_get(serving_tables_state))
-    flat, _ = jax.tree_util.tree_flatten_with_path(args)
-    arg_arrays = {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat}
     # write: into <out>.tmp-<pid>, renamed to <out> once complete
     with _temp_dir(out) as tmp:
+        # the tables in serving form, shard by shard (no table gathered in one place)
+        pieces, table_info, markers = _write_tables(tmp, layouts, full, kind)
+        del full
+        flat, treedef = jax.tree_util.tree_flatten_with_path(
+            (params, tables_from_layers(layouts, markers))
+        )
+        dense = {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat if not isinstance(a, _Arg)}
+        dense_entries = write_arrays(os.path.join(tmp, "arrays"), dense)
+        arguments = {}
+        for p, a in flat:
+            key = jax.tree_util.keystr(p)
+            if not isinstance(a, _Arg):
+                arguments[key] = dense_entries[key]
+                continue
+            mine = pieces.get((a.path, a.stack, a.kind), [])
+            arguments[key] = {
+                "key": key,
+                "shape": list(a.shape),
+                "dtype": str(a.dtype),
+                "pieces": sorted(mine, key=lambda e: e["rows"]),
+            }
+        abstract = jax.tree_util.tree_unflatten(
+            treedef, [jax.ShapeDtypeStruct(a.shape, a.dtype) for _, a in flat]
+        )
         exported, custom_calls = {}, set()
         for b in buckets:
             blob, calls = export_computation(
-                fn, (*args, batch_arrays(_pad_batch(packers[b]))), kernels=kernels
+                fn, (*abstract, batch_arrays(_pad_batch(packers[b]))), kernels=kernels
             )
             custom_calls |= set(calls)
             fname = f"exported/b{b}.jaxexport"
             with open(os.path.join(tmp, fname), "wb") as fh:
                 fh.write(blob)
             exported[str(b)] = fname
+        # the model dir's own arguments, read back as serving reads them (checked)
+        args = jax.tree_util.tree_unflatten(
+            treedef, [read_argument(tmp, e) for e in arguments.values()]
+        )
         mappings = {}
         for f in features:
             if f.table not in mappings:
                 mappings[f.table] = _mapping_entry(
-                    preprocessing.mappings.get(f.name), f.table, full.keys, arrays
+                    preprocessing.mappings.get(f.name), f.table, keys, arrays
                 )
         retrieval = None
         if trainer.task == "retrieval":
@@ -410,7 +512,7 @@ def export_model(
             "table_arrays": table_info,
             "num_dense": int(num_dense),
             "mappings": mappings,
-            "arguments": write_arrays(os.path.join(tmp, "arrays"), arg_arrays),
+            "arguments": arguments,
             "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays),
             "retrieval": retrieval,
         }
@@ -418,7 +520,7 @@ def export_model(
             "tables_bytes": sum(v["bytes"] for v in table_info.values()),
             "tables_fp32_bytes": sum(v["fp32_bytes"] for v in table_info.values()),
         }
-        manifest["check"] = _check(trainer, state, eval_batches, features, fn, args, full.keys)
+        manifest["check"] = _check(trainer, state, eval_batches, features, fn, args, keys)
         write_json(os.path.join(tmp, MANIFEST), manifest)
         rows = [dict(r) for r in preprocessing.examples]
         write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})

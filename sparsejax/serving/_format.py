@@ -7,7 +7,11 @@ MODEL_DIR/
   exported/b<N>.jaxexport  the model's computation for batch size N (`jax.export`,
                          serialized): (params, tables, batch) -> scores
   arrays/*.npy           its arguments: dense parameters and stacked (maybe quantized)
-                         tables, exactly as the exported computation takes them
+                         tables, exactly as the exported computation takes them; a
+                         table argument is stored in row pieces, one file per shard of
+                         each table (`arguments[key]["pieces"]`: file, crc32, the rows
+                         of the argument it holds, the table and the table's rows), as
+                         the processes that held those shards wrote them
   mappings/*.npy         id mappings: a vocabulary's kept raw ids, a dynamic table's keys
   example_request.json   a valid /v1/predict body built from real rows
   example_retrieve.json  a valid /v1/retrieve body (retrieval models)
@@ -16,6 +20,9 @@ MODEL_DIR/
 Arguments are stored leaf by leaf as the exported function takes them (keyed by pytree
 path), so loading needs no model code: a later sparsejax serves an older model as long
 as the format version and the batch layout match, and says which does not.
+
+Format version 2 (this one) stores table arguments in row pieces; version 1 model dirs
+(one file per argument) still load.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -30,7 +38,7 @@ import numpy as np
 from .. import checkpoint
 
 FORMAT = "sparsejax-model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bumped when a model dir written now could not be read correctly by older code."""
 MANIFEST = "model.json"
 EXAMPLE_REQUEST = "example_request.json"
@@ -68,6 +76,93 @@ def read_array(model_dir: str, entry: Mapping) -> np.ndarray:
     return checkpoint.read_array(
         os.path.join(model_dir, entry["file"]), dict(entry), error=ModelLoadError, what="model"
     )
+
+
+def write_piece(directory: str, name: str, a: np.ndarray, **where) -> dict:
+    """One row piece of a table argument as `<directory>/<name>.npy`; its entry (file
+    relative to the model dir, crc32, bytes, shape, dtype, and `where`: "rows" of the
+    argument, "table", "table_rows")."""
+    os.makedirs(directory, exist_ok=True)
+    entry = checkpoint.write_array(os.path.join(directory, file_name(name) + ".npy"), a)
+    entry["file"] = os.path.join(os.path.basename(directory), entry["file"])
+    return {**entry, **where}
+
+
+def _piece_error(model_dir: str, entry: Mapping, what: str) -> ModelLoadError:
+    t0, t1 = entry.get("table_rows", entry["rows"])
+    return ModelLoadError(
+        f"model file {os.path.join(model_dir, entry['file'])} (table {entry.get('table')!r}, "
+        f"rows {t0}..{t1 - 1}) {what}"
+    )
+
+
+def _read_piece_into(model_dir: str, entry: Mapping, out: np.ndarray) -> None:
+    """Read one piece's rows straight into `out` (its rows of the argument), checking
+    the file's size, header and crc32; errors name the table, the rows and the file."""
+    path = os.path.join(model_dir, entry["file"])
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise _piece_error(model_dir, entry, "is missing") from None
+    if size != entry["bytes"]:
+        raise _piece_error(
+            model_dir, entry, f"has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
+        )
+    with open(path, "rb") as fh:
+        try:
+            version = np.lib.format.read_magic(fh)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read(fh)
+        except (OSError, ValueError) as e:
+            raise _piece_error(model_dir, entry, f"is unreadable ({e})") from None
+        want = tuple(out.shape)
+        if tuple(shape) != want or dtype.itemsize != out.dtype.itemsize:
+            raise _piece_error(
+                model_dir, entry, f"holds {dtype}{list(shape)}, expected {out.dtype}{list(want)}"
+            )
+        header = fh.tell()
+        fh.seek(0)
+        crc = zlib.crc32(fh.read(header))
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < view.nbytes:
+            n = fh.readinto(view[done : done + (64 << 20)])
+            if not n:
+                raise _piece_error(model_dir, entry, "ends early")
+            crc = zlib.crc32(view[done : done + n], crc)
+            done += n
+    if crc != entry["crc32"]:
+        raise _piece_error(model_dir, entry, "is corrupt (crc32 mismatch)")
+
+
+def read_argument(model_dir: str, entry: Mapping) -> np.ndarray:
+    """One exported argument: a whole-array file (format 1, dense parameters) or a table
+    argument read piece by piece into one preallocated array (no piece held twice); a
+    missing or truncated piece names the table, its rows and the file, and rows no piece
+    covers are named too."""
+    if "pieces" not in entry:
+        return read_array(model_dir, entry)
+    shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
+    out = np.empty(shape, dtype)
+    covered = np.zeros(shape[0] + 1, np.int64)
+    for piece in entry["pieces"]:
+        r0, r1 = piece["rows"]
+        _read_piece_into(model_dir, piece, out[r0:r1])
+        covered[r0] += 1
+        covered[r1] -= 1
+    holes = np.flatnonzero(np.cumsum(covered)[: shape[0]] != 1)
+    if holes.size:
+        tables = sorted({str(p.get("table")) for p in entry["pieces"]})
+        raise ModelLoadError(
+            f"{model_dir}: rows {int(holes[0])}..{int(holes[-1])} of argument "
+            f"{entry.get('key', '?')} (tables {tables}) are in no piece or in several: "
+            f"the model dir is incomplete; export it again"
+        )
+    return out
 
 
 def read_manifest(model_dir: str) -> dict:

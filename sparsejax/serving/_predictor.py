@@ -24,7 +24,7 @@ from ..data import BatchPacker, Examples
 from ..embedding import FeatureSpec, TableSpec
 from ..ops import cpu_ffi_available
 from ._export import _pad_batch, _scores, batch_arrays
-from ._format import EXAMPLE_REQUEST, ModelLoadError, read_array, read_manifest
+from ._format import EXAMPLE_REQUEST, ModelLoadError, read_argument, read_array, read_manifest
 from ._preprocess import Preprocessor, RequestError, mapping_from_entry
 
 __all__ = ["ModelLoadError", "Predictor", "RequestError"]
@@ -87,8 +87,9 @@ class Predictor:
             {f.name: f.max_ids for f in self.features if not f.is_sequence},
             max_examples=max_examples,
         )
-        leaves = [read_array(model_dir, e) for e in m["arguments"].values()]
-        self._leaves = [jax.device_put(a) for a in leaves]
+        self._leaves = []
+        for e in m["arguments"].values():  # one host array at a time, read in place
+            self._leaves.append(jax.device_put(read_argument(model_dir, e)))
         self._calls = {}
         for b in self.buckets:
             path = os.path.join(model_dir, m["exported"][str(b)])

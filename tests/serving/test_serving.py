@@ -204,16 +204,28 @@ def _copy(src, dst):
 def test_corrupt_or_incompatible_model_dirs_are_refused(criteo_run, tmp_path):
     _, _, models = criteo_run
     src = models["fp32"][1]
-    # a flipped byte in a table file
-    bad = _copy(src, tmp_path / "flip")
-    m = json.loads((bad / "model.json").read_text())
-    entry = max(m["arguments"].values(), key=lambda e: e["bytes"])
-    f = bad / entry["file"]
-    data = bytearray(f.read_bytes())
-    data[-3] ^= 0xFF
-    f.write_bytes(bytes(data))
-    with pytest.raises(ModelLoadError, match="corrupt"):
-        Predictor.load(str(bad))
+    # a flipped byte, a truncated and a missing table shard file: each names the table,
+    # the rows and the file
+    m = json.loads((pathlib.Path(src) / "model.json").read_text())
+    pieces = [p for e in m["arguments"].values() for p in e.get("pieces", ())]
+    piece = max(pieces, key=lambda e: e["bytes"])
+    t0, t1 = piece["table_rows"]
+    for name, damage, words in [
+        ("flip", lambda b: b[:-3] + bytes([b[-3] ^ 0xFF]) + b[-2:], "is corrupt"),
+        ("cut", lambda b: b[:-40], "bytes, the manifest says"),
+        ("gone", None, "is missing"),
+    ]:
+        bad = _copy(src, tmp_path / name)
+        f = bad / piece["file"]
+        if damage is None:
+            f.unlink()
+        else:
+            f.write_bytes(damage(f.read_bytes()))
+        with pytest.raises(ModelLoadError) as e:
+            Predictor.load(str(bad))
+        msg = str(e.value)
+        assert "\n" not in msg and words in msg, msg
+        assert f"table {piece['table']!r}, rows {t0}..{t1 - 1}" in msg and str(f) in msg, msg
     # a truncated exported computation
     bad = _copy(src, tmp_path / "trunc")
     f = bad / "exported" / "b8.jaxexport"
@@ -238,6 +250,29 @@ def test_corrupt_or_incompatible_model_dirs_are_refused(criteo_run, tmp_path):
             Predictor.load(str(d))
     with pytest.raises(ModelLoadError, match="not a sparsejax model dir"):
         Predictor.load(str(tmp_path))
+
+
+def test_format_1_model_dirs_still_load(criteo_run, tmp_path):
+    """A model dir of format 1 (each argument one whole file) serves the same scores."""
+    from sparsejax import checkpoint
+    from sparsejax.serving._format import read_argument
+
+    tmp, _, models = criteo_run
+    src = models["fp32"][1]
+    old = _copy(src, tmp_path / "v1")
+    m = json.loads((old / "model.json").read_text())
+    for i, (key, e) in enumerate(m["arguments"].items()):
+        if "pieces" in e:
+            a = read_argument(str(src), e)
+            entry = checkpoint.write_array(str(old / "arrays" / f"whole{i}.npy"), a)
+            entry["file"] = f"arrays/{entry['file']}"
+            m["arguments"][key] = entry
+    m["format_version"] = 1
+    (old / "model.json").write_text(json.dumps(m))
+    rows = _raw_criteo_rows(tmp / "day.tsv", 500, 20)
+    want = Predictor.load(str(src), warmup=False).predict(rows)
+    got = Predictor.load(str(old), warmup=False).predict(rows)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_cli_export_errors_are_one_line(criteo_run, tmp_path, capsys):
