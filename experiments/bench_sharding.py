@@ -27,7 +27,15 @@ table, 100x apart):
 (c) ms per step: median of --reps timed runs of --steps steps each, after --warmup
     steps; with --rounds R, every cell runs R times (round after round, each in its own
     process) and the median over the rounds is shown, (min-max) beside it;
-(d) ratios of HLO bytes and of ms vs "replicated" at the same vocabulary.
+(d) ratios of HLO bytes and of ms vs "replicated" at the same vocabulary;
+(e) exchange (issue 24): the lookup's all-to-all bytes a device sends to other devices
+    per step (ids, bags and the partial bags back), against the bytes that must move
+    (the ids whose owner is another device, and the same partial bags), as the
+    `Trainer` counts them (`exchange_stats`); "ids" the same for the ids alone.
+    `--exchange sized` (default) sizes the send buffers as the `Trainer` does (the
+    largest per-owner count over the batches, x --headroom (1.05), rounded up to 1/16 of a power of
+    two); `--exchange full` gives the buffers of before (room for every id a device
+    holds: S x the ids), whose HLO bytes are the planner's formula.
 
 Baselines: plain `jax.jit` of `jnp.take` on the same tables stacked into one
 [T x V, D] array, rows sharded over "model" (`P("model", None)`) and over every device
@@ -56,6 +64,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
@@ -79,6 +88,7 @@ from sparsejax.data import PaddedIds, SparseBatch  # noqa: E402
 from sparsejax.embedding import FeatureSpec, TableSpec  # noqa: E402
 from sparsejax.sharding import ShardedTableStore, make_mesh, shard_batch  # noqa: E402
 from sparsejax.sharding._batch import capacity_per_device  # noqa: E402
+from sparsejax.train._trainer import _bucket, _exchange_bytes  # noqa: E402
 
 PLACEMENTS = ("replicated", "table_wise", "column_wise", "table_row_wise", "row_wise")
 BASELINES = {
@@ -331,18 +341,50 @@ def store_cell(args, mesh, placement: str, vocab: int, raws: list[dict]) -> dict
         loss, g = jax.value_and_grad(loss_fn)(outputs)
         return store.apply_gradients(state, res, g, step=k), loss
 
-    inputs = [
-        (
-            jax.device_put(
-                shard_batch(padded(r, features, b), store.features, 8).features, feat_sharding
-            ),
-        )
-        for r in raws
+    counts = [{} for _ in raws]
+    split = [
+        shard_batch(padded(r, features, b), store.features, 8, stores=[store], counts=c)
+        for r, c in zip(raws, counts, strict=True)
     ]
+    sized = args.exchange == "sized"
+    groups = sorted(counts[0])
+    n_per = {  # every id a device holds, per group (the buffers of before)
+        g: sum(capacity_per_device(e.feature, b, 8) for e in store.groups[g].entries)
+        for g in groups
+    }
+    caps = {
+        g: _bucket(int(np.ceil(max(int(c[g].max()) for c in counts) * args.headroom)))
+        if sized
+        else n_per[g]
+        for g in groups
+    }
+    if sized:
+        split = [
+            dataclasses.replace(
+                sb,
+                features={
+                    k: dataclasses.replace(v, exchange=tuple(sorted(caps.items())))
+                    for k, v in sb.features.items()
+                },
+            )
+            for sb in split
+        ]
+    moved = (
+        np.mean(
+            [_exchange_bytes([store], c, caps, sb, 0) for c, sb in zip(counts, split, strict=True)],
+            axis=0,
+        )
+        / 8
+    )  # per device
+    inputs = [(jax.device_put(sb.features, feat_sharding),) for sb in split]
     abstract = store.abstract_state()
     jstep = jax.jit(step, donate_argnums=0)
     compiled = jstep.lower(abstract, *inputs[0], jnp.int32(1)).compile()
-    return finish(args, compiled, lambda: fill_state(abstract), inputs, formula_bytes(store, b))
+    r = finish(args, compiled, lambda: fill_state(abstract), inputs, formula_bytes(store, b))
+    keys = ("sent", "needed", "sent_ids", "needed_ids")
+    r["exchange"] = dict(zip(keys, moved.tolist(), strict=True))
+    r["capacity"] = {g: (caps[g], n_per[g]) for g in groups}
+    return r
 
 
 def baseline_cell(args, mesh, spec: P, vocab: int, raws: list[dict]) -> dict:
@@ -416,6 +458,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="runs of every cell (ms: median)")
     p.add_argument("--in-process", action="store_true", help="all cells in this process")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    p.add_argument(
+        "--exchange", choices=("sized", "full"), default="sized", help="send buffers (see (e))"
+    )
+    p.add_argument("--headroom", type=float, default=1.05, help="sized buffers' headroom")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.tables, args.dim, args.vocabs = 64, 2, 8, [100, 10_000]
@@ -526,6 +572,26 @@ def table(rows: list[dict]) -> str:
             f"| {r['placement']} | {vocab_text(r['vocab'])} | {fmt_bytes(r['formula'])} "
             f"| {fmt_bytes(r['hlo'])} | {diff} | {ms} | {rb} | {rt} |"
         )
+    ex = [r for r in rows if r.get("exchange") and r["exchange"]["needed"]]
+    if ex:
+        lines += [
+            "",
+            "Lookup all-to-all bytes per step per device, sent to other devices vs needed:",
+            "",
+            "| placement | vocab/table | capacity / ids per device | sent | needed | ratio "
+            "| ids sent | ids needed | ids ratio |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in ex:
+            e = r["exchange"]
+            cap = ", ".join(f"{c}/{n}" for c, n in r["capacity"].values())
+            ids = e["sent_ids"] / e["needed_ids"] if e["needed_ids"] else float("nan")
+            lines.append(
+                f"| {r['placement']} | {vocab_text(r['vocab'])} | {cap} "
+                f"| {fmt_bytes(e['sent'])} | {fmt_bytes(e['needed'])} "
+                f"| {e['sent'] / e['needed']:.2f}x | {fmt_bytes(e['sent_ids'])} "
+                f"| {fmt_bytes(e['needed_ids'])} | {ids:.2f}x |"
+            )
     lines.append("")
     lines.append("HLO collectives per step (one device):")
     for r in rows:

@@ -114,6 +114,11 @@ class StepProfile:
     device: str
     unattributed_events: int = 0
     trace_dir: str = ""
+    exchange: dict | None = None
+    """Placed tables' lookup exchange over the profiled steps (`Trainer.exchange_stats`):
+    bytes this process's devices sent per step to other devices in the lookup's
+    all-to-alls (`sent_bytes`) against the bytes that had to move (`needed_bytes`),
+    the send-buffer capacity per group and its grows; None without placed tables."""
 
     @property
     def coverage(self) -> float:
@@ -163,6 +168,16 @@ class StepProfile:
             lines.append(
                 f"random row gather (embedding_bag, uniform ids, the run's row width): "
                 f"{self.gather_gbps:.1f} GB/s"
+            )
+        ex = self.exchange
+        if ex and ex.get("steps"):
+            ratio = ex["sent_bytes"] / ex["needed_bytes"] if ex["needed_bytes"] else float("nan")
+            lines.append(
+                f"exchange (lookup all-to-alls, this process's devices to others): "
+                f"{ex['sent_bytes'] / 1e6:.3f} MB/step sent, {ex['needed_bytes'] / 1e6:.3f} MB "
+                f"needed ({ratio:.2f}x; ids {ex['sent_id_bytes'] / 1e6:.3f} MB of "
+                f"{ex['needed_id_bytes'] / 1e6:.3f} MB), capacity {ex['capacity']}, "
+                f"{ex['grows']} grows"
             )
         if self.trace_dir:
             lines.append(f"trace: {self.trace_dir} (TensorBoard profile, perfetto_trace.json.gz)")
@@ -523,6 +538,7 @@ def profile_training(
                 jax.block_until_ready(noop(state, batch))
                 dispatch.append(time.perf_counter() - t)
         loader.close()
+        exchange = trainer.exchange_stats() if trainer.shards_batch else None
         device, unknown = device_parts(trace_dir, hlo, steps)
         parts = {
             "input": 1e3 * statistics.mean(t[0] for t in traced),
@@ -545,6 +561,7 @@ def profile_training(
             device=_device_text(dev),
             unattributed_events=unknown,
             trace_dir=os.path.join(out_dir, "trace"),
+            exchange=exchange,
         )
         with open(os.path.join(tmp, "summary.txt"), "w") as f:
             f.write(result.table() + "\n")

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..checkpoint import Layouts, tables_by_name, tables_from_layers
 from ..data import SparseBatch
-from ..embedding import default_mesh
+from ..embedding import default_mesh, tiered_feature_key
 from ..embedding.host import HostSides, host_side
 from ..nn import (
     EMBEDDING,
@@ -101,6 +101,89 @@ def shape_batch(batch):
     return dataclasses.replace(batch, features=features)
 
 
+def _bucket(n: int) -> int:
+    """`n` rounded up to 1/16 of the power of two below it (at most 6.25% more), at
+    least 8: a few distinct capacities, so a few compiles."""
+    if n <= 8:
+        return 8
+    g = 1 << max(int(n).bit_length() - 5, 0)
+    return -(-n // g) * g
+
+
+@dataclasses.dataclass
+class _ExchangeStats:
+    grows: int = 0
+    steps: int = 0
+    sent: int = 0
+    needed: int = 0
+    sent_ids: int = 0
+    needed_ids: int = 0
+    last: tuple = (0, 0, 0, 0)
+
+    def add(self, b: tuple) -> None:
+        self.steps += 1
+        self.sent += b[0]
+        self.needed += b[1]
+        self.sent_ids += b[2]
+        self.needed_ids += b[3]
+        self.last = b
+
+    def as_dict(self, capacity) -> dict:
+        n = max(self.steps, 1)
+        return {
+            "capacity": dict(capacity),
+            "grows": self.grows,
+            "steps": self.steps,
+            "sent_bytes": self.sent / n,
+            "needed_bytes": self.needed / n,
+            "sent_id_bytes": self.sent_ids / n,
+            "needed_id_bytes": self.needed_ids / n,
+            "last_sent_bytes": self.last[0],
+            "last_needed_bytes": self.last[1],
+        }
+
+
+def _exchange_bytes(stores, counts, capacity, batch, first) -> tuple[int, int, int, int]:
+    """Bytes this process's devices send to other devices in one step's lookup
+    all-to-alls, and the bytes that must move: `(sent, needed, sent ids, needed ids)`.
+    An id travels as its row and bag (8 bytes; 12 with a pooling coefficient); each
+    owner returns every bag a partial sum (`S - 1` blocks of `bags x dim` rows)."""
+    sent = needed = sent_ids = needed_ids = 0
+    for store in stores:
+        shape = dict(store.mesh.shape)
+        model = int(shape.get("model", 1))
+        for gname, group in getattr(store, "groups", {}).items():
+            if gname not in counts:
+                continue
+            st = store.stacks[group.stack]
+            c = counts[gname]  # [devices, shards]
+            devices = c.shape[0]
+            idb = 12 if group.needs_coefficients else 8
+            b_local = batch.batch_size // devices
+            bags = sum(b_local * e.feature.bags_per_example() for e in group.entries)
+            n = sum(_ids_of(store, batch, e.feature) // devices for e in group.entries)
+            cap = min(capacity[gname], n)
+            back = (st.shards - 1) * bags * st.dim * np.dtype(st.dtype).itemsize
+            for d in range(devices):
+                g = first + d  # the device's mesh index: its shard along the stack's axes
+                axes = st.axes
+                own = g if len(axes) == 2 else (g % model if axes == ("model",) else g // model)
+                others = int(c[d].sum() - c[d, own])
+                sent_ids += (st.shards - 1) * cap * idb
+                needed_ids += others * idb
+                sent += back
+                needed += back
+    return sent + sent_ids, needed + needed_ids, sent_ids, needed_ids
+
+
+def _ids_of(store, batch, f) -> int:
+    """Ids (padding included) of feature `f` in a split batch, as the store reads them."""
+    key = f.name
+    if f.table in store.tiered_tables and tiered_feature_key(f.name, f.table) in batch.features:
+        key = tiered_feature_key(f.name, f.table)
+    return int(np.asarray(batch.features[key].ids).shape[0])
+
+
 def _checked_wait(out):
     """`out`, waited for (with its host callbacks) in checked mode, so that a failed
     value check is raised by the step that failed it (asynchronous dispatch would raise
@@ -146,6 +229,8 @@ class Trainer:
         mesh: Mesh | None = None,
         sparse_schedule: Callable[[jax.Array], jax.Array] | None = None,
         sparse_l2: float = 0.0,
+        exchange_headroom: float | None = 1.05,
+        route_on_host: bool = False,
     ):
         self.model = model
         self.tx = tx
@@ -160,6 +245,17 @@ class Trainer:
         self.loss_fn = LOSSES[self.task]
         self._layouts: Layouts | None = None
         self._steps: dict[tuple[str, int], Callable] = {}
+        if exchange_headroom is not None and not exchange_headroom >= 1:
+            raise ValueError(
+                f"Trainer: `exchange_headroom` must be >= 1, got {exchange_headroom!r}"
+            )
+        self.exchange_headroom = exchange_headroom
+        self.route_on_host = bool(route_on_host)
+        self.exchange_capacity: dict[str, int] = {}
+        """Send-buffer slots per owner of each lookup group of the placed tables (set
+        from the batches; setting one smaller forces a grow, e.g. in a test)."""
+        self._exchange = _ExchangeStats()
+        self._placed = None  # (layouts, their placed stores on the mesh)
         self.host: HostSides = HostSides()
         """Everything the model's tables do on the host between steps (`HostSide`: tiered
         tables' id mapping and row exchanges, host-executed tables' lookups and updates),
@@ -224,17 +320,57 @@ class Trainer:
             return batch  # already placed
         batch = jax.tree.map(np.asarray, batch)
         local, first = self._local_devices()
-        specs = {
-            k: f for store in self._layouts.values() for k, f in store.batch_features().items()
-        }
+        if self._placed is None or self._placed[0] is not self._layouts:
+            self._placed = (self._layouts, [s for s in self._stores().values() if s.shards_batch])
+        stores = self._placed[1]
+        specs = {k: f for store in stores for k, f in store.batch_features().items()}
+        counts: dict[str, np.ndarray] = {}
         batch = shard_batch(
             batch,
             specs,
             local,
             global_batch=batch.batch_size * jax.process_count(),
             first_device=first,
+            stores=stores,
+            route_on_host=self.route_on_host,
+            counts=counts if self.exchange_headroom is not None else None,
         )
+        if self.exchange_headroom is not None and counts:
+            batch = self._size_exchange(batch, stores, counts, specs, first)
         return self._global(batch)
+
+    def exchange_stats(self) -> dict:
+        """The placed tables' exchange so far: `capacity` per group, `grows` (batches
+        that needed larger send buffers, so a new compile: the first sizing is not
+        counted), `steps` sized, and the bytes this process's devices sent per step to
+        other devices in the lookup's all-to-alls (`sent_bytes`: ids, bags, pooling
+        coefficients and the partial bags back) against the bytes that had to move
+        (`needed_bytes`: the ids that go to another owner, and the same partial bags),
+        as the mean over the steps and the last step (`last_*`)."""
+        return self._exchange.as_dict(self.exchange_capacity)
+
+    def _size_exchange(self, batch, stores, counts, specs, first):
+        """Capacities from `counts` (the maximum over every process), grown if needed,
+        written into the batch's features (`PaddedIds.exchange`), and the step's bytes."""
+        names = sorted(counts)
+        need = np.array([int(counts[g].max()) for g in names], np.int64)
+        if jax.process_count() > 1:  # one program on every process: agree on the maximum
+            from jax.experimental import multihost_utils
+
+            need = np.asarray(multihost_utils.process_allgather(need)).reshape(-1, len(names))
+            need = need.max(0)
+        for g, k in zip(names, need.tolist(), strict=True):
+            cap = self.exchange_capacity.get(g)
+            if cap is None or k > cap:
+                self.exchange_capacity[g] = _bucket(int(np.ceil(k * self.exchange_headroom)))
+                self._exchange.grows += cap is not None
+        caps = tuple((g, self.exchange_capacity[g]) for g in names)
+        features = dict(batch.features)
+        for k in specs:
+            if k in features:
+                features[k] = dataclasses.replace(features[k], exchange=caps)
+        self._exchange.add(_exchange_bytes(stores, counts, self.exchange_capacity, batch, first))
+        return dataclasses.replace(batch, features=features)
 
     def _every(self) -> NamedSharding:
         """Split along every mesh axis: one slice of the batch per device."""

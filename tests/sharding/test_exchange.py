@@ -137,11 +137,11 @@ def test_owner_counts_match_numpy():
     feats, counts = _sized(store, batch)
     group = next(g for g in store.groups.values() if store.stacks[g.stack].dim == 8)
     want = np.zeros((4, 4), int)
-    for e in group.entries:
+    for e in group.entries:  # one id at a time, with the layout's own mapping
         ids = np.asarray(feats[e.feature.name].ids).reshape(4, -1)
         for d in range(4):
             for i in ids[d][ids[d] >= 0]:
-                want[d, i % 4] += 1
+                want[d, int(e.piece.route(np.array([i], np.int64), 4)[0][0])] += 1
     np.testing.assert_array_equal(counts[group.name], want)
 
 
@@ -195,10 +195,15 @@ def test_host_routing_of_int64_ids_matches_numpy():
     assert out.features["s"].owners is None  # a table below 2**31 rows: routed on the device
     (piece,) = [p for st in store.stacks.values() for p in st.pieces if p.source == "wide"]
     real = np.asarray(w.ids) >= 0
-    sent = np.sort(ids[ids >= 0])
-    back = np.sort(np.asarray(w.owners)[real] + 4 * np.asarray(w.ids, np.int64)[real])
-    np.testing.assert_array_equal(back, sent)  # owner = id % 4, row = id // 4
-    assert np.asarray(w.ids)[real].max() < piece.local_rows < 2**31
+    # the ids as they were, in the split order: (owner, row) of each is Piece.route's,
+    # numpy int64 one id at a time, and rows stay below the shard's int32 rows
+    order = np.argsort(segs[ids >= 0], kind="stable")
+    sent = ids[ids >= 0][order]
+    want = np.array([[int(x[0]) for x in piece.route(np.array([i]), 4)] for i in sent])
+    got = np.stack([np.asarray(w.owners)[real], np.asarray(w.ids)[real] + piece.offset], 1)
+    np.testing.assert_array_equal(got, want)
+    assert (got[:, 0] < 4).all() and np.asarray(w.ids)[real].max() < piece.local_rows < 2**31
+    assert len({tuple(r) for r in got}) == len(set(sent.tolist()))  # one slot per id
     # an id outside the table, and one >= 2**31 for a table that is not routed
     bad = dataclasses.replace(batch.features["w"], ids=np.where(ids >= 0, big, -1))
     with pytest.raises(ValueError, match=r"feature 'w': id 2147483655 at position 1 is outside"):
@@ -229,3 +234,53 @@ def test_small_tables_routed_on_the_host_train_the_same():
     want, want_tables = _reference(tables, features, batches)
     _assert_close(got, want)
     _assert_close(got_tables, want_tables)
+
+
+def test_trainer_sizes_grows_and_counts_the_exchange():
+    """A DLRM on 4 devices: right-sized buffers, a capacity forced too small (grown
+    before the step runs, counted) and host routing give the losses and tables of the
+    buffers of before (room for every id)."""
+    from sparsejax import runner, train
+
+    cfg = runner.config_from_dict(
+        {
+            "data": {
+                "batch_size": 32,
+                "synthetic_options": {"vocab_sizes": [300, 50, 120], "num_dense": 2},
+            },
+            "model": {"embedding_dim": 8, "options": {"bottom": [8], "top": [8, 1]}},
+        }
+    )
+    data = runner.build_data(cfg)
+    model = runner.build_model(cfg, data.tables, data.features)
+    placed = model.clone(
+        tables=tuple(dataclasses.replace(t, placement="row_wise") for t in model.tables)
+    )
+    b = data.packer.batch_size
+    batches = [
+        data.packer.pack(s, labels=y, dense=d)
+        for s, y, d in (data.train_source.batch(i, b) for i in range(4))
+    ]
+    tx = runner.dense_optimizer(cfg.optimizer)
+
+    def run(**kw):
+        trainer = train.Trainer(placed, tx, mesh=_mesh(4), **kw)
+        state = trainer.init(jax.random.key(0), batches[0])
+        losses = []
+        for k, batch in enumerate(batches):
+            if k == 2 and trainer.exchange_capacity:  # force an overflow: too small
+                trainer.exchange_capacity = dict.fromkeys(trainer.exchange_capacity, 1)
+            state, m = trainer.train_step(state, batch)
+            losses.append(float(m["loss"]))
+        return losses, jax.tree.map(np.asarray, trainer.tables_by_name(state)), trainer
+
+    want, want_tables, old = run(exchange_headroom=None)
+    assert old.exchange_stats()["steps"] == 0 and not old.exchange_capacity
+    for kw in ({}, {"route_on_host": True}):
+        got, got_tables, trainer = run(**kw)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        _assert_close(got_tables, want_tables)
+        stats = trainer.exchange_stats()
+        assert stats["grows"] >= 1 and stats["steps"] == 4
+        assert all(c > 1 for c in stats["capacity"].values())
+        assert 0 < stats["needed_bytes"] <= stats["sent_bytes"] <= 1.5 * stats["needed_bytes"]

@@ -258,3 +258,18 @@ def test_a_run_that_fails_inside_the_window_leaves_no_partial_trace(tmp_path, mo
     assert not [n for n in os.listdir(tmp_path / "f") if n.startswith("profile")]
     jax.profiler.start_trace(str(tmp_path / "t"))  # the profiler was stopped
     jax.profiler.stop_trace()
+
+
+def test_profile_of_placed_tables_reports_the_exchange_bytes(tmp_path):
+    over = ["sharding.devices=4", "sharding.model=4"]
+    over += [f"tables.C{i}.placement=row_wise" for i in (1, 2, 3)]
+    cfg = runner.load_config([], [f"out_dir={tmp_path}", "name=p", *TINY, *over])
+    result = _profile.profile(cfg, steps=2, warmup=1, log=lambda _: None)
+    ex = result.exchange
+    assert ex["steps"] >= 3 and ex["capacity"]
+    assert 0 < ex["needed_bytes"] <= ex["sent_bytes"] <= 1.25 * ex["needed_bytes"]
+    saved = json.loads((tmp_path / "p" / "profile" / "summary.json").read_text())
+    assert saved["exchange"]["sent_bytes"] == pytest.approx(ex["sent_bytes"])
+    assert (
+        "exchange (lookup all-to-alls" in (tmp_path / "p" / "profile" / "summary.txt").read_text()
+    )
