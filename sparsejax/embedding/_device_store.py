@@ -279,23 +279,34 @@ class DeviceTableStore(StoreBase):
         return (size(leaves["weights"]), sum(size(s) for s in jax.tree.leaves(leaves["slots"])))
 
     def check_memory(self, name: str) -> None:
-        """Refuse, before allocating, a stack that does not fit in the mesh's devices."""
+        """Refuse, before allocating, a stack that does not fit in the mesh's devices.
+
+        The need is init's measured peak: the stack's weights and slots (one copy per
+        device; on CPU the weights are drawn into the buffer the first device adopts)
+        plus one init block drawn aside (`fill_rows`); on other devices, the weights
+        staged on the host as well."""
         devices = list(self.mesh.devices.flat)
         weights, slots = self.part_bytes(name)
-        checks = [(weights + slots, available_memory(devices), "")]
+        stack = self.stacks[name]
+        largest = max(t.vocab_size for t in stack.tables)
+        block = min(init_block_rows(stack.dim), largest) * stack.dim * 4  # drawn aside
+        checks = [(weights + slots + block, available_memory(devices), "")]
         if all(d.platform != "cpu" for d in devices):  # the weights are staged on the host
-            checks.append((weights, available_memory([]), " to stage the weights"))
+            checks = [
+                (weights + slots, available_memory(devices), ""),
+                (weights + block, available_memory([]), " to stage the weights"),
+            ]
         for need, avail, why in checks:
             if avail is not None and need > avail[0]:
-                stack = self.stacks[name]
                 what = (
                     f"table {stack.tables[0].name!r}"
                     if len(stack.tables) == 1
                     else f"stack {name!r} (tables {[t.name for t in stack.tables]})"
                 )
                 raise MemoryError(
-                    f"{type(self).__name__}.init: {what} needs {format_bytes(weights + slots)} "
-                    f"(weights {format_bytes(weights)} + optimizer slots {format_bytes(slots)}) "
+                    f"{type(self).__name__}.init: {what} needs {format_bytes(need)} "
+                    f"(weights {format_bytes(weights)} + optimizer slots {format_bytes(slots)}"
+                    f"{'' if need == weights + slots else f' + init block {format_bytes(block)}'}) "
                     f"but {format_bytes(avail[0])} is available ({avail[1]}{why}); use fewer "
                     f"or smaller tables, or a sharded store"
                 )

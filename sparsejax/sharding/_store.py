@@ -182,7 +182,7 @@ class ShardedTableStore(StoreBase):
         per_device = self.device_bytes(name)
         local = list(self._device_shards(st))
         weights = st.rows_per_shard * st.dim * jnp.dtype(st.dtype).itemsize
-        block = init_block_rows(st.dim) * st.dim * 4
+        block = min(init_block_rows(st.dim), st.rows_per_shard) * st.dim * 4  # drawn aside
         if all(d.platform == "cpu" for d in local):
             host = per_device * len(local) + block
         else:
