@@ -38,18 +38,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
+from ..embedding import available_memory, format_bytes, subtree
 from ..embedding.host import HostSide
-from . import _host_tables
+from . import _host_tables, _sharded, _verify
 from ._files import (
     CheckpointError,
     CheckpointUnreadableError,
     CheckpointWriteError,
     NonFiniteStateError,
 )
-from ._layout import Layouts, layer_key, stack_tables, tables_by_name, uncovered_layer
+from ._layout import Layouts, layer_key, tables_from_layers, uncovered_layer
 
 
 def _one_line(e: BaseException) -> str:
@@ -59,32 +59,6 @@ def _one_line(e: BaseException) -> str:
     if len(first) > 200:
         first = first[:200] + "..."
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
-
-
-@jax.jit
-def _all_finite(leaves: list) -> jax.Array:
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves])  # bool[len(leaves)]
-
-
-def _first_non_finite(tree) -> str | None:
-    """Path of the first float leaf holding NaN/inf, or None: one jitted pass over every
-    leaf (compiled once per state signature, not once per leaf shape)."""
-    floats = [
-        (p, x)
-        for p, x in jax.tree_util.tree_leaves_with_path(tree)
-        if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-    ]
-    if not floats:
-        return None
-    leaves = [x for _, x in floats]
-    try:
-        flags = jax.device_get(_all_finite(leaves))
-    except ValueError:  # leaves on different device sets: one check per leaf
-        flags = jax.device_get([jnp.isfinite(x).all() for x in leaves])
-    for (path, _), ok in zip(floats, flags, strict=True):
-        if not ok:
-            return jax.tree_util.keystr(path)
-    return None
 
 
 _ORBAX_TEMP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")  # a save under way or failed
@@ -202,19 +176,58 @@ class Checkpointer:
             for p, store in self.layouts.items()
         }
 
-    def _table_shapes(self) -> dict:
-        """Every layer's tables by name as abstract arrays replicated on the layer's mesh:
-        what a restore reads (whichever mesh saved them: a checkpoint holds each table
-        whole) and `import_tables` then places as the layer's store places them."""
-
-        def on_mesh(store):
-            everywhere = NamedSharding(store.mesh, PartitionSpec())
-            return lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=everywhere)
-
+    def _sharded_tables(self, tables: Mapping) -> dict:
+        """`{layer_key: {table: {"weights", "slots"}}}` of an "embedding" collection, each
+        leaf a `jax.Array` in the table's logical layout, sharded as its store holds it
+        (`store.sharded_tables`: no table gathered)."""
         return {
-            layer_key(p): jax.tree.map(on_mesh(store), store.abstract_tables())
+            layer_key(p): store.sharded_tables(subtree(tables, p))
             for p, store in self.layouts.items()
         }
+
+    def _rows_of(self, key: str, leaf) -> int:
+        """The rows of leaf `key` a checksum covers: a table's vocabulary (its padding
+        rows are left out), else the leaf's first dimension (1 for a scalar)."""
+        t = _sharded.table_of(key)
+        if t is not None:
+            for p, store in self.layouts.items():
+                if layer_key(p) == t[0] and t[1] in store.tables:
+                    return int(store.tables[t[1]].vocab_size)
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            shape = jnp.shape(leaf)
+        return int(shape[0]) if len(shape) else 1
+
+    def _checksums(self, items: Mapping, *, finite: bool = False) -> tuple[dict, list, dict]:
+        """Block checksums of every leaf of `items` (`{"tables": ..., "state": ...}`),
+        combined over processes, the leaves holding NaN/inf (with `finite`), and the
+        rows each leaf's checksum covers."""
+        arrays = {}
+        for name, tree in items.items():
+            arrays.update(_sharded.leaves(tree, name))
+        rows = {k: self._rows_of(k, v) for k, v in arrays.items()}
+        local, bad = _verify.local_sums(arrays, rows, finite=finite)
+        return (*_verify.combine(local, dict.fromkeys(bad, True)), rows)
+
+    @staticmethod
+    def _describe(key: str) -> str:
+        """A leaf's key as a reader names it: "table 'C1' (layer embedding) weights",
+        "state params/dense/kernel"."""
+        t = _sharded.table_of(key)
+        if t is not None:
+            return f"table {t[1]!r} (layer {t[0]}) {t[2]}"
+        return f"state {key.split('/', 1)[1]}" if key.startswith("state/") else key
+
+    def _where(self, step: int, key: str) -> str:
+        """Where leaf `key` is in checkpoint `step`: its orbax item folder and the array's
+        name in it (OCDBT: the data files under it hold many arrays' chunks)."""
+        item, rest = key.split("/", 1)
+        if item == "tables":
+            t = _sharded.table_of(key)
+            name = ".".join([t[0], t[1], *key.split(f"/{t[1]}/", 1)[1].split("/")])
+        else:
+            name = rest.replace("/", ".")
+        return f"array {name!r} of {os.path.join(self.directory, str(step), item)}"
 
     def _rest(self, state) -> dict:
         """Every field of `state` but its tables (which the layouts must cover)."""
@@ -249,11 +262,11 @@ class Checkpointer:
         """
         step = int(state.step)
         rest = self._rest(state)
-        tables = tables_by_name(self.layouts, state.tables)
-        bad = _first_non_finite({"tables": tables, **rest})
-        if bad is not None:
+        tables = self._sharded_tables(state.tables)
+        sums, bad, rows = self._checksums({"tables": tables, "state": rest}, finite=True)
+        if bad:
             raise NonFiniteStateError(
-                f"not saving step {step}: {bad} holds NaN or inf; the "
+                f"not saving step {step}: {self._describe(bad[0])} holds NaN or inf; the "
                 f"last checkpoint ({self.latest_step()}) is kept"
             )
         if step in self.steps():  # before anything is written (a host step, a temp folder)
@@ -265,22 +278,25 @@ class Checkpointer:
         try:
             host = None if self.host is None else self._save_host(state, step)
             meta = {
+                "format": _sharded.FORMAT,
                 "step": step,
                 "tables": self._specs(),
                 "data_position": data_position,
                 "extra": dict(extra or {}),
                 "host_tables": host,
+                "checksums": {
+                    k: {"rows": rows[k], "sums": [int(x) for x in v]} for k, v in sums.items()
+                },
             }
             # no "tables" item when every table is tiered (orbax refuses an empty item)
-            items = {"tables": tables, "state": rest}
+            args = {}
+            if jax.tree.leaves(tables):
+                args["tables"] = ocp.args.PyTreeSave(tables)
+            if jax.tree.leaves(rest):
+                args["state"] = ocp.args.StandardSave(rest)
             writing_orbax = True
             self.manager.save(
-                step,
-                args=ocp.args.Composite(
-                    **{k: ocp.args.StandardSave(v) for k, v in items.items() if jax.tree.leaves(v)},
-                    meta=ocp.args.JsonSave(meta),
-                ),
-                force=True,
+                step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(meta)), force=True
             )
             self.manager.wait_until_finished()
         except Exception as e:
@@ -399,9 +415,12 @@ class Checkpointer:
             )
         return step
 
-    def _read(self, step: int | None, **items) -> tuple[int, dict, dict, list | None]:
-        """(step, restored items, meta, host chain) after checking the table specs; the
-        chain is read (verified) when this checkpointer has host rows, else None."""
+    def _read(self, step: int | None, rest=None) -> tuple[int, dict, Any, dict, list | None]:
+        """(step, the "embedding" collection, the other state fields shaped like `rest`
+        (abstract; None: not read), meta, host chain) after checking the table specs
+        and the memory a restore needs, every array read verified against its
+        checksums; the chain is read (verified) when this checkpointer has host rows,
+        else None."""
         step = self._step(step)
         others = [s for s in self.steps() if s != step]
         try:
@@ -424,20 +443,19 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} was saved without host tables "
                 f"(this checkpointer has host rows)"
             )
-        read = {k: v for k, v in items.items() if jax.tree.leaves(v)}  # empty: not saved
-        try:
-            restored = self.manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{k: ocp.args.StandardRestore(v) for k, v in read.items()}
-                ),
-            )
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointUnreadableError(
-                f"checkpoint {step} in {self.directory} cannot be restored "
-                f"({_one_line(e)}); other checkpoints: {others}"
-            ) from e
-        got = {k: restored[k] if k in read else v for k, v in items.items()}
+        self._check_memory(step, rest)
+        got_rest = None
+        if rest is not None:
+            got_rest = self._read_state(step, rest, others) if jax.tree.leaves(rest) else rest
+        layers, local = {}, {}
+        for path, store in self.layouts.items():
+            layers[path] = self._read_layer(step, path, store, local, others)
+        if got_rest is not None:
+            arrays = dict(_sharded.leaves(got_rest, "state"))
+            rows = {k: self._rows_of(k, v) for k, v in arrays.items()}
+            local.update(_verify.local_sums(arrays, rows)[0])
+        self._verify(step, meta, local, others)
+        tables = tables_from_layers(self.layouts, layers)
         chain = None
         if self.host is not None:
             try:
@@ -447,7 +465,111 @@ class Checkpointer:
                     f"checkpoint {step} in {self.directory} cannot be restored ({e}); "
                     f"other checkpoints: {others}"
                 ) from e
-        return step, got, meta, chain
+        return step, tables, got_rest, meta, chain
+
+    def _read_state(self, step: int, rest, others: list[int]):
+        """The non-table fields, shaped and placed like `rest` (abstract)."""
+        try:
+            got = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(rest))
+            )
+        except Exception as e:  # noqa: BLE001 - any read failure means the same to the user
+            raise CheckpointUnreadableError(
+                f"checkpoint {step} in {self.directory} cannot be restored: its state "
+                f"(dense parameters, optimizer state) in "
+                f"{os.path.join(self.directory, str(step), 'state')} does not read "
+                f"({_one_line(e)}); other checkpoints: {others}"
+            ) from e
+        return got["state"]
+
+    def _read_layer(self, step: int, path, store, local: dict, others: list[int]):
+        """Layer `path`'s state: its tables read in groups (`_sharded.groups`) as the
+        store will hold them (each process its rows: `abstract_sharded_tables`, padded
+        or cut to its row count), their checksums added to `local`, and handed to
+        `store.import_sharded_tables`."""
+        key = layer_key(path)
+        abstract = store.abstract_sharded_tables()
+        restored: dict = {}
+        for group in _sharded.groups(abstract):
+            item = {key: {name: abstract[name] for name in group}}
+            args = jax.tree.map(
+                lambda s: ocp.ArrayRestoreArgs(
+                    sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False
+                ),
+                item,
+            )
+            try:
+                got = self.manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        tables=ocp.args.PyTreeRestore(
+                            item=item, restore_args=args, partial_restore=True
+                        )
+                    ),
+                )["tables"][key]
+            except Exception as e:  # noqa: BLE001
+                names = ", ".join(repr(n) for n in group)
+                raise CheckpointUnreadableError(
+                    f"checkpoint {step} in {self.directory} cannot be restored: table"
+                    f"{'s' * (len(group) > 1)} {names} (layer {key}) in "
+                    f"{os.path.join(self.directory, str(step), 'tables')} "
+                    f"do{'es' * (len(group) == 1)} not read ({_one_line(e)}); "
+                    f"other checkpoints: {others}"
+                ) from e
+            arrays = dict(_sharded.leaves({key: got}, "tables"))
+            rows = {k: self._rows_of(k, v) for k, v in arrays.items()}
+            local.update(_verify.local_sums(arrays, rows)[0])
+            restored.update(got)
+            del got, arrays
+        return store.import_sharded_tables(restored)
+
+    def _verify(self, step: int, meta: Mapping, local: dict, others: list[int]) -> None:
+        """Compare the checksums of what was read (`local`, this process's part; added up
+        over processes here) with those saved (format 2; older checkpoints have none)."""
+        saved = meta.get("checksums")
+        if saved is None:
+            return
+        got, _ = _verify.combine(local, {})
+        for key in sorted(got):
+            if key not in saved:
+                raise CheckpointUnreadableError(
+                    f"checkpoint {step} in {self.directory} has no checksum of "
+                    f"{self._describe(key)}; other checkpoints: {others}"
+                )
+            bad = _verify.first_mismatch(saved[key]["sums"], got[key], saved[key]["rows"])
+            if bad is not None:
+                raise CheckpointUnreadableError(
+                    f"checkpoint {step} in {self.directory} is corrupt: "
+                    f"{self._describe(key)} rows [{bad[0]}, {bad[1]}) differ from what "
+                    f"was saved (checksum mismatch in {self._where(step, key)}); "
+                    f"other checkpoints: {others}"
+                )
+
+    def _check_memory(self, step: int, rest) -> None:
+        """Refuse a restore this process has no room for, before reading anything: its
+        shards of every table (what the state will hold), the largest layer's again
+        (its tables read and its state built from them, together for a while) and the
+        other fields, against the host's available memory (CPU devices) or each
+        device's."""
+        layers = [
+            sum(_sharded.local_bytes(s) for s in jax.tree.leaves(store.abstract_sharded_tables()))
+            for store in self.layouts.values()
+        ]
+        dense = sum(_sharded.local_bytes(s) for s in jax.tree.leaves(rest or {}))
+        need = sum(layers) + max(layers, default=0) + dense
+        devices = jax.local_devices()
+        cpu = all(d.platform == "cpu" for d in devices)
+        have = available_memory([] if cpu else devices)
+        if not cpu and have is not None:  # per device: its share of the need
+            need = -(-need // max(1, len(devices)))
+        if have is not None and need > have[0]:
+            raise CheckpointError(
+                f"checkpoint {step} in {self.directory}: restoring needs "
+                f"{format_bytes(need)} in process {jax.process_index()} "
+                f"({'' if cpu else 'per device: '}its shards of the tables and state, and "
+                f"its largest layer's tables while they are imported), "
+                f"{format_bytes(have[0])} is available ({have[1]})"
+            )
 
     def _restore_host(self, step: int, chain: list | None) -> None:
         """Hand the chain to the host side (after the orbax restore succeeded)."""
@@ -479,12 +601,8 @@ class Checkpointer:
             corrupt or missing host-table file names the file).
         """
         rest = self._rest(template)
-        step, got, meta, chain = self._read(
-            step, tables=self._table_shapes(), state=_abstract(rest)
-        )
-        state = dataclasses.replace(
-            template, tables=stack_tables(self.layouts, got["tables"]), **got["state"]
-        )
+        step, tables, got, meta, chain = self._read(step, _abstract(rest))
+        state = dataclasses.replace(template, tables=tables, **got)
         self._restore_host(step, chain)
         return state, meta
 
@@ -553,8 +671,7 @@ class Checkpointer:
         Tiered tables: their device state comes back as an empty cache, and their rows
         go to `host.restore` (the checkpointer needs `host`: a serving process builds
         the host side too; `read_host_chain` reads the chain alone)."""
-        step, got, meta, chain = self._read(step, tables=self._table_shapes())
-        tables = stack_tables(self.layouts, got["tables"])
+        step, tables, _, meta, chain = self._read(step)
         self._restore_host(step, chain)
         return tables, meta
 

@@ -1,0 +1,81 @@
+"""Tables as sharded arrays in a checkpoint: their keys, what a process holds of them,
+the groups a restore reads them in, and the memory a restore needs.
+
+A checkpoint of format 2 holds each table as one orbax array per leaf (`weights`, each
+slot) in its logical layout `[rows, dim]` (`rows` = the vocabulary padded to the saving
+store's row shards), sharded as the store places it: each process writes the rows its
+devices hold and a restore reads the rows the restoring store will hold
+(`ArrayRestoreArgs(sharding, global_shape, strict=False)`: padding rows added or cut).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+FORMAT = 2
+"""`meta["format"]` of checkpoints whose tables are sharded and checksummed (format 1,
+no key: each table whole, replicated, no checksums; still restored)."""
+
+GROUP_BYTES = 256 << 20
+"""A restore reads tables in groups of about this many bytes per process (a table
+larger alone): orbax's read buffers of one group at a time."""
+
+
+def leaves(tree: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """`(key, leaf)` of a tree of dicts, sequences and dataclasses; keys "a/b/0/c"."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        yield "/".join([prefix, *names]), leaf
+
+
+def table_of(key: str) -> tuple[str, str, str] | None:
+    """`(layer, table, array)` of a table leaf's key ("tables/<layer>/<table>/weights",
+    ".../slots/<slot>"), None for other keys. A layer key may hold "/"."""
+    if not key.startswith("tables/"):
+        return None
+    parts = key.split("/")[1:]
+    if parts[-1] == "weights":
+        return "/".join(parts[:-2]), parts[-2], "weights"
+    if len(parts) >= 4 and parts[-2] == "slots":
+        return "/".join(parts[:-3]), parts[-3], f"slot {parts[-1]!r}"
+    return None
+
+
+def local_bytes(sds) -> int:
+    """Bytes of the shards of `sds` (a `jax.ShapeDtypeStruct` or array with a sharding)
+    this process's devices hold (each device's copy counted)."""
+    sharding = getattr(sds, "sharding", None)
+    itemsize = np.dtype(sds.dtype).itemsize if not _is_key(sds.dtype) else 8
+    if sharding is None:
+        return math.prod(sds.shape) * itemsize if jax.process_index() == 0 else 0
+    total = 0
+    for index in sharding.addressable_devices_indices_map(tuple(sds.shape)).values():
+        n = 1
+        for sl, dim in zip(index, sds.shape, strict=False):
+            start, stop, step = sl.indices(dim)
+            n *= len(range(start, stop, step))
+        total += n * itemsize
+    return total
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def groups(tables: Mapping[str, Mapping]) -> list[list[str]]:
+    """Table names in read order, grouped up to `GROUP_BYTES` of this process's shards."""
+    out: list[list[str]] = []
+    size = GROUP_BYTES
+    for name, tree in tables.items():
+        n = sum(local_bytes(s) for s in jax.tree.leaves(tree))
+        if not out or size + n > GROUP_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
