@@ -492,36 +492,75 @@ class Checkpointer:
         restored: dict = {}
         for group in _sharded.groups(abstract):
             item = {key: {name: abstract[name] for name in group}}
-            args = jax.tree.map(
-                lambda s: ocp.ArrayRestoreArgs(
-                    sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False
-                ),
-                item,
-            )
             try:
-                got = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        tables=ocp.args.PyTreeRestore(
-                            item=item, restore_args=args, partial_restore=True
-                        )
-                    ),
-                )["tables"][key]
+                got = self._restore_tables(step, item)[key]
             except Exception as e:  # noqa: BLE001
-                names = ", ".join(repr(n) for n in group)
-                raise CheckpointUnreadableError(
-                    f"checkpoint {step} in {self.directory} cannot be restored: table"
-                    f"{'s' * (len(group) > 1)} {names} (layer {key}) in "
-                    f"{os.path.join(self.directory, str(step), 'tables')} "
-                    f"do{'es' * (len(group) == 1)} not read ({_one_line(e)}); "
-                    f"other checkpoints: {others}"
-                ) from e
+                raise self._unreadable_table(step, item, e, others) from e
             arrays = dict(_sharded.leaves({key: got}, "tables"))
             rows = {k: self._rows_of(k, v) for k, v in arrays.items()}
             local.update(_verify.local_sums(arrays, rows)[0])
             restored.update(got)
             del got, arrays
         return store.import_sharded_tables(restored)
+
+    def _restore_tables(self, step: int, item: Mapping) -> dict:
+        """The arrays of `item` (`{layer: {table: tree of ShapeDtypeStruct}}`, a part of
+        the "tables" item) read as their shardings say, padded or cut to their rows."""
+        args = jax.tree.map(
+            lambda s: ocp.ArrayRestoreArgs(
+                sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False
+            ),
+            item,
+        )
+        return self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                tables=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True)
+            ),
+        )["tables"]
+
+    def _unreadable_table(self, step: int, item: Mapping, e: Exception, others) -> Exception:
+        """The error of a group of tables that does not read: its first array that does not
+        read alone named (table, array, folder), with the innermost error (tensorstore's
+        names the file)."""
+        keys = dict(_sharded.leaves(item, "tables"))
+        bad = None
+        if len(keys) > 1:
+            for key in keys:
+                t = _sharded.table_of(key)
+                sub = item[t[0]][t[1]]
+                part = sub["weights"] if t[2] == "weights" else sub["slots"][key.rsplit("/", 1)[1]]
+                leaf = {t[0]: {t[1]: {"weights": part}}} if t[2] == "weights" else None
+                if leaf is None:
+                    leaf = {t[0]: {t[1]: {"slots": {key.rsplit("/", 1)[1]: part}}}}
+                try:
+                    self._restore_tables(step, leaf)
+                except Exception as inner:  # noqa: BLE001
+                    bad, e = key, inner
+                    break
+        bad = bad or next(iter(keys))
+        cause: BaseException = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        item_dir = os.path.join(self.directory, str(step), "tables")
+        name = self._where(step, bad).split("'")[1]
+        files = _sharded.array_files(item_dir, name)
+        missing = sorted({f for f in files.values() if not os.path.exists(f)})
+        chunk = re.search(r'Error reading "([^"]+)"', str(cause))
+        if missing:
+            why = f"its data file {missing[0]} is missing"
+        elif chunk and chunk.group(1) in files:
+            why = (
+                f"its chunk {chunk.group(1).split('/')[-1]} in data file "
+                f"{files[chunk.group(1)]} is corrupt: {_one_line(cause)}"
+            )
+        else:
+            why = _one_line(cause)
+        return CheckpointUnreadableError(
+            f"checkpoint {step} in {self.directory} cannot be restored: "
+            f"{self._describe(bad)} does not read ({self._where(step, bad)}: {why}); "
+            f"other checkpoints: {others}"
+        )
 
     def _verify(self, step: int, meta: Mapping, local: dict, others: list[int]) -> None:
         """Compare the checksums of what was read (`local`, this process's part; added up

@@ -11,6 +11,7 @@ devices hold and a restore reads the rows the restoring store will hold
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -78,4 +79,33 @@ def groups(tables: Mapping[str, Mapping]) -> list[list[str]]:
             size = 0
         out[-1].append(name)
         size += n
+    return out
+
+
+def array_files(item_dir: str, array: str) -> dict[str, str]:
+    """`{chunk key: data file}` of array `array` (its name in the item, "a.b.c") in the
+    OCDBT database of an orbax item folder: where each of its chunks is stored (chunks
+    of small arrays are inline in the tree: not listed). Empty when the database does
+    not read (its manifest or tree nodes are what is broken)."""
+    import tensorstore as ts
+
+    prefix = f"{array}/".encode()
+    out: dict[str, str] = {}
+    try:
+        kv = ts.KvStore.open(f"file://{os.path.abspath(item_dir)}/").result()
+        root = ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]
+        nodes = [root]
+        while nodes:
+            node = ts.ocdbt.dump(kv, "btreenode::" + nodes.pop().split("::", 1)[1]).result()
+            for e in node.get("entries", []):
+                for v in e.values():
+                    if isinstance(v, str) and v.startswith("btreenode::"):
+                        nodes.append(v)
+                key = e.get("key", b"")
+                ref = e.get("indirect_value")
+                if isinstance(ref, str) and bytes(key).startswith(prefix):
+                    _, base, path, *_ = ref.split(":")
+                    out[bytes(key).decode()] = os.path.join(item_dir, base, path)
+    except Exception:  # noqa: BLE001 - best effort: the caller's error stands without it
+        return {}
     return out
