@@ -139,6 +139,16 @@ def _read_piece_into(model_dir: str, entry: Mapping, out: np.ndarray) -> None:
         raise _piece_error(model_dir, entry, "is corrupt (crc32 mismatch)")
 
 
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """`np.empty` on a 64-byte boundary: a CPU jax array can then share its memory
+    (`jnp.from_dlpack`) instead of copying it."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(n + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start : start + n].view(dtype).reshape(shape)
+
+
 def read_argument(model_dir: str, entry: Mapping) -> np.ndarray:
     """One exported argument: a whole-array file (format 1, dense parameters) or a table
     argument read piece by piece into one preallocated array (no piece held twice); a
@@ -147,7 +157,7 @@ def read_argument(model_dir: str, entry: Mapping) -> np.ndarray:
     if "pieces" not in entry:
         return read_array(model_dir, entry)
     shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
-    out = np.empty(shape, dtype)
+    out = aligned_empty(shape, dtype)
     covered = np.zeros(shape[0] + 1, np.int64)
     for piece in entry["pieces"]:
         r0, r1 = piece["rows"]

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._version import __version__
@@ -46,6 +47,17 @@ def _native_kernels_ok(m: Mapping, model_dir: str) -> None:
             f"{m.get('sparsejax_version')}; this is {__version__}, whose kernels may differ: "
             f"export it again, or with --kernels xla (portable)"
         )
+
+
+def _on_device(a: np.ndarray) -> jax.Array:
+    """`a` on the default device; on CPU sharing `a`'s memory when it is 64-byte aligned
+    (a table argument read piece by piece is), so a table is held once, not twice."""
+    if jax.default_backend() == "cpu" and a.size and a.ctypes.data % 64 == 0:
+        try:
+            return jnp.from_dlpack(a)
+        except (BufferError, TypeError, ValueError, RuntimeError):  # e.g. bfloat16
+            pass
+    return jax.device_put(a)
 
 
 class Predictor:
@@ -89,7 +101,7 @@ class Predictor:
         )
         self._leaves = []
         for e in m["arguments"].values():  # one host array at a time, read in place
-            self._leaves.append(jax.device_put(read_argument(model_dir, e)))
+            self._leaves.append(_on_device(read_argument(model_dir, e)))
         self._calls = {}
         for b in self.buckets:
             path = os.path.join(model_dir, m["exported"][str(b)])
