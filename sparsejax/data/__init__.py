@@ -53,6 +53,7 @@ from ._loader import Loader as Loader
 from ._loader import LoaderPosition as LoaderPosition
 from ._loader import measure_throughput as measure_throughput
 from ._loader import pack_examples as pack_examples
+from ._loader import resplit_stream_positions as resplit_stream_positions
 from ._readers import iter_criteo_chunks as iter_criteo_chunks
 from ._readers import read_criteo as read_criteo
 from ._readers import read_delimited as read_delimited

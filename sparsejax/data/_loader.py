@@ -230,7 +230,10 @@ class LoaderPosition:
     """Streaming sources only: where the next batch's first example is, as
     {"window": the source position where its shuffle window starts (None: the epoch's
     start), "index": the window's number in the epoch, "skip": examples of the window
-    (in its shuffled order) already yielded}. None: the start of `epoch`."""
+    (in its shuffled order) already yielded}. None: the start of `epoch`.
+    A position re-split for another process count (`resplit_stream_positions`) is
+    {"processes": the old count, "shares": [{"rank": an old process, "window", "index",
+    "skip"}, ...]}: the rest of this epoch is those old processes' remaining shares."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"epoch": self.epoch, "batch": self.batch}
@@ -601,6 +604,51 @@ def _windows(chunks, start: Mapping | None, rows: int):
         yield w_start, None, parts[0] if len(parts) == 1 else Examples.concat(parts)
 
 
+def resplit_stream_positions(positions: Sequence[Mapping], num_processes: int) -> list[dict]:
+    """The `LoaderPosition` dicts of `num_processes` processes resuming a stream that
+    `len(positions)` processes saved (`positions[r]`: process r's, each reading its own
+    share of the files). Old process r's remaining share of the epoch (the rest of its
+    shuffle window, then its files after it) goes whole to new process `r %
+    num_processes`, which reads those shares in rank order, each as the old process
+    would have (same windows, same shuffles); from the next epoch on every process
+    reads its own share of `num_processes`. So no example is skipped or repeated. A
+    position of another kind (not a stream's, or of different epochs) is refused with
+    one line."""
+    old = [LoaderPosition.from_dict(p) for p in positions]
+    epochs = {p.epoch for p in old}
+    if len(epochs) != 1:
+        raise ValueError(
+            f"data positions of {len(old)} processes are at different epochs "
+            f"({sorted(epochs)}); resume on {len(old)} processes"
+        )
+    (epoch,) = epochs
+    shares = []
+    for r, p in enumerate(old):
+        st = p.stream
+        if st is not None and "shares" in st:
+            raise ValueError(
+                f"process {r}'s data position is itself re-split from another process count;"
+                f" resume it on {len(old)} processes until the epoch ends"
+            )
+        if st is None and p.batch:
+            raise ValueError(
+                f"process {r}'s data position {p.to_dict()} is not a streamed source's; "
+                f"resume on {len(old)} processes"
+            )
+        st = st or {"window": None, "index": 0, "skip": 0}
+        shares.append({"rank": r, **{k: st[k] for k in ("window", "index", "skip")}})
+    out = []
+    for j in range(num_processes):
+        mine = [s for s in shares if s["rank"] % num_processes == j]
+        batch = old[j].batch if j < len(old) else 0
+        out.append(
+            LoaderPosition(
+                epoch=epoch, batch=batch, stream={"processes": len(old), "shares": mine}
+            ).to_dict()
+        )
+    return out
+
+
 def _stream_batches(
     source,
     packer: BatchPacker,
@@ -618,6 +666,12 @@ def _stream_batches(
     two threads took turns holding the GIL and the loader still used one core)."""
     bs = packer.batch_size
     epoch, st, batch_i = start.epoch, start.stream, start.batch
+    if st is not None and "shares" in st and (epochs is None or epoch < epochs):
+        yield from _resplit_epoch(
+            source, packer, epoch, st, batch_i, shuffle=shuffle, seed=seed,
+            buffer_rows=buffer_rows, drop_remainder=drop_remainder, target=target,
+        )  # fmt: skip
+        epoch, st, batch_i = epoch + 1, None, 0
     while epochs is None or epoch < epochs:
         st = st or {"window": None, "index": 0, "skip": 0}
         w0, skip = int(st["index"]), int(st["skip"])
@@ -670,6 +724,62 @@ def _stream_batches(
                 _pack(packer, pending, batch_i * bs, target),
             )
         epoch, st, batch_i = epoch + 1, None, 0
+
+
+def _resplit_epoch(
+    source, packer, epoch, st, batch_i, *, shuffle, seed, buffer_rows, drop_remainder, target
+) -> Iterator[tuple[LoaderPosition, Any]]:
+    """The rest of an epoch re-split from another process count: each old share in
+    turn (`source.share(rank, processes)`), from its window and skip, with the same
+    windows and shuffles as the old process; the position after each batch lists the
+    shares still to read."""
+    bs, n_old = packer.batch_size, int(st["processes"])
+    shares = [dict(s) for s in st["shares"]]
+    pending: list[HostBatch] = []
+    pending_n = 0
+    for i, sh in enumerate(shares):
+        src = source.share(int(sh["rank"]), n_old)
+        w0, skip = int(sh["index"]), int(sh["skip"])
+        chunks = src.chunks(sh["window"])
+        try:
+            for k, (w_start, w_end, ex) in enumerate(_windows(chunks, sh["window"], buffer_rows)):
+                w, n = w0 + k, len(ex)
+                order = (
+                    np.random.default_rng([seed, epoch, w]).permutation(n)
+                    if shuffle
+                    else np.arange(n)
+                )
+                off = skip if k == 0 else 0
+                while off < n:
+                    take = min(bs - pending_n, n - off)
+                    pending.append(ex.take(order[off : off + take]))
+                    pending_n += take
+                    off += take
+                    if pending_n < bs:
+                        continue
+                    if off < n:
+                        here = [{**sh, "window": w_start, "index": w, "skip": off}]
+                    elif w_end is not None:
+                        here = [{**sh, "window": w_end, "index": w + 1, "skip": 0}]
+                    else:
+                        here = []
+                    rest = here + shares[i + 1 :]
+                    after = (
+                        LoaderPosition(
+                            epoch=epoch,
+                            batch=batch_i + 1,
+                            stream={"processes": n_old, "shares": rest},
+                        )
+                        if rest
+                        else LoaderPosition(epoch=epoch + 1, batch=0)
+                    )
+                    yield after, _pack(packer, pending, batch_i * bs, target)
+                    batch_i += 1
+                    pending, pending_n = [], 0
+        finally:
+            chunks.close()
+    if pending_n and not drop_remainder:
+        yield LoaderPosition(epoch=epoch + 1, batch=0), _pack(packer, pending, batch_i * bs, target)
 
 
 def _pack(packer: BatchPacker, parts: list[HostBatch], first: int, target):

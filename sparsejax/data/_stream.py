@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from os import PathLike
@@ -181,6 +182,17 @@ class FileSource:
                 self.parser.check_file(f, pq.ParquetFile(f).schema_arrow.names)
         self.report = ParseReport(path=self.describe())
         """Everything `chunks()` parsed so far, merged (updated as chunks are read)."""
+
+    def share(self, rank: int, num_processes: int) -> FileSource:
+        """The same files and parsing, as process `rank` of `num_processes` reads them
+        (how a position saved by another process count is resumed: `Loader`)."""
+        other = copy.copy(self)
+        other.rank, other.num_processes = rank, num_processes
+        other.pieces = shard_files(
+            self.files, rank=rank, num_processes=num_processes, splittable=self.format != "parquet"
+        )
+        other.report = ParseReport(path=self.describe())
+        return other
 
     def describe(self) -> str:
         """The files, for reports: one path, or the first and a count."""

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from ..checkpoint import Checkpointer
-from ..data import Loader
+from ..data import Loader, resplit_stream_positions
 from ..sharding import broadcast_text
 from ..train import ProfileWindow, Trainer, TrainState, candidate_eval, fit
 from ._config import ConfigError, to_dict
@@ -117,15 +117,17 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
 
 def _own_position(position: dict | None) -> dict | None:
     """This process's data position from a checkpoint's: per process when the train
-    source is split by process (streamed files; `_data_position`), else shared."""
+    source is split by process (streamed files; `_data_position`), else shared. Saved
+    by another number of processes, the rest of the epoch is re-split
+    (`sparsejax.data.resplit_stream_positions`: each old process's remaining share goes
+    whole to one new process; docs/data.md)."""
     if isinstance(position, Mapping) and "processes" in position:
         mine = position["processes"]
         if len(mine) != jax.process_count():
-            raise ConfigError(
-                f"the checkpoint was saved by {len(mine)} processes streaming their own share"
-                f" of the train files; resume it with {len(mine)} processes (now "
-                f"{jax.process_count()})"
-            )
+            try:
+                mine = resplit_stream_positions(mine, jax.process_count())
+            except ValueError as e:
+                raise ConfigError(f"the checkpoint's data position: {e}") from None
         return mine[jax.process_index()]
     return position
 

@@ -231,3 +231,51 @@ def test_stream_with_no_usable_rows_says_why(tmp_path):
         _batches(src, _packer(), epochs=None)
     msg = str(e.value)
     assert "has no usable rows" in msg and "kept 0 of 2 lines" in msg and "bad_dense 2" in msg
+
+
+def _share_rows(src, packer, position=None, n=None, **kw):
+    """Rows (dense value = line number) of the batches of one process's loader."""
+    batches, positions = _batches(src, packer, n=n, position=position, **kw)
+    rows = np.concatenate([_rows_of(b) for b in batches] or [np.zeros(0)])
+    return rows, positions
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_stream_positions_of_2_processes_resume_on_another_count(tmp_path, new):
+    """Positions saved by 2 processes, resumed on 1 and on 3: the remaining examples
+    (the rest of the epoch, then the next) are those an uninterrupted run reads."""
+    src, _ = _source(tmp_path)
+    packer = _packer(batch_size=32)
+    kw = dict(seed=5, epochs=2, shuffle_buffer=100)
+    old = [src.share(r, 2) for r in range(2)]
+    want, saved = [], []
+    for r, s in enumerate(old):
+        full, positions = _share_rows(s, packer, **kw)
+        done, _ = _share_rows(s, packer, n=3 + r, **kw)  # stopped mid-window, mid-epoch
+        want.append(full[len(done) :])
+        saved.append(json.loads(json.dumps(positions[2 + r].to_dict())))
+    resumed = data.resplit_stream_positions(saved, new)
+    assert len(resumed) == new
+    got = [
+        _share_rows(src.share(j, new), packer, position=p, **kw)[0] for j, p in enumerate(resumed)
+    ]
+    want, got = np.concatenate(want), np.concatenate(got)
+    assert want.size > N  # part of epoch 0, then all of epoch 1
+    np.testing.assert_array_equal(np.sort(got), np.sort(want))
+    # a position saved mid-way through the re-split epoch resumes on the new count too
+    j = new - 1 if new == 1 else 0
+    first, positions = _share_rows(src.share(j, new), packer, position=resumed[j], n=2, **kw)
+    rest, _ = _share_rows(src.share(j, new), packer, position=positions[-1].to_dict(), **kw)
+    whole, _ = _share_rows(src.share(j, new), packer, position=resumed[j], **kw)
+    np.testing.assert_array_equal(np.concatenate([first, rest]), whole)
+
+
+def test_stream_positions_of_another_kind_are_refused(tmp_path):
+    ok = {"epoch": 0, "batch": 2, "stream": {"window": None, "index": 0, "skip": 64}}
+    with pytest.raises(ValueError, match=r"different epochs \(\[0, 1\]\); resume on 2"):
+        data.resplit_stream_positions([ok, {**ok, "epoch": 1}], 3)
+    with pytest.raises(ValueError, match="is not a streamed source's; resume on 2"):
+        data.resplit_stream_positions([ok, {"epoch": 0, "batch": 5}], 1)
+    nested = data.resplit_stream_positions([ok, ok], 1)
+    with pytest.raises(ValueError, match="itself re-split"):
+        data.resplit_stream_positions(nested + nested, 3)
