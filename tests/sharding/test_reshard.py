@@ -11,7 +11,10 @@ model is refused in one line naming the table (`sparsejax train`: a user error).
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -32,6 +35,7 @@ TINY = {
     },
     "model": {"embedding_dim": 8, "options": {"bottom": [8], "top": [8, 1]}},
 }
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLACEMENTS = {"C1": "row_wise", "C2": "table_wise", "C3": "table_wise", "C4": "row_wise"}
 
 
@@ -207,3 +211,81 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_table(tmp_path):
             with pytest.raises(CheckpointError) as e:
                 ckpt.restore_tables()
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ---- many processes --------------------------------------------------------------------
+
+PROCS = {
+    **TINY,
+    "log_every": 1,
+    "eval_every": None,
+    "checkpoint_every": 2,
+    "keep_checkpoints": 3,
+    "progress": False,
+    "data": {**TINY["data"], "synthetic_options": {"vocab_sizes": [301, 50, 7], "num_dense": 3}},
+}
+PROC_PLACEMENTS = ["tables.C1.placement=row_wise", "tables.C2.placement=table_wise"]
+
+
+def _sparsejax(*args, timeout=240) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    out = subprocess.run(
+        [sys.executable, "-m", "sparsejax", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_processes_2_to_1_to_2_restore_each_others_shards_and_continue_the_losses(tmp_path):
+    """A run of 6 steps on 2 processes (one device each, C1 row-wise over both, C2
+    table-wise: each process writes its own shards); its copy at step 2 resumed on 1
+    process to step 4 (each process's shards read by one), then on 2 processes to step 6
+    (the one process's tables split again). Every restore verifies every array's
+    checksums; the losses continue the never-stopped 2-process run's (within 1e-5), and
+    checkpoint 2 (saved by 2 processes) restores bitwise the same on 1, 2 and 8 devices
+    of one process."""
+    config = _config(tmp_path, PROCS)
+    _sparsejax("launch", "-n", "2", config, "name=ref", "steps=6", *PROC_PLACEMENTS)
+    ref, rs = tmp_path / "runs" / "ref", tmp_path / "runs" / "rs"
+    item = ref / "checkpoints" / "2" / "tables"
+    for p in (0, 1):  # each process wrote its own shards
+        assert os.listdir(item / f"ocdbt.process_{p}" / "d"), p
+    shutil.copytree(ref, rs, ignore=shutil.ignore_patterns("launch"))
+    with Checkpointer(rs / "checkpoints", {}) as ckpt:
+        for step in (4, 6):  # the copy goes back to step 2
+            ckpt.manager.delete(step)
+    _sparsejax("train", config, "name=rs", "steps=4", *PROC_PLACEMENTS)
+    _sparsejax("launch", "-n", "2", config, "name=rs", "steps=6", *PROC_PLACEMENTS)
+    want, got = _records(ref, "train"), _records(rs, "train")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(
+        [got[s]["loss"] for s in range(1, 7)], [want[s]["loss"] for s in range(1, 7)], atol=1e-5
+    )
+    history = json.loads((rs / "run.json").read_text())["history"]
+    assert [h.get("processes", 1) for h in history] == [2, 1, 2]
+
+    cfg = runner.load_config([config], PROC_PLACEMENTS)
+    data = runner.build_data(cfg)
+    model = runner.build_model(cfg, data.tables, data.features)
+    placed = model.clone(
+        tables=tuple(dataclasses.replace(t, placement=PLACEMENTS[t.name]) for t in model.tables)
+    )
+    tx = runner.dense_optimizer(cfg.optimizer)
+    tables = []
+    for trainer in (
+        train.Trainer(model, tx),
+        train.Trainer(placed, tx, mesh=_mesh(1, 2)),
+        train.Trainer(placed, tx, mesh=_mesh(2, 4)),
+    ):
+        state = trainer.init(jax.random.key(1), data.eval_batches[0])
+        with Checkpointer(ref / "checkpoints", trainer.layouts) as ckpt:
+            restored, _ = ckpt.restore_tables(2)
+        state = dataclasses.replace(state, tables=restored)
+        tables.append(jax.device_get(trainer.tables_by_name(state)))
+    for other in tables[1:]:
+        jax.tree.map(np.testing.assert_array_equal, other, tables[0])
