@@ -291,7 +291,12 @@ class Checkpointer:
             # no "tables" item when every table is tiered (orbax refuses an empty item)
             args = {}
             if jax.tree.leaves(tables):
-                args["tables"] = ocp.args.PyTreeSave(tables)
+                args["tables"] = ocp.args.PyTreeSave(
+                    tables,
+                    save_args=jax.tree.map(
+                        lambda _: ocp.SaveArgs(chunk_byte_size=_sharded.READ_BYTES), tables
+                    ),
+                )
             if jax.tree.leaves(rest):
                 args["state"] = ocp.args.StandardSave(rest)
             writing_orbax = True
@@ -493,15 +498,29 @@ class Checkpointer:
         for group in _sharded.groups(abstract):
             item = {key: {name: abstract[name] for name in group}}
             try:
-                got = self._restore_tables(step, item)[key]
-            except Exception as e:  # noqa: BLE001
-                raise self._unreadable_table(step, item, e, others) from e
+                got = self._read_direct(step, item)[key]
+            except Exception:  # noqa: BLE001 - orbax's restore reads it, or names the error
+                try:
+                    got = self._restore_tables(step, item)[key]
+                except Exception as e:  # noqa: BLE001
+                    raise self._unreadable_table(step, item, e, others) from e
             arrays = dict(_sharded.leaves({key: got}, "tables"))
             rows = {k: self._rows_of(k, v) for k, v in arrays.items()}
             local.update(_verify.local_sums(arrays, rows)[0])
             restored.update(got)
             del got, arrays
         return store.import_sharded_tables(restored)
+
+    def _read_direct(self, step: int, item: Mapping) -> dict:
+        """`_restore_tables` without orbax's copy of every array it reads
+        (`_sharded.read_sharded`); raises on anything else than the OCDBT zarr arrays
+        orbax writes."""
+        item_dir = os.path.join(self.directory, str(step), "tables")
+        arrays = [
+            _sharded.read_sharded(item_dir, self._where(step, key).split("'")[1], sds)
+            for key, sds in _sharded.leaves(item, "tables")
+        ]
+        return jax.tree.unflatten(jax.tree.structure(item), arrays)
 
     def _restore_tables(self, step: int, item: Mapping) -> dict:
         """The arrays of `item` (`{layer: {table: tree of ShapeDtypeStruct}}`, a part of
@@ -587,15 +606,15 @@ class Checkpointer:
     def _check_memory(self, step: int, rest) -> None:
         """Refuse a restore this process has no room for, before reading anything: its
         shards of every table (what the state will hold), the largest layer's again
-        (its tables read and its state built from them, together for a while) and the
-        other fields, against the host's available memory (CPU devices) or each
-        device's."""
+        (its tables read and its state built from them, together for a while), the
+        other fields and one read's buffer, against the host's available memory (CPU
+        devices) or each device's."""
         layers = [
             sum(_sharded.local_bytes(s) for s in jax.tree.leaves(store.abstract_sharded_tables()))
             for store in self.layouts.values()
         ]
         dense = sum(_sharded.local_bytes(s) for s in jax.tree.leaves(rest or {}))
-        need = sum(layers) + max(layers, default=0) + dense
+        need = sum(layers) + max(layers, default=0) + dense + _sharded.READ_BYTES
         devices = jax.local_devices()
         cpu = all(d.platform == "cpu" for d in devices)
         have = available_memory([] if cpu else devices)
