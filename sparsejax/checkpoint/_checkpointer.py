@@ -1,19 +1,25 @@
 """Orbax checkpoints of a train state, with tables stored by name (not by stack).
 
 A checkpoint holds three items: `tables` (every table's weights and sparse optimizer
-slots under its layer and name), `state` (the other fields of the state: step, dense
-parameters, their optimizer state, RNG), and `meta` (JSON: table specs, data position,
-the run's config). Restoring checks the specs first and names any table whose name or
-shape changed; an unreadable checkpoint (e.g. truncated) raises
-`CheckpointUnreadableError` (a `CheckpointError`) naming it and leaves the others usable:
-`restore_readable` falls back to the newest readable one, and `set_aside` moves an
-unreadable one out of the way of the next save of its step. Every message is one line.
-`restore_tables` reads the tables alone, from the layouts alone: serving needs no
-trainer and no optimizer state.
+slots under its layer and name, each in its logical layout `[rows, dim]`, sharded as
+its store holds it: each process writes only its rows), `state` (the other fields of
+the state: step, dense parameters, their optimizer state, RNG), and `meta` (JSON:
+format, table specs, data position, the run's config, and a checksum per block of rows
+of every array: `_verify`). Restoring checks the specs first and names any table whose
+name or shape changed, then that this process has room for what it will read; an
+unreadable checkpoint (truncated, a data file missing, data that does not match its
+checksums) raises `CheckpointUnreadableError` (a `CheckpointError`) naming the table,
+array, rows and folder, and leaves the others usable: `restore_readable` falls back to
+the newest readable one, and `set_aside` moves an unreadable one out of the way of the
+next save of its step. Every message is one line. `restore_tables` reads the tables
+alone, from the layouts alone: serving needs no trainer and no optimizer state.
 
-Resharding: a checkpoint restores on any mesh and any placements (8 devices to 2, to 1,
-and back). Each table is read whole, replicated on the layouts' mesh, and the layer's
-store places it (`import_tables`); the shardings it was saved with are not read.
+Resharding: a checkpoint restores on any processes, mesh and placements (4 processes
+to 2, 8 devices to 1, row-wise to table-wise, and back). Each table is read as the
+restoring store holds it (`abstract_sharded_tables`: its sharding and padded row
+count), each process reading only its rows (`_sharded.read_sharded`, or orbax's
+restore), and handed to `import_sharded_tables`. Checkpoints of the previous format
+(tables whole, no checksums) restore the same way, unverified.
 
 Tiered tables (dynamic keys or a host cache; `host=`) are not in the orbax items
 (their store's `export_tables` leaves them out: their device state is a cache). Their
@@ -644,9 +650,11 @@ class Checkpointer:
     def restore(self, template, step: int | None = None) -> tuple[Any, dict]:
         """State at `step` (default: latest) shaped like `template`, and its JSON record.
 
-        The checkpoint may come from any mesh: its tables are stored whole, by name, and
-        are placed as this checkpointer's layouts place them (`import_tables`); the other
-        fields take `template`'s shardings. `template` may be abstract (e.g.
+        The checkpoint may come from any processes and mesh: its tables are read by name,
+        each process its rows as this checkpointer's layouts place them
+        (`import_sharded_tables`), and verified; the other fields take `template`'s
+        shardings (a template of real arrays is not freed meanwhile: pass an abstract
+        one to restore a state larger than half the memory). `template` may be abstract (e.g.
         `jax.ShapeDtypeStruct`s with shardings): only its structure, shapes, dtypes and
         shardings are read.
 
@@ -655,8 +663,9 @@ class Checkpointer:
 
         Raises:
           CheckpointError: no checkpoint, a table added/removed/reshaped since the
-            save, or unreadable files (naming the step and the other checkpoints; a
-            corrupt or missing host-table file names the file).
+            save, too little memory for it (naming the need and what is available),
+            or unreadable files (`CheckpointUnreadableError`, naming the step, the
+            other checkpoints, and the table, array, rows and file or folder).
         """
         rest = self._rest(template)
         step, tables, got, meta, chain = self._read(step, _abstract(rest))
