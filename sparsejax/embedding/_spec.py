@@ -338,8 +338,9 @@ class TableSpec:
         limit = 2**31 - 1 if self.is_tiered else 2**31  # a tiered table adds its default row
         # a static row-split table may have any number of rows: each shard's stay int32
         # (the sharded store refuses a shard of 2**31 rows or more, naming the devices
-        # it needs)
-        split = self.placement in ("row_wise", "table_row_wise") and not self.is_tiered
+        # it needs); "device", the default, may still be placed so (by the planner), and
+        # the device store refuses it otherwise
+        split = self.placement in ("device", "row_wise", "table_row_wise") and not self.is_tiered
         if self.device_rows >= limit and not split:
             raise ValueError(
                 f"{owner}: {self.device_rows} device rows exceed the int32 row "

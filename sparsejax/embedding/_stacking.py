@@ -70,7 +70,8 @@ def plan_stacks(tables: Sequence[TableSpec], *, max_rows: int = MAX_STACK_ROWS) 
             if t.vocab_size > max_rows:
                 raise ValueError(
                     f"table {t.name!r}: vocab_size {t.vocab_size} exceeds the "
-                    f"{max_rows} rows of one stack"
+                    f"{max_rows} rows of one stack (int32 row ids); place it row_wise "
+                    f"(sparsejax.sharding) so each device holds a shard of it"
                 )
             if parts[-1] and rows + t.vocab_size > max_rows:
                 parts.append([])

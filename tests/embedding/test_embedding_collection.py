@@ -223,7 +223,10 @@ def test_spec_errors_name_the_problem():
     with pytest.raises(ValueError, match="vocab_size"):
         TableSpec(name="t", vocab_size=0, dim=2)
     with pytest.raises(ValueError, match="int32"):
-        TableSpec(name="t", vocab_size=2**31, dim=2)
+        TableSpec(name="t", vocab_size=2**31, dim=2, placement="replicated")
+    big = TableSpec(name="t", vocab_size=2**31, dim=2)  # the planner may still split it
+    with pytest.raises(ValueError, match=r"int32 row ids\); place it row_wise"):
+        DeviceTableStore([big], [FeatureSpec(name="f", table="t")])  # refused unallocated
     assert TableSpec(name="t", vocab_size=3, dim=2) == TableSpec(name="t", vocab_size=3, dim=2)
 
 
