@@ -125,6 +125,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from .sharding import initialize_from_env
+
+    initialize_from_env()  # one of several processes (sparsejax launch ... export): join them
     from .runner import export_run
 
     bad = [a for a in args.overrides if "=" not in a]
@@ -208,6 +211,17 @@ def _launch(args: argparse.Namespace) -> int:
     from . import runner
     from .sharding import LOG_DIR, launch
 
+    if getattr(args, "export", None) is not None:  # launch -n N export RUN --out OUT ...
+        if args.restart:
+            raise runner.ConfigError("launch ... export: --restart is an option of train")
+        return launch(
+            args.n,
+            args.config,
+            command="export",
+            log_dir=os.path.join(args.export.run_dir, LOG_DIR),
+            devices_per_process=args.devices_per_process,
+            timeout=args.timeout,
+        )
     files, overrides = _split(args.config)
     cfg = runner.load_config(files, overrides)  # a config error before any process starts
     return launch(
@@ -587,7 +601,13 @@ def _log_traceback(e: BaseException, where: str | None, command: str) -> str | N
 def main(argv: list[str] | None = None) -> int:
     parser, commands = _parsers()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in commands:  # intermixed: options anywhere among positionals
+    if argv[:1] == ["launch"] and "export" in argv[1:]:  # launch [options] export ...
+        i = argv.index("export", 1)
+        args = commands["launch"].parse_intermixed_args(argv[1:i])
+        # the export's options checked before any process starts
+        args.export = commands["export"].parse_intermixed_args(argv[i + 1 :])
+        args.config = argv[i + 1 :]
+    elif argv and argv[0] in commands:  # intermixed: options anywhere among positionals
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
     else:
         args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import re
 import shutil
@@ -284,6 +285,7 @@ def _write_tables(tmp: str, layouts, full: _Tables, kind: str) -> tuple[dict, di
                                 table=t.name,
                                 table_rows=[r0, r1],
                             )
+                            | {"process": jax.process_index()}  # the process that wrote it
                         )
                 offset += t.vocab_size
     return pieces, table_info, markers
@@ -333,6 +335,36 @@ def check_export(
 _TEMP = re.compile(r"^(.+)\.tmp-(\d+)$")  # <version>.tmp-<pid>: an export under way
 
 
+def _allgather_json(obj) -> list:
+    """`obj` (JSON) of every process, in process order (a collective: all call it)."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    text = json.dumps(obj).encode()
+    n = np.asarray(multihost_utils.process_allgather(np.array(len(text), np.int32)))
+    buf = np.zeros(max(int(np.max(n)), 1), np.uint8)
+    buf[: len(text)] = np.frombuffer(text, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf))
+    return [json.loads(bytes(r[:k]).decode()) for r, k in zip(rows, n, strict=True)]
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"sparsejax export: {name}")
+
+
+def _host_value(a) -> np.ndarray:
+    """A (maybe multi-process) jax array's whole value on this host (small arrays only)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
+
+
 @contextlib.contextmanager
 def _temp_dir(out: str):
     """`<out>.tmp-<pid>`, the folder the model dir is written in before it is renamed
@@ -344,13 +376,18 @@ def _temp_dir(out: str):
         stale = os.path.join(parent, name)
         if m and not pid_alive(int(m.group(2))) and os.path.isdir(os.path.join(stale, "exported")):
             shutil.rmtree(stale, ignore_errors=True)
-    tmp = os.path.join(parent, f"{base}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "exported"))
+    # several processes: process 0's pid names the one folder they all write
+    pid = _allgather_json(os.getpid())[0]
+    tmp = os.path.join(parent, f"{base}.tmp-{pid}")
+    if jax.process_index() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "exported"))
+    _barrier("temp dir")
     try:
         yield tmp
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if jax.process_index() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.filename is None:  # e.g. a full disk: name where
             raise OSError(e.errno, f"{e.strerror} (writing {out})") from e
         raise
@@ -428,11 +465,17 @@ def export_model(
         # the tables in serving form, shard by shard (no table gathered in one place)
         pieces, table_info, markers = _write_tables(tmp, layouts, full, kind)
         del full
+        if jax.process_count() > 1:  # every process wrote its own pieces: gather entries
+            pieces, table_info = _gather_pieces(pieces, table_info)
+        first = jax.process_index() == 0
         flat, treedef = jax.tree_util.tree_flatten_with_path(
             (params, tables_from_layers(layouts, markers))
         )
         dense = {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat if not isinstance(a, _Arg)}
-        dense_entries = write_arrays(os.path.join(tmp, "arrays"), dense)
+        # dense parameters are replicated: process 0 writes them, the others wait
+        dense_entries = _allgather_json(
+            write_arrays(os.path.join(tmp, "arrays"), dense) if first else None
+        )[0]
         arguments = {}
         for p, a in flat:
             key = jax.tree_util.keystr(p)
@@ -451,18 +494,24 @@ def export_model(
         )
         exported, custom_calls = {}, set()
         for b in buckets:
+            fname = f"exported/b{b}.jaxexport"
+            exported[str(b)] = fname
+            if not first:
+                continue
             blob, calls = export_computation(
                 fn, (*abstract, batch_arrays(_pad_batch(packers[b]))), kernels=kernels
             )
             custom_calls |= set(calls)
-            fname = f"exported/b{b}.jaxexport"
             with open(os.path.join(tmp, fname), "wb") as fh:
                 fh.write(blob)
-            exported[str(b)] = fname
-        # the model dir's own arguments, read back as serving reads them (checked)
-        args = jax.tree_util.tree_unflatten(
-            treedef, [read_argument(tmp, e) for e in arguments.values()]
-        )
+        _barrier("arrays written")
+        # the model dir's own arguments, read back as serving reads them (checked; with
+        # several processes, process 0 reads them)
+        args = None
+        if first:
+            args = jax.tree_util.tree_unflatten(
+                treedef, [read_argument(tmp, e) for e in arguments.values()]
+            )
         mappings = {}
         for f in features:
             if f.table not in mappings:
@@ -471,6 +520,8 @@ def export_model(
                 )
         retrieval = None
         if trainer.task == "retrieval":
+            if jax.process_count() > 1:
+                raise ExportError("export: a retrieval model exports in one process")
             items, embeddings = _embed_catalog(fn, args, packers[buckets[-1]], catalog)
             arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
             retrieval = {
@@ -513,7 +564,7 @@ def export_model(
             "num_dense": int(num_dense),
             "mappings": mappings,
             "arguments": arguments,
-            "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays),
+            "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays) if first else {},
             "retrieval": retrieval,
         }
         manifest["memory"] = {
@@ -521,16 +572,47 @@ def export_model(
             "tables_fp32_bytes": sum(v["fp32_bytes"] for v in table_info.values()),
         }
         manifest["check"] = _check(trainer, state, eval_batches, features, fn, args, keys)
-        write_json(os.path.join(tmp, MANIFEST), manifest)
-        rows = [dict(r) for r in preprocessing.examples]
-        write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})
-        if retrieval is not None and rows:
-            user = {k: v for k, v in rows[0].items() if k in retrieval["user_features"]}
-            write_json(os.path.join(tmp, EXAMPLE_RETRIEVE), {"user": user, "k": 10})
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        manifest["processes"] = jax.process_count()
+        if first:
+            write_json(os.path.join(tmp, MANIFEST), manifest)
+            rows = [dict(r) for r in preprocessing.examples]
+            write_json(os.path.join(tmp, EXAMPLE_REQUEST), {"examples": rows})
+            if retrieval is not None and rows:
+                user = {k: v for k, v in rows[0].items() if k in retrieval["user_features"]}
+                write_json(os.path.join(tmp, EXAMPLE_RETRIEVE), {"user": user, "k": 10})
+            if os.path.exists(out):
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        _barrier("model dir renamed")  # no process returns before the model dir is complete
+        manifest["check"] = _allgather_json(manifest["check"])[0]
     return manifest
+
+
+def _gather_pieces(pieces: dict, table_info: dict) -> tuple[dict, dict]:
+    """Every process's piece entries (by argument) and table byte counts, combined."""
+    keys = sorted(pieces, key=repr)
+    mine = {"pieces": [[repr(k), pieces[k]] for k in keys], "info": table_info}
+    got: dict[tuple, list] = {}
+    by_repr = {repr(k): k for k in keys}
+    info: dict[str, dict] = {}
+    for proc in _allgather_json(mine):
+        for rk, entries in proc["pieces"]:
+            k = by_repr.get(rk)
+            if k is None:  # an argument this process holds no rows of
+                k = _key_from_repr(rk)
+                by_repr[rk] = k
+            got.setdefault(k, []).extend(entries)
+        for name, v in proc["info"].items():
+            have = info.setdefault(name, {**v, "fp32_bytes": 0, "bytes": 0})
+            have["fp32_bytes"] += v["fp32_bytes"]
+            have["bytes"] += v["bytes"]
+    return got, info
+
+
+def _key_from_repr(text: str) -> tuple:
+    import ast
+
+    return ast.literal_eval(text)
 
 
 def _pad_batch(packer: BatchPacker) -> SparseBatch:
@@ -592,7 +674,11 @@ def _check(trainer, state, batches, features, fn, args, keys: Mapping[str, np.nd
     jitted = jax.jit(fn)
     for batch in batches:
         mask = np.asarray(batch.mask) > 0
-        run = np.asarray(trainer.eval_step(state, batch), np.float64)
+        # every process runs the run's eval step (a collective); process 0 the export's
+        run = _host_value(trainer.eval_step(state, batch)).astype(np.float64)
+        n, procs = mask.shape[0], jax.process_count()
+        if procs > 1 and run.shape[0] == n * procs:  # the global batch: this process's share
+            run = run[jax.process_index() * n : (jax.process_index() + 1) * n]
         if trainer.task == "retrieval":
             theirs.append(np.diagonal(run)[mask])
         else:
@@ -602,7 +688,10 @@ def _check(trainer, state, batches, features, fn, args, keys: Mapping[str, np.nd
         for name, m in key_maps.items():
             ids = arrays[f"{name}.ids"]
             arrays[f"{name}.ids"] = np.where(ids >= 0, m(ids), -1).astype(np.int32)
-        ours.append(_scores(jitted(*args, arrays), trainer.task, temperature)[mask])
+        if args is not None:
+            ours.append(_scores(jitted(*args, arrays), trainer.task, temperature)[mask])
+    if args is None:  # not process 0: it reports the check
+        return {}
     p, q, y = np.concatenate(ours), np.concatenate(theirs), np.concatenate(labels)
     binary = trainer.task == "binary" and y.size
     return {

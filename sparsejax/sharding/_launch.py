@@ -173,12 +173,14 @@ def launch(
     python: str = sys.executable,
     say: Callable[[str], None] | None = None,
     poll: float = 0.1,
+    command: str = "train",
 ) -> int:
-    """Run `python -m sparsejax train *train_args` in `num_processes` local processes.
+    """Run `python -m sparsejax COMMAND *train_args` in `num_processes` local processes.
 
     Args:
       num_processes: N >= 1.
-      train_args: what follows `sparsejax train` (configs, overrides, `--restart`).
+      train_args: what follows `sparsejax COMMAND` (train: configs, overrides,
+        `--restart`; export: the run directory, `--out` and export options).
       log_dir: where the output of processes 1.. goes (`p<i>.log`, appended).
       devices_per_process: CPU devices per process (`SPARSEJAX_LOCAL_DEVICES`).
       timeout: seconds after which every process is stopped (None: no limit).
@@ -186,6 +188,7 @@ def launch(
       linger: seconds the others get to end on their own after one fails (they
         usually fail in the same collective and say why) before they are stopped.
       say: where the launcher's own lines go (default: stderr).
+      command: the sparsejax subcommand each process runs: "train" or "export".
 
     Returns:
       0 when all exit 0; else the failed process's status (128 + signal when killed),
@@ -201,7 +204,9 @@ def launch(
             print(line, file=sys.stderr, flush=True)
 
     coordinator = f"127.0.0.1:{free_port()}"
-    cmd = [python, "-m", "sparsejax", "train", *train_args]
+    if command not in ("train", "export"):
+        raise ValueError(f"launch: runs train or export, not {command!r}")
+    cmd = [python, "-m", "sparsejax", command, *train_args]
     os.makedirs(log_dir, exist_ok=True)
     logs: dict[int, str] = {}
     procs: list[subprocess.Popen] = []

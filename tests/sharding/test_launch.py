@@ -348,3 +348,33 @@ def test_process_shares_make_up_the_global_batch():
     assert ProcessSharePacker(whole, 1, 4).batch_size == 8
     with pytest.raises(ValueError, match="does not split over 3 processes"):
         ProcessSharePacker(whole, 0, 3)
+
+
+def test_two_processes_export_their_own_row_shards_and_serve_as_one(tmp_path):
+    from sparsejax.serving import Predictor
+
+    config = _config(tmp_path, steps=3, eval_every=None, tables={"*": {"placement": "row_wise"}})
+    got = _sparsejax("launch", "-n", "2", config, "name=two")
+    assert got.returncode == 0, got.stderr[-3000:]
+    run = tmp_path / "runs" / "two"
+    got = _sparsejax(
+        "launch", "-n", "2", "export", str(run), "--out", str(tmp_path / "m2"), "--buckets", "1,8"
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    one = runner.export_run(str(run), str(tmp_path / "m1"), buckets=(1, 8), log=lambda _: None)
+    two = json.loads((tmp_path / "m2" / "model.json").read_text())
+    assert two["processes"] == 2 and two["check"]["max_abs_diff"] <= 1e-5
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # the temp dir renamed
+    for table, rows in (("C1", 50), ("C2", 40), ("C3", 30)):
+        pieces = sorted(
+            (p["table_rows"], p["process"])
+            for e in two["arguments"].values()
+            for p in e.get("pieces", ())
+            if p["table"] == table
+        )
+        # each process wrote the rows it holds: one half each, together the table
+        assert pieces == [([0, rows // 2], 0), ([rows // 2, rows], 1)]
+    p2, p1 = Predictor.load(str(tmp_path / "m2")), Predictor.load(str(tmp_path / "m1"))
+    examples = p2.example_request["examples"]
+    assert len(examples) > 0 and one["processes"] == 1
+    np.testing.assert_array_equal(p2.predict(examples), p1.predict(examples))
