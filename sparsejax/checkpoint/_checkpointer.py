@@ -67,6 +67,10 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
+SAVE_HOST_GB = 1
+"""Gigabytes of tables orbax copies to the host at a time while saving (its default:
+all of them at once)."""
+
 _ORBAX_TEMP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")  # a save under way or failed
 
 
@@ -165,6 +169,13 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            item_handlers={
+                # orbax copies what it saves to the host first: at most 1 GB at a time
+                # (else every table at once, doubling the state's memory during a save)
+                "tables": ocp.PyTreeCheckpointHandler(save_device_host_concurrent_gb=SAVE_HOST_GB),
+                "state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def _specs(self) -> dict:
