@@ -86,9 +86,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from sparsejax import ops  # noqa: E402
 from sparsejax.data import PaddedIds, SparseBatch  # noqa: E402
 from sparsejax.embedding import FeatureSpec, TableSpec  # noqa: E402
-from sparsejax.sharding import ShardedTableStore, make_mesh, shard_batch  # noqa: E402
+from sparsejax.sharding import ShardedTableStore, exchange_bytes, make_mesh, shard_batch  # noqa: E402
 from sparsejax.sharding._batch import capacity_per_device  # noqa: E402
-from sparsejax.train._trainer import _bucket, _exchange_bytes  # noqa: E402
+from sparsejax.train._trainer import _bucket  # noqa: E402
 
 PLACEMENTS = ("replicated", "table_wise", "column_wise", "table_row_wise", "row_wise")
 BASELINES = {
@@ -371,7 +371,7 @@ def store_cell(args, mesh, placement: str, vocab: int, raws: list[dict]) -> dict
         ]
     moved = (
         np.mean(
-            [_exchange_bytes([store], c, caps, sb, 0) for c, sb in zip(counts, split, strict=True)],
+            [exchange_bytes([store], c, caps, sb, 0) for c, sb in zip(counts, split, strict=True)],
             axis=0,
         )
         / 8

@@ -13,7 +13,7 @@ and many processes (`jax.distributed`).
   (`sparsejax launch`).
 """
 
-from ._batch import padding_batch, shard_batch
+from ._batch import exchange_bytes, padding_batch, shard_batch
 from ._distributed import ENV_LOCAL_DEVICES, broadcast_text, initialize_from_env, process_of_many
 from ._launch import LOG_DIR, launch
 from ._make import make_store
@@ -39,5 +39,6 @@ __all__ = [
     "padding_batch",
     "plan_tables",
     "process_of_many",
+    "exchange_bytes",
     "shard_batch",
 ]

@@ -182,6 +182,47 @@ def owner_counts(store, features: Mapping, devices: int) -> dict[str, np.ndarray
     return out
 
 
+def exchange_bytes(stores, counts, capacity, batch, first) -> tuple[int, int, int, int]:
+    """Bytes this process's devices send to other devices in one step's lookup
+    all-to-alls, and the bytes that must move: `(sent, needed, sent ids, needed ids)`.
+    An id travels as its row and bag (8 bytes; 12 with a pooling coefficient); each
+    owner returns every bag a partial sum (`S - 1` blocks of `bags x dim` rows)."""
+    sent = needed = sent_ids = needed_ids = 0
+    for store in stores:
+        shape = dict(store.mesh.shape)
+        model = int(shape.get("model", 1))
+        for gname, group in getattr(store, "groups", {}).items():
+            if gname not in counts:
+                continue
+            st = store.stacks[group.stack]
+            c = counts[gname]  # [devices, shards]
+            devices = c.shape[0]
+            idb = 12 if group.needs_coefficients else 8
+            b_local = batch.batch_size // devices
+            bags = sum(b_local * e.feature.bags_per_example() for e in group.entries)
+            n = sum(_feature_ids(store, batch, e.feature) // devices for e in group.entries)
+            cap = min(capacity[gname], n)
+            back = (st.shards - 1) * bags * st.dim * np.dtype(st.dtype).itemsize
+            for d in range(devices):
+                g = first + d  # the device's mesh index: its shard along the stack's axes
+                axes = st.axes
+                own = g if len(axes) == 2 else (g % model if axes == ("model",) else g // model)
+                others = int(c[d].sum() - c[d, own])
+                sent_ids += (st.shards - 1) * cap * idb
+                needed_ids += others * idb
+                sent += back
+                needed += back
+    return sent + sent_ids, needed + needed_ids, sent_ids, needed_ids
+
+
+def _feature_ids(store, batch, f) -> int:
+    """Ids (padding included) of feature `f` in a split batch, as the store reads them."""
+    key = f.name
+    if f.table in store.tiered_tables and tiered_feature_key(f.name, f.table) in batch.features:
+        key = tiered_feature_key(f.name, f.table)
+    return int(np.asarray(batch.features[key].ids).shape[0])
+
+
 def _split_feature(name, jag, *, bags, devices, capacity, first_device) -> PaddedIds:
     ids, segs = np.asarray(jag.ids), np.asarray(jag.segments, np.int64)
     weights = None if jag.weights is None else np.asarray(jag.weights, np.float32)

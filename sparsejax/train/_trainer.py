@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..checkpoint import Layouts, tables_by_name, tables_from_layers
 from ..data import SparseBatch
-from ..embedding import default_mesh, tiered_feature_key
+from ..embedding import default_mesh
 from ..embedding.host import HostSides, host_side
 from ..nn import (
     EMBEDDING,
@@ -28,7 +28,7 @@ from ..nn import (
     trace_layers,
 )
 from ..ops import checks_enabled, surface_check_errors
-from ..sharding import AXES, padding_batch, shard_batch
+from ..sharding import AXES, exchange_bytes, padding_batch, shard_batch
 from . import _metrics
 
 
@@ -141,47 +141,6 @@ class _ExchangeStats:
             "last_sent_bytes": self.last[0],
             "last_needed_bytes": self.last[1],
         }
-
-
-def _exchange_bytes(stores, counts, capacity, batch, first) -> tuple[int, int, int, int]:
-    """Bytes this process's devices send to other devices in one step's lookup
-    all-to-alls, and the bytes that must move: `(sent, needed, sent ids, needed ids)`.
-    An id travels as its row and bag (8 bytes; 12 with a pooling coefficient); each
-    owner returns every bag a partial sum (`S - 1` blocks of `bags x dim` rows)."""
-    sent = needed = sent_ids = needed_ids = 0
-    for store in stores:
-        shape = dict(store.mesh.shape)
-        model = int(shape.get("model", 1))
-        for gname, group in getattr(store, "groups", {}).items():
-            if gname not in counts:
-                continue
-            st = store.stacks[group.stack]
-            c = counts[gname]  # [devices, shards]
-            devices = c.shape[0]
-            idb = 12 if group.needs_coefficients else 8
-            b_local = batch.batch_size // devices
-            bags = sum(b_local * e.feature.bags_per_example() for e in group.entries)
-            n = sum(_ids_of(store, batch, e.feature) // devices for e in group.entries)
-            cap = min(capacity[gname], n)
-            back = (st.shards - 1) * bags * st.dim * np.dtype(st.dtype).itemsize
-            for d in range(devices):
-                g = first + d  # the device's mesh index: its shard along the stack's axes
-                axes = st.axes
-                own = g if len(axes) == 2 else (g % model if axes == ("model",) else g // model)
-                others = int(c[d].sum() - c[d, own])
-                sent_ids += (st.shards - 1) * cap * idb
-                needed_ids += others * idb
-                sent += back
-                needed += back
-    return sent + sent_ids, needed + needed_ids, sent_ids, needed_ids
-
-
-def _ids_of(store, batch, f) -> int:
-    """Ids (padding included) of feature `f` in a split batch, as the store reads them."""
-    key = f.name
-    if f.table in store.tiered_tables and tiered_feature_key(f.name, f.table) in batch.features:
-        key = tiered_feature_key(f.name, f.table)
-    return int(np.asarray(batch.features[key].ids).shape[0])
 
 
 def _checked_wait(out):
@@ -369,7 +328,7 @@ class Trainer:
         for k in specs:
             if k in features:
                 features[k] = dataclasses.replace(features[k], exchange=caps)
-        self._exchange.add(_exchange_bytes(stores, counts, self.exchange_capacity, batch, first))
+        self._exchange.add(exchange_bytes(stores, counts, self.exchange_capacity, batch, first))
         return dataclasses.replace(batch, features=features)
 
     def _every(self) -> NamedSharding:

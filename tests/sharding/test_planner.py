@@ -260,8 +260,8 @@ def test_plan_apply_and_table():
 
 
 def test_a_table_past_int32_rows_is_planned_as_a_table_shape():
-    with pytest.raises(ValueError, match="int32"):  # TableSpec: one device's row ids
-        TableSpec(name="big", vocab_size=10**10, dim=64)
+    with pytest.raises(ValueError, match="int32"):  # one device cannot take its row ids
+        TableSpec(name="big", vocab_size=10**10, dim=64, placement="replicated")
     big = TableShape(name="big", vocab_size=10**10, dim=64)
     plan = plan_tables(
         [big],
