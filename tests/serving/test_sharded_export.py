@@ -21,7 +21,7 @@ def test_a_row_sharded_table_exports_per_shard_and_serves_as_one_device(tmp_path
             "name=syn",
             *FAST,
             "data.kind=synthetic",
-            "data.max_vocab=500",
+            "data.synthetic_options={vocab_sizes: [300, 50, 7, 120], num_dense: 3}",
             "data.batch_size=64",
             "data.eval_batches=1",
             "model.embedding_dim=8",
