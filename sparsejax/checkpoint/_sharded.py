@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..embedding import rows_on_devices
+
 FORMAT = 2
 """`meta["format"]` of checkpoints whose tables are sharded and checksummed (format 1,
 no key: each table whole, replicated, no checksums; still restored)."""
@@ -115,22 +117,12 @@ READ_BYTES = 64 << 20
 """A direct read copies at most this many bytes at a time from tensorstore."""
 
 
-def _aligned(shape: tuple, dtype) -> np.ndarray:
-    """An uninitialized array whose data starts on a 64-byte boundary: what a CPU
-    device takes without a copy (`jax.device_put` aliases it)."""
-    n = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.empty(n + 64, np.uint8)
-    off = (-raw.ctypes.data) % 64
-    return raw[off : off + n].view(dtype).reshape(shape)
-
-
 def read_sharded(item_dir: str, name: str, sds) -> jax.Array:
     """Array `name` of an orbax item folder (OCDBT, zarr) read as `sds` says: each of
     this process's devices gets its rows (and columns) of it, rows past the saved ones
-    zeros (padding), saved rows past `sds`'s cut. Each shard is read into its own host
-    buffer `READ_BYTES` at a time, which a CPU device then holds without a copy: the
-    only transient is one read's bytes (orbax's own restore holds every array twice
-    while it reads).
+    zeros (padding), saved rows past `sds`'s cut. Each shard is read `READ_BYTES` at a
+    time straight into its device buffer (`rows_on_devices`): the only transient is one
+    read's bytes (orbax's own restore holds every array twice while it reads).
 
     Raises whatever tensorstore raises (the caller falls back to orbax's restore)."""
     import tensorstore as ts
@@ -158,20 +150,16 @@ def read_sharded(item_dir: str, name: str, sds) -> jax.Array:
         index = tuple(index) + (slice(None),) * (len(sds.shape) - len(index))
         bounds = [sl.indices(n)[:2] for sl, n in zip(index, sds.shape, strict=True)]
         shape = tuple(b - a for a, b in bounds)
-        buf = _aligned(shape, dtype)
-        r0, r1 = bounds[0]
-        have = min(r1, saved[0])
-        if have < r1:
-            buf[max(0, have - r0) :] = 0
-        row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
-        chunk = max(1, int(t.chunk_layout.read_chunk.shape[0] or 1))
-        step = max(chunk, READ_BYTES // row_bytes // chunk * chunk)  # whole chunks
+        r0 = bounds[0][0]
         tail = tuple(slice(a, b) for a, b in bounds[1:])
-        for a in range(r0, have, step):
-            b = min(have, a + step)
-            buf[a - r0 : b - r0] = t[(slice(a, b), *tail)].read().result()
-        parts.append(jax.device_put(buf, device))
-        del buf
+
+        def fill(lo: int, hi: int, out: np.ndarray, r0=r0, tail=tail) -> None:
+            have = max(0, min(r0 + hi, saved[0]) - r0 - lo)  # saved rows of the block
+            if have:
+                out[:have] = t[(slice(r0 + lo, r0 + lo + have), *tail)].read().result()
+            out[have:] = 0
+
+        parts += rows_on_devices(shape, dtype, [device], fill, READ_BYTES)
     return jax.make_array_from_single_device_arrays(
         tuple(sds.shape), sds.sharding, parts, dtype=dtype
     )

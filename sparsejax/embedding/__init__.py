@@ -26,6 +26,7 @@ from ._device_store import check_mesh as check_mesh
 from ._device_store import fill_rows as fill_rows
 from ._device_store import fill_table as fill_table
 from ._device_store import init_block_rows as init_block_rows
+from ._device_store import rows_on_devices as rows_on_devices
 from ._memory import available_memory as available_memory
 from ._memory import format_bytes as format_bytes
 from ._spec import MISSING_KEY as MISSING_KEY
@@ -89,6 +90,7 @@ __all__ = [
     "aligned_empty",
     "fill_rows",
     "fill_table",
+    "rows_on_devices",
     "init_block_rows",
     "format_bytes",
     "normal_init",

@@ -167,12 +167,58 @@ def fill_table(key: jax.Array, table: TableSpec, rows: np.ndarray) -> None:
 
 def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialized host array aligned to 64 bytes, which the CPU client can adopt
-    as a device buffer without a copy (`device_put(..., may_alias=True)`)."""
+    as a device buffer without a copy (`device_put(..., may_alias=True)`): for arrays
+    that are only read (serving); state a step donates is built by `rows_on_devices`."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + 64, np.uint8)
     start = (-raw.ctypes.data) % 64
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+FILL_BYTES = 64 << 20
+"""`rows_on_devices` stages at most this many bytes of rows on the host at a time."""
+
+_write_rows = jax.jit(
+    lambda dst, src, lo: jax.lax.dynamic_update_slice_in_dim(dst, src, lo, 0), donate_argnums=0
+)
+
+
+def rows_on_devices(
+    shape: tuple[int, ...],
+    dtype,
+    devices: Sequence[jax.Device],
+    fill: Callable[[int, int, np.ndarray], None],
+    block_bytes: int | None = None,
+) -> list[jax.Array]:
+    """One array of `shape` on each of `devices`, whose rows `[lo, hi)` are what
+    `fill(lo, hi, out)` writes into the host block `out`, staged one block of
+    `block_bytes` (default `FILL_BYTES`) at a time.
+
+    The host never holds more than one block, and each device owns its buffer, so the
+    step that donates the array updates it in place: a host buffer adopted by a CPU
+    device instead (`may_alias`) is copied by the first donating step, and both copies
+    stay alive (twice the table's memory for the rest of the run)."""
+    dtype = np.dtype(dtype)
+    rows = int(shape[0])
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
+    block = max(1, min(rows, (block_bytes or FILL_BYTES) // row_bytes))
+    if block >= rows:  # one block: each device copies it
+        host = np.empty(shape, dtype)
+        fill(0, rows, host)
+        return [jax.device_put(host, d, may_alias=False) for d in devices]
+    outs = [jnp.zeros(shape, dtype, device=d) for d in devices]
+    for lo in range(0, rows, block):
+        lo = min(lo, rows - block)  # the last block ends at the last row (rewriting some)
+        host = np.empty((block, *shape[1:]), dtype)
+        fill(lo, lo + block, host)
+        at = np.int32(lo)
+        outs = [
+            _write_rows(o, jax.device_put(host, d, may_alias=False), at)
+            for o, d in zip(outs, devices, strict=True)
+        ]
+        jax.block_until_ready(outs)  # the block is copied before the next one is drawn
+    return outs
 
 
 def check_mesh(mesh: Mesh, owner: str = "DeviceTableStore") -> None:
@@ -336,17 +382,27 @@ class DeviceTableStore(StoreBase):
             )
             return {"weights": weights, "slots": stack.optimizer.init_slots(stack.rows, stack.dim)}
         self.check_memory(name)
-        weights = aligned_empty((stack.rows, stack.dim), jnp.dtype(stack.dtype))
-        for t, off in zip(stack.tables, stack.offsets, strict=True):
-            fill_table(key, t, weights[off : off + t.vocab_size])
+
+        def fill(lo: int, hi: int, out: np.ndarray) -> None:
+            out[...] = 0
+            for t, off in zip(stack.tables, stack.offsets, strict=True):
+                a, b = max(lo, off), min(hi, off + t.vocab_size)
+                if a < b:
+                    fill_rows(key, t, a - off, out[a - lo : b - lo])
+
         r = self._replicated()
+        shape = (stack.rows, stack.dim)
+        devices = list(r.addressable_devices_indices_map(shape))
+        weights = jax.make_array_from_single_device_arrays(
+            shape, r, rows_on_devices(shape, jnp.dtype(stack.dtype), devices, fill)
+        )
         slots = {
             s.name: jnp.full(
                 (stack.rows,) if s.per_row else (stack.rows, stack.dim), s.init, s.dtype, device=r
             )
             for s in stack.optimizer.slots()
         }
-        return {"weights": jax.device_put(weights, r, may_alias=True), "slots": slots}
+        return {"weights": weights, "slots": slots}
 
     def export_tables(self, state: Mapping) -> dict:
         """`{table: {"weights": [V, D], "slots": {...}}}`: the stacking-free form. Tiered

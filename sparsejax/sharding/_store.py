@@ -29,6 +29,7 @@ Bytes per step grow with the batch, the features and the dim, never with the voc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -42,7 +43,6 @@ from ..embedding import (
     FeatureSpec,
     StoreBase,
     TableSpec,
-    aligned_empty,
     apply_group_gradients,
     available_memory,
     check_saved_table,
@@ -51,6 +51,7 @@ from ..embedding import (
     fill_rows,
     format_bytes,
     init_block_rows,
+    rows_on_devices,
     stack_shapes,
     tiered_feature_key,
 )
@@ -218,29 +219,29 @@ class ShardedTableStore(StoreBase):
                     f"more devices or processes, or a row placement"
                 )
 
-    def _fill_shard(self, key: jax.Array, st: ShardedStack, shard: int) -> np.ndarray:
-        """Host block `[rows_per_shard, dim]` of shard `shard`'s weights: each piece's
-        own rows drawn in place (`fill_rows`), zeros elsewhere."""
-        block = aligned_empty((st.rows_per_shard, st.dim), jnp.dtype(st.dtype))
-        end = 0
-        for p in sorted(st.pieces, key=lambda p: p.offset):
-            lo, hi = p.shard_rows(shard)
+    def _fill_shard(
+        self, key: jax.Array, st: ShardedStack, shard: int, lo: int, hi: int, out: np.ndarray
+    ) -> None:
+        """Rows `[lo, hi)` of shard `shard`'s weights into the host block `out`: each
+        piece's own rows drawn in place (`fill_rows`), zeros elsewhere."""
+        out[...] = 0
+        for p in st.pieces:
+            first, last = p.shard_rows(shard)
             if p.stride == 1 and p.shard != shard:
                 continue
-            block[end : p.offset] = 0
+            a, b = max(lo, p.offset), min(hi, p.offset + last - first)
+            if a >= b:
+                continue
             spec = self.tables[p.source].device_view()
             cols = None if p.column is None else slice(p.column * st.dim, (p.column + 1) * st.dim)
-            fill_rows(key, spec, lo, block[p.offset : p.offset + hi - lo], cols)
-            end = p.offset + hi - lo
-        block[end:] = 0
-        return block
+            fill_rows(key, spec, first + a - p.offset, out[a - lo : b - lo], cols)
 
     def init_part(self, key: jax.Array, name: str) -> dict:
         """Weights and slots of stack `name`: every table's values are the ones every
         store draws (`fill_rows`: a function of `key`, the table's name and the row).
-        Each process draws only the shards its devices hold, one host block per shard
-        (adopted as the device buffer on CPU), and no host or device ever holds a whole
-        row-split table; a stack that cannot fit is refused first (`check_memory`)."""
+        Each process draws only the shards its devices hold, a block of rows at a time
+        (`rows_on_devices`), and no host or device ever holds a whole row-split table; a
+        stack that cannot fit is refused first (`check_memory`)."""
         st = self.stacks[name]
         abstract = self.abstract_state()[name]
         if isinstance(key, jax.core.Tracer):
@@ -249,22 +250,24 @@ class ShardedTableStore(StoreBase):
         by_shard: dict[int, list] = {}
         for d, shard in self._device_shards(st).items():
             by_shard.setdefault(shard, []).append(d)
-        weights, slots = [], {s.name: [] for s in st.optimizer.slots()}
+        weights, slots = {}, {s.name: [] for s in st.optimizer.slots()}
+        shape = (st.rows_per_shard, st.dim)
         for shard, devices in sorted(by_shard.items()):
-            block = self._fill_shard(key, st, shard)
-            for i, d in enumerate(devices):
-                host = block
-                if i and d.platform == "cpu":  # a replica owns its own buffer
-                    host = aligned_empty(block.shape, block.dtype)
-                    host[...] = block
-                weights.append(jax.device_put(host, d, may_alias=True))
+            fill = functools.partial(self._fill_shard, key, st, shard)
+            weights.update(
+                zip(
+                    devices, rows_on_devices(shape, jnp.dtype(st.dtype), devices, fill), strict=True
+                )
+            )
+            for d in devices:
                 for s in st.optimizer.slots():
-                    shape = (st.rows_per_shard,) if s.per_row else (st.rows_per_shard, st.dim)
-                    slots[s.name].append(jnp.full(shape, s.init, s.dtype, device=d))
-            del block, host
+                    slot_shape = (st.rows_per_shard,) if s.per_row else shape
+                    slots[s.name].append(jnp.full(slot_shape, s.init, s.dtype, device=d))
         make = jax.make_array_from_single_device_arrays
         return {
-            "weights": make(abstract["weights"].shape, abstract["weights"].sharding, weights),
+            "weights": make(
+                abstract["weights"].shape, abstract["weights"].sharding, list(weights.values())
+            ),
             "slots": {
                 k: make(abstract["slots"][k].shape, abstract["slots"][k].sharding, v)
                 for k, v in slots.items()

@@ -25,6 +25,7 @@ from sparsejax.checkpoint import (
     CheckpointError,
     CheckpointUnreadableError,
     _checkpointer,
+    _sharded,
     _verify,
 )
 from sparsejax.checkpoint._checkpointer import NonFiniteStateError
@@ -126,7 +127,11 @@ def test_block_checksums_are_the_same_for_every_sharding_and_catch_changes():
         ((("device", "device"), 1), (("row_wise", "table_wise"), 4)),
     ],
 )
-def test_restores_bitwise_on_other_placements_and_device_counts(tmp_path, saved, restored):
+def test_restores_bitwise_on_other_placements_and_device_counts(
+    tmp_path, monkeypatch, saved, restored
+):
+    """Read 16 rows of `user` at a time, straight into buffers the devices own."""
+    monkeypatch.setattr(_sharded, "READ_BYTES", 16 * 4 * 4)
     src, dst = _store(*saved), _store(*restored)
     state = _state(src)
     with _ckpt(tmp_path, src) as ckpt:

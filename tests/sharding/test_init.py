@@ -108,6 +108,25 @@ def test_every_placement_on_1_2_8_devices_draws_the_one_device_tables(placement)
         jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
+@pytest.mark.parametrize("placement", ["replicated", "table_row_wise", "row_wise"])
+def test_tables_staged_in_small_blocks_are_the_tables_one_block_gives(monkeypatch, placement):
+    """Blocks of a few rows (the last one overlapping the one before) give the tables
+    one block gives."""
+    from sparsejax.embedding import _device_store
+
+    tables, features = _specs(placement)
+    key = jax.random.key(5)
+    want = _device_tables(tables, features, key)
+    monkeypatch.setattr(_device_store, "FILL_BYTES", 3 * 8 * 4)  # 3 rows of dim 8
+    plain = [TableSpec(**{**t.__dict__, "placement": "device"}) for t in tables]
+    for store in (
+        DeviceTableStore(plain, features),
+        ShardedTableStore(tables, features, mesh=_mesh(2, 4)),
+    ):
+        got = jax.tree.map(np.asarray, store.export_tables(store.init(key)))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_memory_refusal_names_the_table_the_need_and_what_is_available(monkeypatch):
     from sparsejax.sharding import _store
 
