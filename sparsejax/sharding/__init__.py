@@ -32,6 +32,7 @@ __all__ = [
     "TableShape",
     "broadcast_text",
     "comm_bytes",
+    "exchange_bytes",
     "initialize_from_env",
     "launch",
     "make_mesh",
@@ -39,6 +40,5 @@ __all__ = [
     "padding_batch",
     "plan_tables",
     "process_of_many",
-    "exchange_bytes",
     "shard_batch",
 ]

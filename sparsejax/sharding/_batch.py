@@ -162,12 +162,7 @@ def owner_counts(store, features: Mapping, devices: int) -> dict[str, np.ndarray
             continue
         total = np.zeros(devices * st.shards, np.int64)
         for e in group.entries:
-            f = e.feature
-            key = f.name
-            if f.table in store.tiered_tables:
-                key = tiered_feature_key(f.name, f.table)
-                key = key if key in features else f.name
-            jag = features[key]
+            jag = features[_feature_key(store, features, e.feature)]
             ids = np.asarray(jag.ids).reshape(devices, -1)
             dev = np.broadcast_to(np.arange(devices)[:, None], ids.shape)
             if getattr(jag, "owners", None) is not None:
@@ -200,7 +195,13 @@ def exchange_bytes(stores, counts, capacity, batch, first) -> tuple[int, int, in
             idb = 12 if group.needs_coefficients else 8
             b_local = batch.batch_size // devices
             bags = sum(b_local * e.feature.bags_per_example() for e in group.entries)
-            n = sum(_feature_ids(store, batch, e.feature) // devices for e in group.entries)
+            n = sum(
+                np.asarray(
+                    batch.features[_feature_key(store, batch.features, e.feature)].ids
+                ).shape[0]
+                // devices
+                for e in group.entries
+            )
             cap = min(capacity[gname], n)
             back = (st.shards - 1) * bags * st.dim * np.dtype(st.dtype).itemsize
             for d in range(devices):
@@ -215,12 +216,12 @@ def exchange_bytes(stores, counts, capacity, batch, first) -> tuple[int, int, in
     return sent + sent_ids, needed + needed_ids, sent_ids, needed_ids
 
 
-def _feature_ids(store, batch, f) -> int:
-    """Ids (padding included) of feature `f` in a split batch, as the store reads them."""
-    key = f.name
-    if f.table in store.tiered_tables and tiered_feature_key(f.name, f.table) in batch.features:
-        key = tiered_feature_key(f.name, f.table)
-    return int(np.asarray(batch.features[key].ids).shape[0])
+def _feature_key(store, features: Mapping, f) -> str:
+    """The key of feature `f` in `features` as the store reads it (a tiered table's
+    slots, where the batch has them)."""
+    if f.table in store.tiered_tables and tiered_feature_key(f.name, f.table) in features:
+        return tiered_feature_key(f.name, f.table)
+    return f.name
 
 
 def _split_feature(name, jag, *, bags, devices, capacity, first_device) -> PaddedIds:

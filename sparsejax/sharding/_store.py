@@ -254,11 +254,8 @@ class ShardedTableStore(StoreBase):
         shape = (st.rows_per_shard, st.dim)
         for shard, devices in sorted(by_shard.items()):
             fill = functools.partial(self._fill_shard, key, st, shard)
-            weights.update(
-                zip(
-                    devices, rows_on_devices(shape, jnp.dtype(st.dtype), devices, fill), strict=True
-                )
-            )
+            arrays = rows_on_devices(shape, jnp.dtype(st.dtype), devices, fill)
+            weights.update(zip(devices, arrays, strict=True))
             for d in devices:
                 for s in st.optimizer.slots():
                     slot_shape = (st.rows_per_shard,) if s.per_row else shape
