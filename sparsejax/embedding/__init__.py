@@ -42,9 +42,11 @@ from ._spec import constant_init as constant_init
 from ._spec import normal_init as normal_init
 from ._spec import truncated_normal_init as truncated_normal_init
 from ._spec import uniform_init as uniform_init
+from ._stacking import ALONE_BYTES as ALONE_BYTES
 from ._stacking import MAX_STACK_ROWS as MAX_STACK_ROWS
 from ._stacking import Stack as Stack
 from ._stacking import plan_stacks as plan_stacks
+from ._stacking import row_bytes as row_bytes
 from ._stacking import stack_name as stack_name
 from ._store import StoreBase as StoreBase
 from ._store import TableStore as TableStore
@@ -58,6 +60,7 @@ from ._store import with_subtree as with_subtree
 from .host import HybridTableStore as HybridTableStore
 
 __all__ = [
+    "ALONE_BYTES",
     "Composition",
     "Expansion",
     "MAX_STACK_ROWS",
@@ -95,6 +98,7 @@ __all__ = [
     "format_bytes",
     "normal_init",
     "plan_stacks",
+    "row_bytes",
     "stack_shapes",
     "stack_name",
     "stored_values",

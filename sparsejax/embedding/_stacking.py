@@ -10,6 +10,11 @@ so its Flax variable) unchanged. Within a stack, tables are ordered by name.
 A stack never holds more than `MAX_STACK_ROWS` rows: the kernels address rows with
 int32 ids, so tables that would overflow it are split into further stacks of the same
 key (named with a `_1`, `_2`, ... suffix).
+
+A table of `ALONE_BYTES` or more (weights and slots on one device) is a stack of its own
+(`{key}_{table}`): stacking saves kernel calls for small tables, and a large table gains
+nothing from it but its stack array is then the table itself, which a checkpoint or an
+export writes as it is instead of copying its rows out of the stack.
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ from ._spec import TableSpec
 
 MAX_STACK_ROWS = 2**31 - 1
 """Rows of one stack at most: its stacked ids (`table id + row offset`) stay int32."""
+
+ALONE_BYTES = 256 << 20
+"""Bytes on one device from which a table is a stack of its own (weights and slots)."""
+
+
+def row_bytes(spec: TableSpec, dim: int | None = None) -> int:
+    """Bytes one row of `spec` takes on a device: weights in their dtype plus every
+    optimizer slot (f32: one per row or one per column; `dim` of a column piece)."""
+    dim = spec.dim if dim is None else dim
+    weight = 2 if spec.dtype == "bfloat16" else 4
+    slots = sum(1 if s.per_row else dim for s in spec.optimizer.slots())
+    return dim * weight + 4 * slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +73,22 @@ def stack_name(dim: int, dtype: str, optimizer: SparseOptimizer) -> str:
     return f"d{dim}_{dtype}_{type(optimizer).__name__.lower()}_{digest}"
 
 
-def plan_stacks(tables: Sequence[TableSpec], *, max_rows: int = MAX_STACK_ROWS) -> dict[str, Stack]:
+def plan_stacks(
+    tables: Sequence[TableSpec],
+    *,
+    max_rows: int = MAX_STACK_ROWS,
+    alone_bytes: int | None = None,
+) -> dict[str, Stack]:
     """Stacks of `tables`, by name: one per (dim, dtype, optimizer), split so that none
-    has more than `max_rows` rows. The result depends on the set of specs only."""
+    has more than `max_rows` rows, and one per table of `alone_bytes` (`ALONE_BYTES`)
+    or more. The result depends on the set of specs only."""
+    alone_bytes = ALONE_BYTES if alone_bytes is None else alone_bytes
     by_key: dict[str, list[TableSpec]] = {}
     for t in sorted(tables, key=lambda t: t.name):
-        by_key.setdefault(stack_name(t.dim, t.dtype, t.optimizer), []).append(t)
+        key = stack_name(t.dim, t.dtype, t.optimizer)
+        if t.vocab_size * row_bytes(t) >= alone_bytes:
+            key = f"{key}_{t.name}"
+        by_key.setdefault(key, []).append(t)
     stacks = {}
     for base in sorted(by_key):
         parts: list[list[TableSpec]] = [[]]

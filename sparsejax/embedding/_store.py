@@ -187,9 +187,15 @@ class StoreBase:
 
     def sharded_tables(self, state: Mapping) -> dict:
         """The arrays `abstract_sharded_tables` describes, built from the rows each device
-        already holds (a sharded store gathers no table into one place)."""
-        shardings = jax.tree.map(lambda s: s.sharding, self.abstract_sharded_tables())
-        return jax.jit(self.export_tables, out_shardings=shardings)(state)
+        already holds (a sharded store gathers no table into one place). Exported
+        eagerly: a table that is its stack's whole array is that array, not a copy."""
+
+        def placed(a, sds):
+            if a.sharding.is_equivalent_to(sds.sharding, a.ndim):
+                return a
+            return jax.device_put(a, sds.sharding)
+
+        return jax.tree.map(placed, self.export_tables(state), self.abstract_sharded_tables())
 
     def import_sharded_tables(self, tables: Mapping) -> dict:
         """Inverse of `sharded_tables`: arrays placed as `abstract_sharded_tables` says

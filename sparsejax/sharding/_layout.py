@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..embedding import FeatureSpec, TableSpec, stack_name
+from ..embedding import ALONE_BYTES, FeatureSpec, TableSpec, row_bytes, stack_name
 from . import _placement as pl
 
 
@@ -151,18 +151,36 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
     return out
 
 
+def _alone(kind: str, piece: Piece, shards: int) -> bool:
+    """Whether `piece` gets a stack of its own (`embedding.ALONE_BYTES` or more on one
+    device; see `embedding._stacking`): a table split over every shard or on every
+    one, or a column piece; a whole table-wise table stays stacked, since a table-wise
+    stack is as tall on every shard as on its fullest one."""
+    if kind == "table_wise" and piece.column is None:
+        return False
+    rows = piece.table.vocab_size
+    if kind in ("row_wise", "table_row_wise"):
+        rows = -(-rows // shards)
+    return rows * row_bytes(piece.table) >= ALONE_BYTES
+
+
 def build_stacks(tables, mesh_shape) -> dict[str, ShardedStack]:
+    """The stacks of `tables` on a mesh of `mesh_shape`, by name: one per placement kind
+    and (dim, dtype, optimizer), and one per large table (`_alone`)."""
     by_key: dict[tuple, list[Piece]] = {}
     for kind, piece in _build_pieces(tables, mesh_shape):
         t = piece.table
-        by_key.setdefault((kind, stack_name(t.dim, t.dtype, t.optimizer)), []).append(piece)
+        base = stack_name(t.dim, t.dtype, t.optimizer)
+        if _alone(kind, piece, pl.num_shards(kind, mesh_shape)):
+            base = f"{base}_{piece.source}"
+        by_key.setdefault((kind, base), []).append(piece)
     stacks = {}
     for (kind, base), pieces in sorted(by_key.items()):
         shards = pl.num_shards(kind, mesh_shape)
         whole = [p for p in pieces if p.column is None]
         shard_of = (
             pl.assign_table_wise(
-                {p.source: p.table.vocab_size * pl.row_bytes(p.table) for p in whole}, shards
+                {p.source: p.table.vocab_size * row_bytes(p.table) for p in whole}, shards
             )
             if kind == "table_wise"
             else {}

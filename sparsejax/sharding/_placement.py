@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..embedding import row_bytes
+
 AXES = ("data", "model")
 PLACEMENTS = ("replicated", "table_wise", "column_wise", "table_row_wise", "row_wise")
 
@@ -89,15 +91,6 @@ def device_rows_and_dim(
     if placement == "column_wise":
         return rows, dim // s
     return rows, dim
-
-
-def row_bytes(spec, dim: int | None = None) -> int:
-    """Bytes one row of `spec` takes on a device: weights in their dtype plus every
-    optimizer slot (f32: one per row or one per column)."""
-    dim = spec.dim if dim is None else dim
-    weight = 2 if spec.dtype == "bfloat16" else 4
-    slots = sum(1 if s.per_row else dim for s in spec.optimizer.slots())
-    return dim * weight + 4 * slots
 
 
 def table_device_bytes(spec, placement: str, mesh_shape: Mapping[str, int]) -> int:

@@ -51,6 +51,7 @@ from ..embedding import (
     fill_rows,
     format_bytes,
     init_block_rows,
+    row_bytes,
     rows_on_devices,
     stack_shapes,
     tiered_feature_key,
@@ -153,7 +154,7 @@ class ShardedTableStore(StoreBase):
     def device_bytes(self, name: str) -> int:
         """Bytes of stack `name` on one device (weights and slots of one shard)."""
         st = self.stacks[name]
-        return st.rows_per_shard * pl.row_bytes(st.pieces[0].table)
+        return st.rows_per_shard * row_bytes(st.pieces[0].table)
 
     def _device_shards(self, st: ShardedStack) -> dict:
         """`{device: shard index}` of this process's devices of the mesh, for stack `st`

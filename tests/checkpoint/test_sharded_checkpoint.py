@@ -3,7 +3,8 @@ shards it, restored as another store shards it (row-wise <-> table-wise, 4 devic
 -> 1), every array verified against block checksums that do not depend on the sharding;
 changed or missing data named (table, array, rows, folder); checkpoints of the previous
 format (tables whole, no checksums) restored; a restore with too little memory refused
-before it reads. The states need no trainer: nothing here compiles a model."""
+before it reads; a table alone in its stack written without a copy. The states need no
+trainer: nothing here compiles a model."""
 
 import dataclasses
 import glob
@@ -29,7 +30,7 @@ from sparsejax.checkpoint import (
     _verify,
 )
 from sparsejax.checkpoint._checkpointer import NonFiniteStateError
-from sparsejax.sharding import make_mesh, make_store
+from sparsejax.sharding import _layout, make_mesh, make_store
 from sparsejax.train import TrainState
 
 FEATURES = [emb.FeatureSpec(name="u", table="user"), emb.FeatureSpec(name="a", table="ad")]
@@ -148,6 +149,31 @@ def test_restores_bitwise_on_other_placements_and_device_counts(
         jax.device_get(dst.export_tables(tables["embedding"])),
         _by_name(src, state),
     )
+
+
+def _pointers(a: jax.Array) -> dict:
+    return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+
+
+@pytest.mark.parametrize("placements", [("row_wise", "table_wise"), ("device", "device")])
+def test_a_table_alone_in_its_stack_is_saved_without_a_copy(tmp_path, monkeypatch, placements):
+    """A table of `ALONE_BYTES` or more is a stack of its own, so what a save writes is
+    its stack's arrays themselves (no copy of the table while it is saved)."""
+    monkeypatch.setattr(emb._stacking, "ALONE_BYTES", 2048)
+    monkeypatch.setattr(_layout, "ALONE_BYTES", 2048)
+    src = _store(placements, 4)
+    (user_stack,) = [n for n in src.stacks if n.endswith("_user")]
+    assert not any(n.endswith("_ad") for n in src.stacks)  # a small table stays stacked
+    state = _state(src)
+    tables = state.tables["embedding"]
+    sharded = src.sharded_tables(tables)
+    assert _pointers(sharded["user"]["weights"]) == _pointers(tables[user_stack]["weights"])
+    with _ckpt(tmp_path, src) as ckpt:
+        ckpt.save(state)
+    dst = _store(("table_wise", "row_wise") if placements[0] == "device" else ("device",) * 2, 2)
+    with _ckpt(tmp_path, dst) as ckpt:
+        got, _ = ckpt.restore(_abstract(_state(dst, seed=5)))
+    jax.tree.map(np.testing.assert_array_equal, _by_name(dst, got), _by_name(src, state))
 
 
 # ---- bad input -------------------------------------------------------------------------

@@ -86,6 +86,18 @@ def test_stack_names_come_from_the_stack_key_not_the_order():
     )
 
 
+def test_a_large_table_is_a_stack_of_its_own():
+    tables, _ = _specs()
+    d8 = stack_name(8, "float32", tables[0].optimizer)
+    # item: 90 rows of 8 f32 weights and a row-wise Adagrad slot, 36 bytes each
+    for alone_bytes, names in ((90 * 36, {f"{d8}_item", d8}), (90 * 36 + 1, {d8})):
+        stacks = plan_stacks(tables, alone_bytes=alone_bytes)
+        assert {n for n in stacks if n.startswith("d8_")} == names
+        assert [t.name for t in stacks[d8].tables] == (
+            ["user"] if len(names) == 2 else ["item", "user"]
+        )
+
+
 def test_inserting_a_table_renames_no_other_stacks_flax_variables():
     tables, features = _specs()
     before = _layer_variable_names(tables, features)
