@@ -313,6 +313,10 @@ class Checkpointer:
                     save_args=jax.tree.map(
                         lambda _: ocp.SaveArgs(chunk_byte_size=_sharded.READ_BYTES), tables
                     ),
+                    # OCDBT keeps a data file's chunks in memory until the file is
+                    # written: by default a whole array (0.75 GiB for a 1 GiB table),
+                    # with files of about one chunk a few chunks
+                    ocdbt_target_data_file_size=_sharded.READ_BYTES,
                 )
             if jax.tree.leaves(rest):
                 args["state"] = ocp.args.StandardSave(rest)
