@@ -106,7 +106,7 @@ def restore_run(
     cfg = load_config([cfg_path], [*overrides, "resume=false"])
     data = build_data(cfg)
     _, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
-    template = trainer.init(jax.random.key(cfg.seed), data.eval_batches[0])
+    template = trainer.init(jax.random.key(cfg.seed), data.eval_batches[0], tables=False)
     ckpt = Checkpointer(where, trainer.layouts, host=trainer.host)
     try:
         if step in (None, "last", "best"):

@@ -34,6 +34,7 @@ from ._report import (
     write_summary,
 )
 from ._run_dir import (
+    _checkpoint_steps_in,
     _first_missing,
     _no_new_checkpoint,
     _prepare_run_dir,
@@ -89,9 +90,12 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
         )
     model, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
     first = first_train_batch(data)
-    state = trainer.init(jax.random.key(cfg.seed), first)  # makes trainer.host
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    # resuming: the tables only described (a restore template), never held twice
+    resume = cfg.resume and bool(_checkpoint_steps_in(ckpt_dir))
+    state = trainer.init(jax.random.key(cfg.seed), first, tables=not resume)  # makes .host
     ckpt = Checkpointer(
-        os.path.join(cfg.run_dir, "checkpoints"),
+        ckpt_dir,
         trainer.layouts,  # each layer's store on the trainer's mesh
         max_to_keep=cfg.keep_checkpoints,
         host=trainer.host,
@@ -99,7 +103,7 @@ def build_run(cfg: RunConfig, *, log: Callable[[str], None] = print) -> Run:
     )
     position: dict = {"epoch": 0, "batch": 0}
     log_window: list = []
-    if cfg.resume and ckpt.latest_step() is not None:
+    if resume:
         state, meta, skipped = ckpt.restore_readable(state, warn=lambda m: log(f"warning: {m}"))
         if jax.process_index() == 0:  # the run directory is process 0's
             for s in skipped:  # out of the way of this run's next save of that step

@@ -431,14 +431,16 @@ class Trainer:
             )
         return self._layouts
 
-    def init(self, key: jax.Array, batch) -> TrainState:
+    def init(self, key: jax.Array, batch, *, tables: bool = True) -> TrainState:
         """Fresh state, placed on the mesh; `batch` fixes the shapes (any batch of the
         run's capacities).
 
         Dense parameters come from the model's (jitted) init; tables from each layer's
         `TableStore.init` (on the trainer's mesh) outside `jit`, which draws
         default-initialized tables with numpy instead of compiling one random op per
-        table shape.
+        table shape. With `tables=False` the tables are only described (each store's
+        `abstract_state`: shapes, dtypes, shardings): a restore template that never
+        holds a table beside the one the restore reads.
         """
         k_init, k_tables, k_rng = jax.random.split(key, 3)
         batch = shape_batch(batch)
@@ -468,8 +470,12 @@ class Trainer:
             path: jax.random.fold_in(k_tables, zlib.crc32("/".join(path).encode()))
             for path in layouts
         }
-        tables = tables_from_layers(
-            layouts, {path: store.init(layer_keys[path]) for path, store in self._stores().items()}
+        table_state = tables_from_layers(
+            layouts,
+            {
+                path: store.init(layer_keys[path]) if tables else store.abstract_state()
+                for path, store in self._stores().items()
+            },
         )
         self.host.close()
         self.host = host_side(
@@ -481,15 +487,17 @@ class Trainer:
             l2=self.sparse_l2,
             process_count=jax.process_count(),
         )
-        return self.put_state(
-            TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=params,
-                opt_state=self.tx.init(params),
-                tables=tables,
-                rng=jax.random.key_data(k_rng),
-            )
+        state = TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.tx.init(params),
+            tables=None,
+            rng=jax.random.key_data(k_rng),
         )
+        if tables:
+            return self.put_state(dataclasses.replace(state, tables=table_state))
+        dense = dataclasses.replace(self.state_sharding(), tables=None)
+        return dataclasses.replace(jax.device_put(state, dense), tables=table_state)
 
     def _init_variables(self, key, batch):
         """The model's `init`, its embedding layers on the trainer's mesh."""

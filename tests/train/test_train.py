@@ -109,6 +109,23 @@ def test_resume_after_process_restart_is_bit_identical(tmp_path):
     assert steps == [5, 10, 12, 15, 20, 24]  # 12: the end of the first run
 
 
+def test_a_resume_restores_into_tables_it_never_initialized(tmp_path, monkeypatch):
+    """The restore template describes the tables without filling them, so a resumed
+    run never holds a table twice (its initial values and the restored ones)."""
+    from sparsejax.embedding import DeviceTableStore
+
+    runner.train(_cfg(tmp_path, "name=r", "steps=3"), log=lambda *_: None)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a table was initialized")
+
+    monkeypatch.setattr(DeviceTableStore, "init", refuse)
+    step, state = _state_arrays(_cfg(tmp_path, "name=r", "steps=3"))
+    assert step == 3 and all(np.isfinite(x).all() for x in jax.tree.leaves(state.tables))
+    with pytest.raises(AssertionError, match="initialized"):  # a fresh run fills them
+        _state_arrays(_cfg(tmp_path, "name=fresh", "steps=3"))
+
+
 class _Killed(Exception):
     """What `_KillAfter` raises: the run dies as a killed process would, unsaved."""
 
