@@ -112,8 +112,10 @@ def comm_bytes(
     coefficient; 8 when no feature of the table's stack needs a coefficient):
 
     - forward ids: id_bytes x S x ids. Each device buckets its ids by owner shard into
-      an `[S, ids]` send buffer (never overflowing: it holds every id the device has),
-      all-to-all over the shard axes.
+      an `[S, ids]` send buffer, all-to-all over the shard axes. This is the bound of
+      a buffer with room for every id the device has; the `Trainer` sizes the buckets
+      from the ids each owner gets (`_exchange`: about ids / S each, plus headroom), so
+      a training step moves less.
     - forward rows: w x S x bags x D. The owners' partial pooled rows `[S, bags, D]`,
       all-to-all back and summed.
     - backward grads: w x S x bags x D. The pooled rows' gradients, all-gathered over
