@@ -86,11 +86,13 @@ def restore_run(
     step: int | str | None = None,
     overrides: Sequence[str] = (),
     log: Callable[[str], None] = print,
+    check: Callable[[DataBundle], None] | None = None,
 ) -> tuple[RunConfig, DataBundle, Trainer, TrainState]:
     """A run directory's config, data, trainer and a checkpoint's state (placed): what
     `evaluate_run` and `export_run` (`sparsejax export`) start from. `step`: a checkpoint
     step, "last" / None (the newest readable one; an unreadable newer one is skipped
-    with a warning) or "best" (kept by `early_stopping`)."""
+    with a warning) or "best" (kept by `early_stopping`). `check` sees the data (its
+    tables and features) before anything is restored, to refuse early."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(cfg_path):
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
@@ -105,6 +107,8 @@ def restore_run(
         raise ConfigError(f"{run_dir} has no checkpoint yet ({where} is empty or missing)")
     cfg = load_config([cfg_path], [*overrides, "resume=false"])
     data = build_data(cfg)
+    if check is not None:
+        check(data)
     _, trainer = build_trainer(cfg, data, log=log)  # knobs, mesh, plan: runner/_knobs.py
     template = trainer.init(jax.random.key(cfg.seed), data.eval_batches[0], tables=False)
     ckpt = Checkpointer(where, trainer.layouts, host=trainer.host)

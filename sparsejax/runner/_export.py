@@ -17,7 +17,14 @@ import numpy as np
 
 from ..checkpoint import CheckpointUnreadableError
 from ..data import CATEGORICAL_NAMES, DENSE_NAMES, open_text
-from ..serving import DEFAULT_BUCKETS, ExportError, Preprocessing, check_export, export_model
+from ..serving import (
+    DEFAULT_BUCKETS,
+    ExportError,
+    Preprocessing,
+    check_export,
+    check_servable,
+    export_model,
+)
 from ._config import ConfigError
 from ._evaluate import restore_run
 from ._model import configured_model
@@ -107,15 +114,24 @@ def export_run(
     return manifest
 
 
+def _servable(data) -> None:
+    """Refuse, before a restore, tables a serving store cannot hold (a config error)."""
+    try:
+        check_servable(data.tables)
+    except ExportError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _restore(run_dir: str, step: int | str | None, overrides: Sequence[str], log) -> tuple:
     """`restore_run` of the step to export. By default the newest checkpoint, and only
     it: when it is unreadable the export is refused (an older model is exported only
     when named: `--step N`, or `--step last` for the newest readable one)."""
     newest = _checkpoint_steps_in(os.path.join(run_dir, "checkpoints"))[-1:]
+    kw = dict(overrides=overrides, log=log, check=_servable)
     if step is not None or not newest:
-        return restore_run(run_dir, step=step, overrides=overrides, log=log)
+        return restore_run(run_dir, step=step, **kw)
     try:
-        return restore_run(run_dir, step=newest[0], overrides=overrides, log=log)
+        return restore_run(run_dir, step=newest[0], **kw)
     except CheckpointUnreadableError as e:
         raise CheckpointUnreadableError(
             f"export: the newest checkpoint is unreadable: {e}; an older one is exported "

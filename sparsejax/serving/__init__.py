@@ -18,6 +18,7 @@ from ._export import KERNELS as KERNELS
 from ._export import ExportError as ExportError
 from ._export import Preprocessing as Preprocessing
 from ._export import check_export as check_export
+from ._export import check_servable as check_servable
 from ._export import export_model as export_model
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import ModelLoadError as ModelLoadError

@@ -46,7 +46,7 @@ from ..data import (
     SparseBatch,
     VocabMapping,
 )
-from ..embedding import FeatureSpec, TableSpec
+from ..embedding import MAX_STACK_ROWS, FeatureSpec, TableSpec
 from ..embedding.host import layer_table_key
 from ..nn import EMBEDDING, tables_stored_by, trace_layouts
 from ..ops import custom_call_targets
@@ -311,6 +311,21 @@ def _mapping_entry(mapping, table: str, keys: Mapping[str, np.ndarray], arrays: 
 
 
 # ---- the export ---------------------------------------------------------------------------
+def check_servable(tables: Sequence[TableSpec]) -> None:
+    """Refuse tables no serving store can hold: a plain one of more than
+    `MAX_STACK_ROWS` rows (a serving store keeps a table in one stack addressed by
+    int32 rows; training splits such a table row-wise over devices, serving does not
+    yet). Dynamic tables are counted by their keys, composed ones by their parts."""
+    for t in tables:
+        if t.dynamic is None and t.compose is None and t.vocab_size > MAX_STACK_ROWS:
+            raise ExportError(
+                f"export: table {t.name!r} has {t.vocab_size:,} rows; a serving store holds "
+                f"at most {MAX_STACK_ROWS:,} rows a table (int32 row ids), and serving does "
+                f"not split a table over devices yet (its checkpoints train and restore on "
+                f"any number of processes)"
+            )
+
+
 def check_export(
     out: str,
     *,
@@ -445,6 +460,7 @@ def export_model(
     features = tuple(features)
     full = _full_tables(trainer, state, top, features)
     serving_tables = [serving_spec(t, full.rows[t.name]) for t in tables]
+    check_servable(serving_tables)
     keys = full.keys
     impl = "xla" if kernels == "xla" else None
     model = make_model(serving_tables).clone(implementation=impl)

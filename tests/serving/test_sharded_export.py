@@ -5,6 +5,7 @@ scores as an export of the same checkpoint on one device."""
 import json
 
 import numpy as np
+import pytest
 
 from sparsejax import runner
 from sparsejax.runner._export import export_run
@@ -60,3 +61,38 @@ def test_a_row_sharded_table_exports_per_shard_and_serves_as_one_device(tmp_path
     p4, p1 = Predictor.load(str(tmp_path / "m4")), Predictor.load(str(tmp_path / "m1"))
     examples = p4.example_request["examples"]
     np.testing.assert_array_equal(p4.predict(examples), p1.predict(examples))
+
+
+def test_a_table_past_int32_rows_is_refused_before_the_restore(tmp_path, monkeypatch):
+    """Serving keeps a table in one int32-addressed stack: a 3e9-row table (which trains
+    row-wise) is refused in one line naming it, before its checkpoint is read; dynamic
+    and composed tables are counted by what serving holds (keys, parts)."""
+    from sparsejax import embedding as emb
+    from sparsejax.runner import _evaluate
+    from sparsejax.serving import ExportError, check_servable
+
+    big = emb.TableSpec(name="wide", vocab_size=3_000_000_000, dim=1)
+    with pytest.raises(ExportError, match=r"table 'wide' has 3,000,000,000 rows"):
+        check_servable([emb.TableSpec(name="a", vocab_size=10, dim=4), big])
+    check_servable(
+        [
+            emb.TableSpec(name="d", dim=4, dynamic=emb.DynamicVocab(max_rows=100)),
+            emb.TableSpec(
+                name="c",
+                vocab_size=10**10,
+                dim=4,
+                compose=emb.Composition(kind="multihash", rows=1000),
+            ),
+        ]
+    )
+    run = tmp_path / "run"
+    (run / "checkpoints" / "3").mkdir(parents=True)
+    (run / "config.yaml").write_text("data:\n  kind: synthetic\n")
+
+    class Data:
+        tables = (big,)
+
+    monkeypatch.setattr(_evaluate, "build_data", lambda cfg: Data())
+    monkeypatch.setattr(_evaluate, "build_trainer", lambda *a, **k: pytest.fail("restored"))
+    with pytest.raises(runner.ConfigError, match="table 'wide' has 3,000,000,000 rows"):
+        export_run(str(run), str(tmp_path / "m"), log=lambda _: None)
