@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import re
 import shutil
@@ -521,13 +522,19 @@ def export_model(
             with open(os.path.join(tmp, fname), "wb") as fh:
                 fh.write(blob)
         _barrier("arrays written")
-        # the model dir's own arguments, read back as serving reads them (checked; with
-        # several processes, process 0 reads them)
-        args = None
-        if first:
-            args = jax.tree_util.tree_unflatten(
-                treedef, [read_argument(tmp, e) for e in arguments.values()]
-            )
+
+        def read_args(touched: Mapping | None = None):
+            """The model dir's own arguments, read back as serving reads them; with
+            `touched` (`_touched_rows`), a large table argument only the rows there."""
+            leaves = []
+            for (_, a), e in zip(flat, arguments.values(), strict=True):
+                rows = None
+                if touched is not None and isinstance(a, _Arg):
+                    if math.prod(a.shape) * a.dtype.itemsize > _WHOLE_BYTES:
+                        rows = touched.get((a.path, a.stack))
+                leaves.append(read_argument(tmp, e, rows))
+            return jax.tree_util.tree_unflatten(treedef, leaves)
+
         mappings = {}
         for f in features:
             if f.table not in mappings:
@@ -538,7 +545,7 @@ def export_model(
         if trainer.task == "retrieval":
             if jax.process_count() > 1:
                 raise ExportError("export: a retrieval model exports in one process")
-            items, embeddings = _embed_catalog(fn, args, packers[buckets[-1]], catalog)
+            items, embeddings = _embed_catalog(fn, read_args(), packers[buckets[-1]], catalog)
             arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
             retrieval = {
                 "temperature": float(model.temperature),
@@ -587,7 +594,9 @@ def export_model(
             "tables_bytes": sum(v["bytes"] for v in table_info.values()),
             "tables_fp32_bytes": sum(v["fp32_bytes"] for v in table_info.values()),
         }
-        manifest["check"] = _check(trainer, state, eval_batches, features, fn, args, keys)
+        manifest["check"] = _check(
+            trainer, state, eval_batches, features, fn, read_args if first else None, keys, layouts
+        )
         manifest["processes"] = jax.process_count()
         if first:
             write_json(os.path.join(tmp, MANIFEST), manifest)
@@ -676,18 +685,45 @@ def _scores(out, task: str, temperature: float | None = None) -> np.ndarray:
     return np.asarray(out, np.float64).reshape(-1)
 
 
-def _check(trainer, state, batches, features, fn, args, keys: Mapping[str, np.ndarray]) -> dict:
-    """The exported computation against the run's own model on the eval split's batches
-    (a dynamic table's keys mapped to serving rows): max |score - score_run| (binary:
-    probabilities) and, for binary models, both AUCs."""
+_WHOLE_BYTES = 64 << 20
+"""A table argument larger than this is read for the export's check only in the rows
+its batches look up (the model dir is otherwise read whole by one process)."""
+
+
+def _touched_rows(layouts, arrays: list[Mapping]) -> dict[tuple, np.ndarray | None]:
+    """`{(layer path, stack): sorted stack rows}` that batches (`batch_arrays`, ids
+    mapped to serving rows) look up in the serving layouts; None where a stack holds a
+    table no batch feature reads directly (e.g. a composed table's parts: read whole)."""
+    out: dict[tuple, np.ndarray | None] = {}
+    for path, store in layouts.items():
+        for name, stack in store.stacks.items():
+            rows: list[np.ndarray] | None = [np.zeros(0, np.int64)]
+            for t in stack.tables:
+                fs = [f.name for f in store.features.values() if f.table == t.name]
+                if not fs or any(f"{f}.ids" not in a for f in fs for a in arrays):
+                    rows = None
+                    break
+                for a in arrays:
+                    for f in fs:
+                        ids = np.asarray(a[f"{f}.ids"], np.int64).reshape(-1)
+                        ids = ids[(ids >= 0) & (ids < t.vocab_size)]
+                        rows.append(stack.offset_of(t.name) + ids)
+            out[(path, name)] = None if rows is None else np.unique(np.concatenate(rows))
+    return out
+
+
+def _check(trainer, state, batches, features, fn, read_args, keys, layouts) -> dict:
+    """The exported computation on the model dir's own arguments (`read_args`, process
+    0's; a large table read in the rows the batches look up) against the run's own
+    model on the eval split's batches (a dynamic table's keys mapped to serving rows):
+    max |score - score_run| (binary: probabilities) and, for binary models, both AUCs."""
     key_maps = {
         f.name: KeyMapping(keys[f.table], keys[f.table].shape[0])
         for f in features
         if f.table in keys
     }
     temperature = getattr(trainer.model, "temperature", None)
-    ours, theirs, labels = [], [], []
-    jitted = jax.jit(fn)
+    theirs, labels, masks, inputs = [], [], [], []
     for batch in batches:
         mask = np.asarray(batch.mask) > 0
         # every process runs the run's eval step (a collective); process 0 the export's
@@ -704,10 +740,16 @@ def _check(trainer, state, batches, features, fn, args, keys: Mapping[str, np.nd
         for name, m in key_maps.items():
             ids = arrays[f"{name}.ids"]
             arrays[f"{name}.ids"] = np.where(ids >= 0, m(ids), -1).astype(np.int32)
-        if args is not None:
-            ours.append(_scores(jitted(*args, arrays), trainer.task, temperature)[mask])
-    if args is None:  # not process 0: it reports the check
+        masks.append(mask)
+        inputs.append(arrays)
+    if read_args is None:  # not process 0: it reports the check
         return {}
+    args = read_args(_touched_rows(layouts, inputs))
+    jitted = jax.jit(fn)
+    ours = [
+        _scores(jitted(*args, arrays), trainer.task, temperature)[mask]
+        for arrays, mask in zip(inputs, masks, strict=True)
+    ]
     p, q, y = np.concatenate(ours), np.concatenate(theirs), np.concatenate(labels)
     binary = trainer.task == "binary" and y.size
     return {

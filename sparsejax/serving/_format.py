@@ -28,6 +28,7 @@ Format version 2 (this one) stores table arguments in row pieces; version 1 mode
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import zlib
@@ -149,30 +150,93 @@ def aligned_empty(shape: tuple, dtype) -> np.ndarray:
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
-def read_argument(model_dir: str, entry: Mapping) -> np.ndarray:
+def _read_piece_rows(model_dir: str, entry: Mapping, out: np.ndarray, rows: np.ndarray) -> None:
+    """Rows `rows` (of the piece, sorted) of one piece into the same rows of `out` (its
+    rows of the argument), the file's size and header checked (not its crc32: that
+    needs every byte). Read row by row, not memory-mapped: mapped pages (and the
+    kernel's read-ahead around each) would count in the process's memory."""
+    path = os.path.join(model_dir, entry["file"])
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise _piece_error(model_dir, entry, "is missing") from None
+    if size != entry["bytes"]:
+        raise _piece_error(
+            model_dir, entry, f"has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
+        )
+    row_bytes = out[:1].nbytes
+    with open(path, "rb") as fh:
+        try:
+            version = np.lib.format.read_magic(fh)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read(fh)
+        except (OSError, ValueError) as e:
+            raise _piece_error(model_dir, entry, f"is unreadable ({e})") from None
+        if tuple(shape) != out.shape or dtype.itemsize != out.dtype.itemsize:
+            raise _piece_error(
+                model_dir,
+                entry,
+                f"holds {dtype}{list(shape)}, expected {out.dtype}{list(out.shape)}",
+            )
+        header = fh.tell()
+        flat = out.reshape(out.shape[0], -1).view(np.uint8)
+        for r in rows.tolist():
+            fh.seek(header + r * row_bytes)
+            if fh.readinto(flat[r]) != row_bytes:
+                raise _piece_error(model_dir, entry, "ends early")
+
+
+def read_argument(model_dir: str, entry: Mapping, rows: np.ndarray | None = None) -> np.ndarray:
     """One exported argument: a whole-array file (format 1, dense parameters) or a table
     argument read piece by piece into one preallocated array (no piece held twice); a
     missing or truncated piece names the table, its rows and the file, and rows no piece
-    covers are named too."""
+    covers are named too. With `rows` (sorted), a table argument's other rows are left
+    unread (zeros, taking no memory: for a computation that reads only `rows`)."""
     if "pieces" not in entry:
         return read_array(model_dir, entry)
     shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
-    out = aligned_empty(shape, dtype)
-    covered = np.zeros(shape[0] + 1, np.int64)
+    _check_coverage(model_dir, entry, shape[0])
+    out = aligned_empty(shape, dtype) if rows is None else _sparse_zeros(shape, dtype)
     for piece in entry["pieces"]:
         r0, r1 = piece["rows"]
-        _read_piece_into(model_dir, piece, out[r0:r1])
-        covered[r0] += 1
-        covered[r1] -= 1
-    holes = np.flatnonzero(np.cumsum(covered)[: shape[0]] != 1)
-    if holes.size:
+        if rows is None:
+            _read_piece_into(model_dir, piece, out[r0:r1])
+        else:
+            mine = rows[np.searchsorted(rows, r0) : np.searchsorted(rows, r1)] - r0
+            _read_piece_rows(model_dir, piece, out[r0:r1], mine)
+    return out
+
+
+def _sparse_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros (page-aligned) whose memory is taken only in the pages written: an
+    anonymous map. numpy asks for 2 MiB huge pages for a large array, so rows written
+    here and there would each take 2 MiB."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n].view(dtype).reshape(shape)
+
+
+def _check_coverage(model_dir: str, entry: Mapping, rows: int) -> None:
+    """Refuse an argument whose pieces leave rows out or cover rows twice (from the
+    pieces' row ranges alone: nothing per row)."""
+    bad, end = [], 0
+    for r0, r1 in sorted(tuple(p["rows"]) for p in entry["pieces"]):
+        if r0 != end:  # a gap [end, r0) or an overlap [r0, end)
+            bad += [min(r0, end), max(r0, end)]
+        end = max(end, r1)
+    if end != rows:
+        bad += [min(end, rows), max(end, rows)]
+    if bad:
         tables = sorted({str(p.get("table")) for p in entry["pieces"]})
         raise ModelLoadError(
-            f"{model_dir}: rows {int(holes[0])}..{int(holes[-1])} of argument "
+            f"{model_dir}: rows {min(bad)}..{max(bad) - 1} of argument "
             f"{entry.get('key', '?')} (tables {tables}) are in no piece or in several: "
             f"the model dir is incomplete; export it again"
         )
-    return out
 
 
 def read_manifest(model_dir: str) -> dict:

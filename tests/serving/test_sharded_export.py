@@ -1,6 +1,7 @@
 """Sharded export: a run whose table is split by rows over 4 devices exports each row
 shard as its own piece (no whole-table gather), and the model dir serves the same
-scores as an export of the same checkpoint on one device."""
+scores as an export of the same checkpoint on one device; its check reads a large table
+in the rows it looks up only. A table past int32 rows is refused before a restore."""
 
 import json
 
@@ -9,12 +10,12 @@ import pytest
 
 from sparsejax import runner
 from sparsejax.runner._export import export_run
-from sparsejax.serving import Predictor
+from sparsejax.serving import Predictor, _export, _format
 
 FAST = ["progress=false", "log_every=1000", "eval_every=null", "epochs=null", "steps=6"]
 
 
-def test_a_row_sharded_table_exports_per_shard_and_serves_as_one_device(tmp_path):
+def test_a_row_sharded_table_exports_per_shard_and_serves_as_one_device(tmp_path, monkeypatch):
     cfg = runner.load_config(
         [],
         [
@@ -58,6 +59,16 @@ def test_a_row_sharded_table_exports_per_shard_and_serves_as_one_device(tmp_path
     assert bounds[0][0] == 0 and bounds[-1][1] == rows
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     assert four["check"]["max_abs_diff"] <= 1e-4
+    # the check reading only the rows its batches look up agrees with the whole read
+    sparse_reads = []
+    monkeypatch.setattr(_export, "_WHOLE_BYTES", 0)
+    monkeypatch.setattr(
+        _format,
+        "_read_piece_rows",
+        lambda *a, f=_format._read_piece_rows: sparse_reads.append(1) or f(*a),
+    )
+    assert export_run(run, str(tmp_path / "m4s"), **opts)["check"] == four["check"]
+    assert sparse_reads
     p4, p1 = Predictor.load(str(tmp_path / "m4")), Predictor.load(str(tmp_path / "m1"))
     examples = p4.example_request["examples"]
     np.testing.assert_array_equal(p4.predict(examples), p1.predict(examples))
@@ -96,3 +107,33 @@ def test_a_table_past_int32_rows_is_refused_before_the_restore(tmp_path, monkeyp
     monkeypatch.setattr(_evaluate, "build_trainer", lambda *a, **k: pytest.fail("restored"))
     with pytest.raises(runner.ConfigError, match="table 'wide' has 3,000,000,000 rows"):
         export_run(str(run), str(tmp_path / "m"), log=lambda _: None)
+
+
+def test_an_argument_read_in_some_rows_equals_the_whole_read_and_gaps_are_named(tmp_path):
+    import ml_dtypes
+
+    from sparsejax.serving import ModelLoadError
+
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, ml_dtypes.bfloat16, np.uint8):
+        a = (rng.standard_normal((50, 3)) * 9).astype(dtype)
+        bounds = [(0, 7), (7, 30), (30, 50)]
+        pieces = [
+            _format.write_piece(str(tmp_path / "t"), f"p{i}", a[r0:r1], rows=[r0, r1], table="T")
+            for i, (r0, r1) in enumerate(bounds)
+        ]
+        entry = {"key": "w", "shape": [50, 3], "dtype": str(a.dtype), "pieces": pieces}
+        np.testing.assert_array_equal(_format.read_argument(str(tmp_path), entry), a)
+        rows = np.array([0, 6, 7, 29, 30, 49])
+        got = _format.read_argument(str(tmp_path), entry, rows)
+        np.testing.assert_array_equal(got[rows], a[rows])
+        for broken, where in (
+            ([pieces[0], pieces[2]], "rows 7..29"),
+            (pieces + [pieces[1]], "rows 7..29"),
+        ):
+            with pytest.raises(
+                ModelLoadError, match=f"{where} of argument w .*in no piece or in several"
+            ):
+                _format.read_argument(str(tmp_path), {**entry, "pieces": broken})
+    with pytest.raises(ModelLoadError, match="rows 30..49 "):
+        _format.read_argument(str(tmp_path), {**entry, "pieces": pieces[:2]})
