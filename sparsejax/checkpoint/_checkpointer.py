@@ -626,16 +626,17 @@ class Checkpointer:
 
     def _check_memory(self, step: int, rest) -> None:
         """Refuse a restore this process has no room for, before reading anything: its
-        shards of every table (what the state will hold), the largest layer's again
-        (its tables read and its state built from them, together for a while), the
+        shards of every table (what the state will hold), what importing a layer's
+        tables allocates beside them (the largest layer's `import_copy_bytes`), the
         other fields and one read's buffer, against the host's available memory (CPU
         devices) or each device's."""
         layers = [
             sum(_sharded.local_bytes(s) for s in jax.tree.leaves(store.abstract_sharded_tables()))
             for store in self.layouts.values()
         ]
+        copies = [store.import_copy_bytes() for store in self.layouts.values()]
         dense = sum(_sharded.local_bytes(s) for s in jax.tree.leaves(rest or {}))
-        need = sum(layers) + max(layers, default=0) + dense + _sharded.READ_BYTES
+        need = sum(layers) + max(copies, default=0) + dense + _sharded.READ_BYTES
         devices = jax.local_devices()
         cpu = all(d.platform == "cpu" for d in devices)
         have = available_memory([] if cpu else devices)

@@ -12,6 +12,7 @@ a layer's specs and placements.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
@@ -196,6 +197,15 @@ class StoreBase:
             return jax.device_put(a, sds.sharding)
 
         return jax.tree.map(placed, self.export_tables(state), self.abstract_sharded_tables())
+
+    def import_copy_bytes(self) -> int:
+        """Bytes `import_sharded_tables` allocates in this process beside the tables it
+        is given (a restore holds both for a while). Base: all of them (it builds every
+        stack anew)."""
+        return sum(
+            math.prod(s.shape) * s.dtype.itemsize * len(s.sharding.addressable_devices)
+            for s in jax.tree.leaves(self.abstract_sharded_tables())
+        )
 
     def import_sharded_tables(self, tables: Mapping) -> dict:
         """Inverse of `sharded_tables`: arrays placed as `abstract_sharded_tables` says

@@ -535,6 +535,24 @@ class ShardedTableStore(StoreBase):
                     out[name]["slots"][path[1]] = arr
         return out
 
+    def import_copy_bytes(self) -> int:
+        """Bytes `import_sharded_tables` allocates in this process beside the tables it
+        is given: every stack block it assembles from several pieces, padding or an
+        empty cache (a block that is one table's rows exactly is taken as it is)."""
+        total = 0
+        for name, st in self.stacks.items():
+            for shard in self._device_shards(st).values():
+                mine = [p for p in st.pieces if p.stride > 1 or p.shard == shard]
+                lo, hi = mine[0].shard_rows(shard) if len(mine) == 1 else (0, 0)
+                whole = (
+                    len(mine) == 1
+                    and mine[0].offset == 0
+                    and hi - lo == st.rows_per_shard
+                    and mine[0].source not in self.tiered_tables
+                )
+                total += 0 if whole else self.device_bytes(name)
+        return total
+
     def _build_block(self, st, shard, device, path, placed, sds, init) -> jax.Array:
         """Shard `shard`'s block of one state leaf on `device`, from the rows of each
         table that `device` holds (zeros or the slot's initial value elsewhere)."""

@@ -164,6 +164,12 @@ def test_a_table_alone_in_its_stack_is_saved_without_a_copy(tmp_path, monkeypatc
     src = _store(placements, 4)
     (user_stack,) = [n for n in src.stacks if n.endswith("_user")]
     assert not any(n.endswith("_ad") for n in src.stacks)  # a small table stays stacked
+    if placements[0] == "row_wise":  # a restore's import copies the stacked blocks only
+        (ad_stack,) = [n for n in src.stacks if n != user_stack]
+        # ad (table-wise) is whole on one shard, the 3 others' blocks are filled; user:
+        # 1001 rows in 4 blocks of 251, the last padded (so assembled)
+        want = 3 * src.device_bytes(ad_stack) + src.device_bytes(user_stack)
+        assert src.import_copy_bytes() == want
     state = _state(src)
     tables = state.tables["embedding"]
     sharded = src.sharded_tables(tables)
