@@ -97,9 +97,14 @@ def _piece_error(model_dir: str, entry: Mapping, what: str) -> ModelLoadError:
     )
 
 
-def _read_piece_into(model_dir: str, entry: Mapping, out: np.ndarray) -> None:
+def _read_piece_into(
+    model_dir: str, entry: Mapping, out: np.ndarray, rows: np.ndarray | None = None
+) -> None:
     """Read one piece's rows straight into `out` (its rows of the argument), checking
-    the file's size, header and crc32; errors name the table, the rows and the file."""
+    the file's size, header and crc32; errors name the table, the rows and the file.
+    With `rows` (of the piece, sorted), only those rows, read row by row (not memory-
+    mapped: mapped pages and the kernel's read-ahead would count in the process's
+    memory), and no crc32 (it needs every byte)."""
     path = os.path.join(model_dir, entry["file"])
     try:
         size = os.path.getsize(path)
@@ -126,6 +131,14 @@ def _read_piece_into(model_dir: str, entry: Mapping, out: np.ndarray) -> None:
                 model_dir, entry, f"holds {dtype}{list(shape)}, expected {out.dtype}{list(want)}"
             )
         header = fh.tell()
+        if rows is not None:
+            row_bytes = out[:1].nbytes
+            flat = out.reshape(out.shape[0], -1).view(np.uint8)
+            for r in rows.tolist():
+                fh.seek(header + r * row_bytes)
+                if fh.readinto(flat[r]) != row_bytes:
+                    raise _piece_error(model_dir, entry, "ends early")
+            return
         fh.seek(0)
         crc = zlib.crc32(fh.read(header))
         view = memoryview(out.reshape(-1).view(np.uint8))
@@ -150,46 +163,6 @@ def aligned_empty(shape: tuple, dtype) -> np.ndarray:
     return raw[start : start + n].view(dtype).reshape(shape)
 
 
-def _read_piece_rows(model_dir: str, entry: Mapping, out: np.ndarray, rows: np.ndarray) -> None:
-    """Rows `rows` (of the piece, sorted) of one piece into the same rows of `out` (its
-    rows of the argument), the file's size and header checked (not its crc32: that
-    needs every byte). Read row by row, not memory-mapped: mapped pages (and the
-    kernel's read-ahead around each) would count in the process's memory."""
-    path = os.path.join(model_dir, entry["file"])
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise _piece_error(model_dir, entry, "is missing") from None
-    if size != entry["bytes"]:
-        raise _piece_error(
-            model_dir, entry, f"has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
-        )
-    row_bytes = out[:1].nbytes
-    with open(path, "rb") as fh:
-        try:
-            version = np.lib.format.read_magic(fh)
-            read = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            shape, _, dtype = read(fh)
-        except (OSError, ValueError) as e:
-            raise _piece_error(model_dir, entry, f"is unreadable ({e})") from None
-        if tuple(shape) != out.shape or dtype.itemsize != out.dtype.itemsize:
-            raise _piece_error(
-                model_dir,
-                entry,
-                f"holds {dtype}{list(shape)}, expected {out.dtype}{list(out.shape)}",
-            )
-        header = fh.tell()
-        flat = out.reshape(out.shape[0], -1).view(np.uint8)
-        for r in rows.tolist():
-            fh.seek(header + r * row_bytes)
-            if fh.readinto(flat[r]) != row_bytes:
-                raise _piece_error(model_dir, entry, "ends early")
-
-
 def read_argument(model_dir: str, entry: Mapping, rows: np.ndarray | None = None) -> np.ndarray:
     """One exported argument: a whole-array file (format 1, dense parameters) or a table
     argument read piece by piece into one preallocated array (no piece held twice); a
@@ -203,11 +176,10 @@ def read_argument(model_dir: str, entry: Mapping, rows: np.ndarray | None = None
     out = aligned_empty(shape, dtype) if rows is None else _sparse_zeros(shape, dtype)
     for piece in entry["pieces"]:
         r0, r1 = piece["rows"]
-        if rows is None:
-            _read_piece_into(model_dir, piece, out[r0:r1])
-        else:
+        mine = None
+        if rows is not None:
             mine = rows[np.searchsorted(rows, r0) : np.searchsorted(rows, r1)] - r0
-            _read_piece_rows(model_dir, piece, out[r0:r1], mine)
+        _read_piece_into(model_dir, piece, out[r0:r1], mine)
     return out
 
 

@@ -64,11 +64,11 @@ def test_a_row_sharded_table_exports_per_shard_and_serves_as_one_device(tmp_path
     monkeypatch.setattr(_export, "_WHOLE_BYTES", 0)
     monkeypatch.setattr(
         _format,
-        "_read_piece_rows",
-        lambda *a, f=_format._read_piece_rows: sparse_reads.append(1) or f(*a),
+        "_read_piece_into",
+        lambda *a, f=_format._read_piece_into: sparse_reads.append(a[-1] is not None) or f(*a),
     )
     assert export_run(run, str(tmp_path / "m4s"), **opts)["check"] == four["check"]
-    assert sparse_reads
+    assert any(sparse_reads)
     p4, p1 = Predictor.load(str(tmp_path / "m4")), Predictor.load(str(tmp_path / "m1"))
     examples = p4.example_request["examples"]
     np.testing.assert_array_equal(p4.predict(examples), p1.predict(examples))
