@@ -37,6 +37,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import checkpoint
+from ..embedding import aligned_empty
 
 FORMAT = "sparsejax-model"
 FORMAT_VERSION = 2
@@ -151,16 +152,6 @@ def _read_piece_into(
             done += n
     if crc != entry["crc32"]:
         raise _piece_error(model_dir, entry, "is corrupt (crc32 mismatch)")
-
-
-def aligned_empty(shape: tuple, dtype) -> np.ndarray:
-    """`np.empty` on a 64-byte boundary: a CPU jax array can then share its memory
-    (`jnp.from_dlpack`) instead of copying it."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(n + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64
-    return raw[start : start + n].view(dtype).reshape(shape)
 
 
 def read_argument(model_dir: str, entry: Mapping, rows: np.ndarray | None = None) -> np.ndarray:
