@@ -163,6 +163,7 @@ class Checkpointer:
         self.full_every = full_every if tracks_changes else 1
         self.tracks_changes = tracks_changes
         self._host_previous: int | None = None  # last host step saved or restored here
+        self._owners: dict[int, int | None] = {}  # a checkpoint's host-table writers
         self._host_deltas = 0  # deltas since that step's full save
         self._cleaned = False  # leftovers of killed saves removed (before the first save)
         _quiet_closed_loops()
@@ -386,21 +387,59 @@ class Checkpointer:
             raise CheckpointError(
                 f"step {step}: a full save was asked of the host tables, {bad} gave deltas"
             )
-        m = _host_tables.write_step(self.directory, step, snaps, previous=prev)
-        return {"kind": m["kind"], "previous": m["previous"], "tables": sorted(snaps)}
+        m = _host_tables.write_step(self._part(), step, snaps, previous=prev)
+        owners = jax.process_count()
+        return {
+            "kind": m["kind"],
+            "previous": m["previous"],
+            "tables": sorted(snaps),
+            "owners": owners,
+        }
+
+    def _part(self, owners: int | None = None) -> str:
+        """Where this process writes (and reads first) its host steps."""
+        owners = jax.process_count() if owners is None else owners
+        return _host_tables.part_root(self.directory, jax.process_index(), owners)
 
     def _host_base_readable(self, step: int) -> bool:
         """Whether host step `step` can be built on (else the next save is full)."""
         try:
-            _host_tables.read_manifest(self.directory, step)
+            _host_tables.read_manifest(self._part(), step)
         except CheckpointUnreadableError:
             return False
         return True
 
+    def _owners_of(self, step: int) -> int | None:
+        """How many processes wrote checkpoint `step`'s host tables (None: none)."""
+        if step not in self._owners:
+            try:
+                host = self.read_meta(step).get("host_tables")
+            except Exception:  # noqa: BLE001 - unreadable: its host steps are kept
+                return None
+            self._owners[step] = None if host is None else int(host.get("owners", 1))
+        return self._owners[step]
+
     def prune_host_tables(self) -> list[int]:
-        """Delete the host steps no kept checkpoint's chain reads, and temp folders of
-        saves killed midway; returns the steps deleted (`save` calls this)."""
-        return _host_tables.prune(self.directory, self.steps())
+        """Delete the host steps no kept checkpoint's chain reads (this process's part;
+        process 0 also the parts of process counts no kept checkpoint has), and temp
+        folders of saves killed midway; returns the steps deleted (`save` calls this)."""
+        steps = self.steps()
+        owners = jax.process_count()
+        by_count = {s: self._owners_of(s) for s in steps}
+        keep = [s for s, n in by_count.items() if n in (owners, None)]
+        gone = _host_tables.prune(self._part(), keep)
+        if jax.process_index() == 0:
+            for n in set(_host_tables.part_counts(self.directory)) - {owners}:
+                if not any(c in (n, None) for c in by_count.values()):
+                    shutil.rmtree(
+                        os.path.dirname(_host_tables.part_root(self.directory, 0, n)),
+                        ignore_errors=True,
+                    )
+            if owners > 1:  # the one-process steps no kept checkpoint reads
+                _host_tables.prune(
+                    self.directory, [s for s, n in by_count.items() if n in (1, None)]
+                )
+        return gone
 
     def read_host_chain(self, step: int | None = None) -> list[dict]:
         """The host tables' chain of checkpoint `step` (default: latest): the
@@ -413,11 +452,12 @@ class Checkpointer:
           CheckpointError: no such checkpoint, or one saved without host tables.
         """
         step = self._step(step)
-        if self.read_meta(step).get("host_tables") is None:
+        host = self.read_meta(step).get("host_tables")
+        if host is None:
             raise CheckpointError(
                 f"checkpoint {step} in {self.directory} was saved without host tables"
             )
-        return _host_tables.read_chain(self.directory, step)
+        return _host_tables.read_parts(self.directory, step, int(host.get("owners", 1)))
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -484,8 +524,9 @@ class Checkpointer:
         tables = tables_from_layers(self.layouts, layers)
         chain = None
         if self.host is not None:
+            owners = int((meta.get("host_tables") or {}).get("owners", 1))
             try:
-                chain = _host_tables.read_chain(self.directory, step)
+                chain = _host_tables.read_parts(self.directory, step, owners)
             except CheckpointUnreadableError as e:
                 raise CheckpointUnreadableError(
                     f"checkpoint {step} in {self.directory} cannot be restored ({e}); "
@@ -661,7 +702,11 @@ class Checkpointer:
             why = e.args[0] if isinstance(e, KeyError) and e.args else e
             raise CheckpointError(f"checkpoint {step} in {self.directory}: {why}") from e
         self._host_previous = step
-        self._host_deltas = len(chain) - 1
+        # the deltas since this part's full save (a part of another process count is
+        # no base: the next save is full)
+        self._host_deltas = sum(
+            1 for c in chain if any(s.kind == "delta" for s in c.values())
+        ) // max(1, sum(1 for c in chain if all(s.kind == "full" for s in c.values())))
 
     def restore(self, template, step: int | None = None) -> tuple[Any, dict]:
         """State at `step` (default: latest) shaped like `template`, and its JSON record.

@@ -8,6 +8,11 @@ entries, so it neither sees nor deletes `host_tables/`):
                                               array's file, crc32, shape, dtype, bytes
     host_tables/<step>/<table>/<array>.npy    one file per `TableSnapshot.arrays` entry
 
+A job of N > 1 processes writes one such tree per process, of the keys it owns
+(`part_root`: `host_parts/<N>/<process>/host_tables/...`), each with its own chain of
+full saves and deltas; a restore on any process count reads every part (`read_parts`)
+and each process keeps the keys it now owns.
+
 `<table>` and `<array>` are the names percent-encoded ("embedding/user" ->
 "embedding%2Fuser", "slot/accum" -> "slot%2Faccum.npy"); the manifest maps names to
 files, so nothing is ever decoded. A step is written into `host_tables/.tmp-<step>-...`,
@@ -49,6 +54,34 @@ MANIFEST = "manifest.json"
 _FORMAT = 1
 _CHUNK = 16 << 20
 _TEMP = re.compile(r"^\.(tmp|old)-(\d+)-(\d+)-[0-9a-f]+$")  # .tmp-<step>-<pid>-<hex>
+
+
+PARTS_DIR = "host_parts"
+"""Where, inside a checkpoint directory, the processes of a multi-process job write their
+own host steps: `host_parts/<processes>/<process>/host_tables/<step>/...`."""
+
+
+def part_root(directory: str | os.PathLike, owner: int, owners: int) -> str:
+    """The directory whose `host_tables/` holds owner `owner`'s host steps of a job of
+    `owners` processes (the checkpoint directory itself for one process)."""
+    if owners == 1:
+        return os.fspath(directory)
+    return os.path.join(os.fspath(directory), PARTS_DIR, str(owners), str(owner))
+
+
+def part_counts(directory: str | os.PathLike) -> list[int]:
+    """The process counts whose parts are on disk (`host_parts/<n>`)."""
+    root = os.path.join(os.fspath(directory), PARTS_DIR)
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit())
+
+
+def read_parts(directory: str | os.PathLike, step: int, owners: int) -> list[dict]:
+    """`read_chain` of every owner's part of `step` (saved by `owners` processes), one
+    after another: what `HostSide.restore` takes, each owner's chain starting with its
+    full save."""
+    return [c for p in range(owners) for c in read_chain(part_root(directory, p, owners), step)]
 
 
 def host_dir(directory: str | os.PathLike) -> str:

@@ -386,15 +386,17 @@ class TableSpec:
             return self.dynamic.max_rows
         return self.vocab_size
 
-    def device_view(self) -> TableSpec:
+    def device_view(self, rows: int | None = None) -> TableSpec:
         """The table the device store holds for a tiered table: `device_rows` slots plus
         one last row, the default row (zeros; or the shared trainable row), all filled by
-        the host side. A plain table is its own view."""
+        the host side; `rows` (when several processes own its keys: their
+        `OwnerLayout.view_rows`) instead of `device_rows + 1`. A plain table is its own
+        view."""
         if not self.is_tiered:
             return self
         return TableSpec(
             name=self.name,
-            vocab_size=self.device_rows + 1,
+            vocab_size=self.device_rows + 1 if rows is None else rows,
             dim=self.dim,
             dtype=self.dtype,
             initializer=constant_init(0.0),

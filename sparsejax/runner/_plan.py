@@ -138,8 +138,16 @@ def plan_specs(
     for the config's batch and pinned placements. Tables pinned to the host
     (`placement: host`) take no device memory and are left out."""
     names = [t.name for t in tables]
-    tables, features, follow = planned_tables(cfg, tables, features)
     pinned = pinned_placements(cfg, names)
+    if hosts > 1:  # each process holds the cache slots of the keys it owns
+        for t in tables:
+            if t.is_tiered and pinned.setdefault(t.name, "row_wise") != "row_wise":
+                raise ConfigError(
+                    f"tables.{t.name}.placement: {pinned[t.name]}, but a dynamic or "
+                    f"host-cached table in {hosts} processes is split row_wise (each "
+                    f"process caches the keys it owns); drop the placement"
+                )
+    tables, features, follow = planned_tables(cfg, tables, features)
     host = {n for n, p in pinned.items() if p == "host"}
     if host:
         tables = [t for t in tables if follow.get(t.name, t.name) not in host]
@@ -179,12 +187,6 @@ def place_tables(
     if len(devices) <= 1 and not pinned:
         return tables, None
     procs = jax.process_count()
-    tiered = sorted(t.name for t in tables if t.is_tiered)
-    if tiered and procs > 1:
-        raise ConfigError(
-            f"tables {tiered} are dynamic or host-cached: they train in one process (each "
-            f"process would map raw ids to rows on its own); run them on one host's devices"
-        )
     size = cfg.sharding.model or len(devices) // procs
     if len(devices) % size:
         raise ConfigError(f"sharding.model={size} does not divide the run's {len(devices)} devices")

@@ -118,7 +118,7 @@ class ShardedGroup:
         )
 
 
-def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
+def _build_pieces(tables, mesh_shape, view_rows) -> list[tuple[str, Piece]]:
     """`(stack kind, piece)` of every table; offsets are filled in by `_stacks`."""
     out = []
     model = int(mesh_shape.get("model", 1))
@@ -146,7 +146,8 @@ def _build_pieces(tables, mesh_shape) -> list[tuple[str, Piece]]:
                 piece_spec = dataclasses.replace(t, dim=width, placement="table_wise")
                 out.append(("table_wise", Piece(piece_spec, t.name, k, k, 0, 1)))
             continue
-        t = t.device_view()  # a tiered table: its device cache (the host side fills it)
+        # a tiered table: its device cache (the host side fills it)
+        t = t.device_view(view_rows.get(t.name))
         out.append((p, Piece(t, t.name, None, 0, 0, 1)))
     return out
 
@@ -164,11 +165,12 @@ def _alone(kind: str, piece: Piece, shards: int) -> bool:
     return rows * row_bytes(piece.table) >= ALONE_BYTES
 
 
-def build_stacks(tables, mesh_shape) -> dict[str, ShardedStack]:
+def build_stacks(tables, mesh_shape, view_rows=None) -> dict[str, ShardedStack]:
     """The stacks of `tables` on a mesh of `mesh_shape`, by name: one per placement kind
-    and (dim, dtype, optimizer), and one per large table (`_alone`)."""
+    and (dim, dtype, optimizer), and one per large table (`_alone`). `view_rows`: the
+    device rows of tiered tables whose keys several processes own (`OwnerLayout`)."""
     by_key: dict[tuple, list[Piece]] = {}
-    for kind, piece in _build_pieces(tables, mesh_shape):
+    for kind, piece in _build_pieces(tables, mesh_shape, view_rows or {}):
         t = piece.table
         base = stack_name(t.dim, t.dtype, t.optimizer)
         if _alone(kind, piece, pl.num_shards(kind, mesh_shape)):

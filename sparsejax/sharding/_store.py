@@ -56,6 +56,7 @@ from ..embedding import (
     stack_shapes,
     tiered_feature_key,
 )
+from ..embedding.host import OwnerLayout, owner_layout
 from . import _placement as pl
 from ._exchange import gather_update, lookup_group
 from ._layout import Entry, Piece, ShardedGroup, ShardedStack, build_stacks
@@ -103,7 +104,12 @@ class ShardedTableStore(StoreBase):
         self.implementation = implementation
         shape = dict(self.mesh.shape)
         self.num_devices = int(self.mesh.size)
-        self.stacks = build_stacks(tables, shape)
+        self.owner_layouts = self._owner_layouts()
+        """`{tiered table: OwnerLayout}` when the mesh spans several processes: each owns
+        the keys `key_owner` gives it, and its cache slots are on its own devices."""
+        self.stacks = build_stacks(
+            tables, shape, {n: lay.view_rows for n, lay in self.owner_layouts.items()}
+        )
         pieces = {}
         for s in self.stacks.values():
             for p in s.pieces:
@@ -124,6 +130,47 @@ class ShardedTableStore(StoreBase):
             f"{stack}_{kind}": ShardedGroup(f"{stack}_{kind}", stack, tuple(es), kind)
             for (stack, kind), es in sorted(groups.items())
         }
+
+    def _owner_layouts(self) -> dict:
+        processes = [d.process_index for d in self.mesh.devices.flat]
+        owners = len(set(processes))
+        if owners == 1 or not self.tiered_tables:
+            return {}
+        per = self.num_devices // owners
+        blocks = [processes[i * per : (i + 1) * per] for i in range(owners)]
+        if blocks != [[p] * per for p in range(owners)]:
+            raise ValueError(
+                "ShardedTableStore: dynamic or host-cached tables over several processes "
+                "need every process's devices, in process order (sparsejax.sharding.make_mesh)"
+            )
+        for t in self.tiered_tables.values():
+            if t.placement != "row_wise":
+                raise ValueError(
+                    f"table {t.name!r} is dynamic or host-cached and the mesh spans {owners} "
+                    f"processes: place it row_wise (each process holds the cache slots of "
+                    f"the keys it owns), not {t.placement}"
+                )
+        return {n: owner_layout(t.device_rows, owners, per) for n, t in self.tiered_tables.items()}
+
+    def _view(self, table: str) -> TableSpec:
+        """What the devices hold of `table` (a tiered table: its device cache)."""
+        layout = self.owner_layouts.get(table)
+        return self.tables[table].device_view(None if layout is None else layout.view_rows)
+
+    def owner_cache(self, table: str) -> tuple[str, OwnerLayout, int, Callable]:
+        """Where this process's cache slots of tiered `table` live (the mesh spans
+        several processes): `(stack, layout, owner, rows)`; `rows(view_rows)` gives
+        `(device, local row)` of view rows on this process's devices (`device`: their
+        position among them, in mesh order)."""
+        ((name, piece),) = self._pieces[table]
+        st, layout = self.stacks[name], self.owner_layouts[table]
+        owner = jax.process_index()
+
+        def rows(view_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            shard, local = piece.route(np.asarray(view_rows, np.int64), st.shards)
+            return shard - owner * layout.devices, local
+
+        return name, layout, owner, rows
 
     def __repr__(self):
         placed = {s.name: s.placement for s in self.stacks.values()}
@@ -233,7 +280,7 @@ class ShardedTableStore(StoreBase):
             a, b = max(lo, p.offset), min(hi, p.offset + last - first)
             if a >= b:
                 continue
-            spec = self.tables[p.source].device_view()
+            spec = self._view(p.source)
             cols = None if p.column is None else slice(p.column * st.dim, (p.column + 1) * st.dim)
             fill_rows(key, spec, first + a - p.offset, out[a - lo : b - lo], cols)
 
@@ -342,7 +389,7 @@ class ShardedTableStore(StoreBase):
         full = {}
         for src, spec in self.tables.items():
             if src in self.tiered_tables:
-                full[src] = empty_table(spec.device_view())
+                full[src] = empty_table(self._view(src))
                 continue
             check_saved_table(spec, tables.get(src), tables)
             full[src] = tables[src]
@@ -618,7 +665,7 @@ class ShardedTableStore(StoreBase):
             ops.check_lookups(
                 f"{type(self).__name__}.lookup of feature {name!r}",
                 f.table,
-                self.tables[f.table].device_view().vocab_size,
+                self._view(f.table).vocab_size,
                 batch_size * f.bags_per_example(),
                 jnp.asarray(jag.ids, jnp.int32),
                 jnp.asarray(jag.segments, jnp.int32),

@@ -414,11 +414,16 @@ class Trainer:
     @surface_check_errors()
     def eval_step(self, state: TrainState, batch) -> jax.Array:
         """The model's output on `batch` (jitted, no dropout)."""
+        return self._eval(state, batch)[0]
+
+    def _eval(self, state: TrainState, batch) -> tuple[jax.Array, object]:
+        """`eval_step`'s output, and the batch it ran on (the global batch, when this
+        process's share went through the host side and was placed)."""
         tables, batch = self.host.prepare(state.tables, batch, train=False)
         state = state.replace(tables=tables)
         if self.shards_batch:
             batch = self.put_batch(batch)
-        return _checked_wait(self._jitted("eval", batch)(state, batch))
+        return _checked_wait(self._jitted("eval", batch)(state, batch)), batch
 
     @property
     def layouts(self) -> Layouts:
@@ -578,8 +583,9 @@ class Trainer:
             # eval_step prepares them first, then places the batch)
             if self.shards_batch and not self.host.maps_batches:
                 batch = self.put_batch(batch)
-            out = _host(self.eval_step(state, batch))
-            batch = jax.tree.map(_host, batch)
+            with surface_check_errors():
+                out, batch = self._eval(state, batch)
+            out, batch = _host(out), jax.tree.map(_host, batch)
             mask = np.asarray(batch.mask)
             examples += mask.sum()
             if self.task == "binary":

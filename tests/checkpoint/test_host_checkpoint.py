@@ -253,6 +253,7 @@ def test_checkpointer_saves_full_every_nth_and_restores_the_chain(tmp_path, stor
         "kind": "delta",
         "previous": 2,
         "tables": sorted(KEYS),
+        "owners": 1,  # processes that wrote parts
     }
     back = FakeHostTables(seed=1)
     other = _ckpt(tmp_path, store, back, max_to_keep=5, full_every=3)
@@ -518,7 +519,12 @@ def test_every_table_tiered_and_serving_restores_the_host_side(tmp_path):
     assert int(state.step) == 1 and back.state() == at[1]
     serving = _ckpt(tmp_path, only, back)
     tables, meta = serving.restore_tables()  # no template, no trainer
-    assert meta["host_tables"] == {"kind": "delta", "previous": 1, "tables": ["embedding/item"]}
+    assert meta["host_tables"] == {
+        "kind": "delta",
+        "previous": 1,
+        "tables": ["embedding/item"],
+        "owners": 1,
+    }
     assert back.state() == at[2] and len(back.restored) == 2
     cache = tables["embedding"]
     assert jax.tree.map(np.shape, cache) == jax.tree.map(

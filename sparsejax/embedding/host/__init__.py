@@ -8,6 +8,8 @@
 - `HybridTableStore` / `HostExecution`: host-executed tables (`placement="host"`),
   looked up and updated on the host's CPU beside a dense network on the accelerator.
 - `TableSnapshot`: a tiered table's host state as checkpoints write it.
+- `key_owner` / `owner_layout`: which process owns a key of a tiered table, and where
+  its cache slots lie, when several processes train it.
 """
 
 from ._factory import host_side
@@ -21,11 +23,13 @@ from ._host_table import (
     keyed_rows,
 )
 from ._id_map import EMPTY_KEY, IdMap, unique_keys
+from ._owners import BUCKETS, OWNER_HASH, OwnerLayout, key_bucket, key_owner, owner_layout
 from ._protocol import HostOperationError, HostSide, HostSides
 from ._snapshot import TableSnapshot
 from ._tiered import HostTables, layer_table_key
 
 __all__ = [
+    "BUCKETS",
     "EMPTY_KEY",
     "HOST",
     "ROWS",
@@ -41,12 +45,17 @@ __all__ = [
     "HostTables",
     "HybridTableStore",
     "IdMap",
+    "OWNER_HASH",
+    "OwnerLayout",
     "TableSnapshot",
     "TieredInputError",
     "host_mesh",
     "host_side",
+    "key_bucket",
+    "key_owner",
     "keyed_rows",
     "layer_table_key",
+    "owner_layout",
     "unique_keys",
     "with_host_part",
 ]

@@ -27,7 +27,7 @@ import numpy as np
 from ..._hashing import mix64
 from .._spec import BloomAdmission, CountAdmission
 
-__all__ = ["BloomFilter", "CountFilter", "make_filter"]
+__all__ = ["BloomFilter", "CountFilter", "make_filter", "merge_filter_states"]
 
 
 def _keys_counts(owner: str, keys, counts) -> tuple[np.ndarray, np.ndarray]:
@@ -279,6 +279,27 @@ class BloomFilter:
                 f"carry over (keep admission.bloom counters/hashes as saved)"
             )
         self._counters = counters.copy()
+
+
+def merge_filter_states(states: list[dict]) -> dict:
+    """One filter's `state()` from those of filters that counted disjoint sets of keys
+    (the owners of a table in several processes): the counted keys of all
+    (`CountFilter`), or each counter's maximum (`BloomFilter`: an estimate stays at or
+    above a key's true count). Empty states (no filter saved) are skipped."""
+    states = [s for s in states if s]
+    if not states:
+        return {}
+    if "counters" not in states[0]:
+        return {k: np.concatenate([s[k] for s in states]) for k in ("keys", "counts")}
+    params = [tuple(np.asarray(s["params"]).tolist()) for s in states]
+    if len(set(params)) > 1:
+        raise ValueError(
+            f"merge_filter_states: Bloom filters of different sizes {sorted(set(params))}"
+        )
+    return {
+        "counters": np.maximum.reduce([np.asarray(s["counters"]) for s in states]),
+        "params": states[0]["params"],
+    }
 
 
 def make_filter(spec: CountAdmission | BloomAdmission) -> CountFilter | BloomFilter:

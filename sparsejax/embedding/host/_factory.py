@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._host_store import HostExecution
+from ._owned import OwnedTables
 from ._protocol import HostSide, HostSides
 from ._tiered import HostTables
 
@@ -27,10 +28,24 @@ def host_side(
     if HostExecution.needed(stores):
         parts.append(HostExecution(stores, mesh, expansions=expansions, schedule=schedule, l2=l2))
     if HostTables.needed(stores):
-        parts.append(HostTables(stores))
+        if process_count > 1:  # each process owns some keys: they talk every step
+            parts.append(OwnedTables(stores, _peers()))
+        else:
+            parts.append(HostTables(stores))
     for p in parts:
         if process_count > 1 and p.one_process:
             raise ValueError(p.one_process)
     sides = HostSides(parts)
     sides.init(layer_keys)
     return sides
+
+
+def _peers():
+    """The host all-to-all between this job's processes (`jax.distributed`'s)."""
+    import jax
+
+    from ..._peers import JaxRendezvous, PeerExchange
+
+    return PeerExchange(
+        jax.process_index(), jax.process_count(), JaxRendezvous(), name="tiered-tables"
+    )

@@ -5,6 +5,7 @@ and the device cache's slots, and the initial values of a row as a function of i
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -21,9 +22,10 @@ from .._spec import (
     truncated_normal_init,
     uniform_init,
 )
-from ._admission import make_filter
+from ._admission import make_filter, merge_filter_states
 from ._host_rows import HostRows
 from ._id_map import IdMap, unique_keys
+from ._owners import OWNER_HASH, key_owner
 from ._snapshot import TableSnapshot
 
 
@@ -37,6 +39,18 @@ class CacheCapacityError(ValueError):
 
 class DynamicTableFullError(ValueError):
     """A dynamic table at `max_rows` got new IDs and may not evict."""
+
+
+class SavedTableMismatchError(ValueError):
+    """A tiered table's saved host state is of another key space or key routing."""
+
+
+class RestoreEvictionWarning(UserWarning):
+    """A restore evicted rows to fit a dynamic table's max_rows (counted in the text)."""
+
+
+def _prefixed(arrays: Mapping, prefix: str) -> dict:
+    return {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -156,13 +170,45 @@ def bucket_size(n: int) -> int:
     return max(64, 1 << max(0, n - 1).bit_length())
 
 
-class HostTable:
-    """The host side of one tiered table (see the module docstring)."""
+def split_by_feature(values, inverse, names, sizes) -> dict[str, np.ndarray]:
+    """`{feature: values[inverse] of its ids}`, padding (inverse -1) as -1: the per-key
+    `values` of `HostTable.batch_keys`' distinct keys spread back over the features."""
+    flat = np.append(values, np.asarray(-1, values.dtype))[inverse]
+    out, start = {}, 0
+    for f, n in zip(names, sizes, strict=True):
+        out[f] = flat[start : start + n]
+        start += n
+    return out
 
-    def __init__(self, spec: TableSpec, features: tuple[FeatureSpec, ...], *, key: str):
+
+class HostTable:
+    """The host side of one tiered table (see the module docstring): all its keys, or
+    (`owners` > 1) those of owner `owner` (`key_owner`), with `capacity` cache slots
+    (default `spec.device_rows`) and its share of `max_rows`."""
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        features: tuple[FeatureSpec, ...],
+        *,
+        key: str,
+        owner: int = 0,
+        owners: int = 1,
+        capacity: int | None = None,
+    ):
         self.spec, self.key, self.features = spec, key, features
+        self.owner, self.owners = owner, owners
         self.dynamic = spec.dynamic is not None
-        self.capacity = spec.device_rows  # cache slots; slot `capacity` is the default row
+        if owners > 1 and not self.dynamic:
+            raise ValueError(
+                f"table {spec.name!r}: a host-cached static table trains in one process; "
+                f"make it dynamic (its ids as keys) or place it on the devices"
+            )
+        # cache slots; slot `capacity` is the default row
+        self.capacity = spec.device_rows if capacity is None else capacity
+        max_rows = None if not self.dynamic else spec.dynamic.max_rows
+        self.max_rows = None if max_rows is None else -(-max_rows // owners)
+        """The rows this owner may hold: its share of `dynamic.max_rows` (None: any)."""
         self.slot_specs = tuple(spec.optimizer.slots())
         cache = spec.cache
         # blocks of 12-24 MiB: a call costs a little per block it touches, and each disk
@@ -316,18 +362,19 @@ class HostTable:
         dyn = self.spec.dynamic
         n = keys.shape[0]
         room = self.free_rows.shape[0] + (
-            n if dyn.max_rows is None else max(0, dyn.max_rows - self.high)
+            n if self.max_rows is None else max(0, self.max_rows - self.high)
         )
         if room < n:
             if dyn.when_full == "error":
                 raise DynamicTableFullError(
-                    f"dynamic table {self.spec.name!r} is full ({dyn.max_rows} rows, "
-                    f"max_rows) and {n} new IDs need rows; set dynamic.when_full to "
-                    f"'evict' or 'default_row', add an eviction policy, or raise max_rows"
+                    f"dynamic table {self.spec.name!r} is full ({self.max_rows} rows, "
+                    f"max_rows{self._per_owner()}) and {n} new IDs need rows; set "
+                    f"dynamic.when_full to 'evict' or 'default_row', add an eviction "
+                    f"policy, or raise max_rows"
                 )
             if dyn.when_full == "evict":
                 self._evict_to_make_room(n - room, keep)
-                room = self.free_rows.shape[0] + max(0, dyn.max_rows - self.high)
+                room = self.free_rows.shape[0] + max(0, self.max_rows - self.high)
             keys = keys[:room]
             n = keys.shape[0]
         rows = self._take_rows(n)
@@ -363,21 +410,30 @@ class HostTable:
     def _evict_to_make_room(self, need: int, keep: np.ndarray) -> None:
         """Evict the least frequently seen rows (ties: least recently) outside `keep`;
         a little more than needed, so a full table does not sort every step."""
-        live = np.nonzero(self.row_keys.data[: self.high] >= 0)[0]
-        live = live[~np.isin(live, keep)]
-        extra = max(need, (self.spec.dynamic.max_rows or 0) // 100)
-        k = min(live.shape[0], extra)
+        extra = max(need, (self.max_rows or 0) // 100)
+        k = min(len(self.map) - keep.shape[0], extra)  # `keep`: live rows
         if k < need:
             raise DynamicTableFullError(
                 f"dynamic table {self.spec.name!r}: one batch needs {need} more rows than "
-                f"max_rows={self.spec.dynamic.max_rows} leaves after its own rows"
+                f"max_rows={self.max_rows}{self._per_owner()} leaves after its own rows"
             )
-        # least frequently seen first, ties least recently: one int64 key, O(n) select
+        self.evict_rows(self._least_used(k, keep))
+
+    def _least_used(self, k: int, keep: np.ndarray) -> np.ndarray:
+        """The `k` live rows outside `keep` seen least often (ties: least recently);
+        one int64 score, an O(n) select."""
+        live = np.nonzero(self.row_keys.data[: self.high] >= 0)[0]
+        live = live[~np.isin(live, keep)]
         score = (np.minimum(self.count.data[live], 2**31 - 1) << 32) + (
             self.last_seen.data[live] + 1
         )
         pick = np.argpartition(score, k - 1)[:k] if k < live.shape[0] else np.arange(k)
-        self.evict_rows(live[pick])
+        return live[pick]
+
+    def _per_owner(self) -> str:
+        if self.owners == 1:
+            return ""
+        return f" of owner {self.owner} of {self.owners}: its share of {self.spec.dynamic.max_rows}"
 
     def evict_rows(self, rows: np.ndarray) -> None:
         """Remove rows' keys (tombstoned for the next save); rows and slots are reused."""
@@ -490,17 +546,30 @@ class HostTable:
         self._cand, self._cand_score, self._cand_pos = occupied[order], score[order], 0
 
     # ---- one batch ----------------------------------------------------------------------
+    def batch_keys(self, ids_by_feature: Mapping[str, np.ndarray]):
+        """`(names, sizes, uniq, inverse, counts)` of a batch's ids of this table: the
+        features, their id counts, and `unique_keys` of all their ids (checked)."""
+        names = list(ids_by_feature)
+        checked = [self.check_ids(f, ids_by_feature[f]) for f in names]
+        keys = np.concatenate(checked) if checked else np.zeros(0, np.int64)
+        return (names, [c.shape[0] for c in checked], *unique_keys(keys))
+
     def map_batch(self, ids_by_feature: Mapping[str, np.ndarray], step: int, *, train: bool):
         """Slot ids per feature, and `(load_slots, load_rows, old_rows)` of the cache
-        exchange (`old_rows`: the rows the load slots held, to write back; -1 none).
+        exchange (`map_keys`)."""
+        names, sizes, uniq, inverse, counts = self.batch_keys(ids_by_feature)
+        slots, *moves = self.map_keys(uniq, counts, step, train=train)
+        return split_by_feature(slots, inverse, names, sizes), *moves
+
+    def map_keys(self, uniq: np.ndarray, counts: np.ndarray, step: int, *, train: bool):
+        """`(slots, load_slots, load_rows, old_rows)`: the cache slot of each of the
+        distinct keys `uniq` (seen `counts` times; slot `capacity`, the default row, for a
+        key without a row), and the cache exchange: `load_rows` go into `load_slots`,
+        whose rows `old_rows` (-1: none) are written back.
 
         Train: new keys may be admitted, counts and last-seen updated, the cache
         changed. Eval: nothing changes; rows outside the cache are placed (for this
         batch only) in slots the batch does not use, returned as the loads."""
-        names = list(ids_by_feature)
-        checked = [self.check_ids(f, ids_by_feature[f]) for f in names]
-        keys = np.concatenate(checked) if checked else np.zeros(0, np.int64)
-        uniq, inverse, counts = unique_keys(keys)
         rows = self._rows_of(uniq, counts, step, admit=train)
         has = rows >= 0
         r = rows[has]
@@ -519,15 +588,8 @@ class HostTable:
         else:
             slots, load_slots, load_rows = self._place_for_eval(r)
             old_rows = np.full(load_slots.shape[0], -1, np.int64)
-        # one more entry, -1, which padding's inverse (-1) picks
-        slot_of_uniq = np.full(uniq.shape[0] + 1, self.capacity, np.int32)  # no row: default
-        slot_of_uniq[-1] = -1
-        slot_of_uniq[:-1][has] = slots
-        flat = slot_of_uniq[inverse]
-        out, start = {}, 0
-        for f, ids in zip(names, checked, strict=True):
-            out[f] = flat[start : start + ids.shape[0]]
-            start += ids.shape[0]
+        out = np.full(uniq.shape[0], self.capacity, np.int32)  # no row: the default row
+        out[has] = slots
         return out, load_slots, load_rows, old_rows
 
     def _place_for_eval(self, rows: np.ndarray):
@@ -591,6 +653,9 @@ class HostTable:
             "dim": self.spec.dim,
             "dtype": self.spec.dtype,
             "dynamic": self.dynamic,
+            "owner": self.owner,
+            "owners": self.owners,
+            "owner_hash": OWNER_HASH,
             "seed": str(self.seed),
             "stats": dataclasses.asdict(self.stats),
         }
@@ -602,49 +667,138 @@ class HostTable:
             self.tombstones = []
 
     def restore(self, chain: list[TableSnapshot]) -> None:
-        """Rebuild from a full snapshot and its deltas (in order); the cache starts empty."""
-        self.__init__(self.spec, self.features, key=self.key)
+        """Rebuild from the snapshots of each process that saved the table (one: its
+        full snapshot and its deltas, in order; several: one such chain after another),
+        keeping the keys this owner owns (`key_owner`); the cache starts empty. Stats
+        add up over the savers and are shared among the owners (their sum is kept).
+
+        Raises:
+          SavedTableMismatchError: a snapshot of another key space (dynamic or not, dim)
+            or whose keys were routed by another hash.
+          DynamicTableFullError: this owner gets more rows than its share of max_rows
+            and `when_full` is "error" (otherwise the least used are evicted, with a
+            warning that counts them).
+        """
+        self.__init__(
+            self.spec,
+            self.features,
+            key=self.key,
+            owner=self.owner,
+            owners=self.owners,
+            capacity=self.capacity,
+        )
         if not self.dynamic:  # every row of a static table is in the full save
             self.rows.ensure(self.spec.vocab_size)
-        first = chain[0]
-        if first.kind != "full":
+        if chain[0].kind != "full":
             raise ValueError(f"table {self.spec.name!r}: a restore chain starts with a full save")
-        self.seed = int(first.meta["seed"])
+        admission, stats = [], []
         for snap in chain:
-            a = snap.arrays
-            keys = a["keys"]
+            if snap.kind == "full":  # a saver's chain starts
+                self._check_saved(snap.meta)
+                self.seed = int(snap.meta["seed"])
+                admission.append({})
+                stats.append({})
+            a = self._owned(snap.arrays)
             slots = {k[len("slot/") :]: v for k, v in a.items() if k.startswith("slot/")}
             if self.dynamic:
                 if a["tombstones"].shape[0]:
                     rows = self.map.lookup(a["tombstones"])
                     self.evict_rows(rows[rows >= 0].astype(np.int64))
-                rows = self.map.lookup(keys).astype(np.int64)
-                new = rows < 0
-                if new.any():
-                    got = self._take_rows(int(new.sum()))
-                    self.map.insert(keys[new], got.astype(np.int32))
-                    self.row_keys.data[got] = keys[new]
-                    rows[new] = got
-                self.admission.load_state(
-                    {k[len("admission/") :]: v for k, v in a.items() if k.startswith("admission/")}
-                )
+                rows = self._rows_for(a["keys"])
+                admission[-1] = _prefixed(a, "admission/")
             else:
-                rows = keys
+                rows = a["keys"]
             self.rows.scatter(rows, a["weights"], slots)
             self.count.data[rows] = a["count"]
             self.last_seen.data[rows] = a["last_seen"]
             if "default/weights" in a:
-                self.default_values = (
-                    a["default/weights"],
-                    {
-                        k[len("default/slot/") :]: v
-                        for k, v in a.items()
-                        if k.startswith("default/slot/")
-                    },
-                )
+                self.default_values = (a["default/weights"], _prefixed(a, "default/slot/"))
+            stats[-1] = snap.meta.get("stats", {})
         if self.dynamic:
+            self.admission.load_state(merge_filter_states(admission))
             self.tombstones = []  # the evictions replayed above are in the chain already
-        self.stats = TableStats(**chain[-1].meta.get("stats", {}))
+        self.stats = self._share(stats)
+        self._fit_max_rows()
+
+    def _check_saved(self, meta: Mapping) -> None:
+        name = self.spec.name
+        saved_hash = meta.get("owner_hash", OWNER_HASH)
+        if saved_hash != OWNER_HASH:
+            raise SavedTableMismatchError(
+                f"table {name!r}: the checkpoint's keys were routed to processes by "
+                f"{saved_hash!r}, this version routes them by {OWNER_HASH!r}; restore it "
+                f"with the sparsejax version that saved it"
+            )
+        if bool(meta.get("dynamic", self.dynamic)) != self.dynamic:
+            was, now = ("raw 64-bit keys", "row ids")[:: 1 if self.dynamic is False else -1]
+            raise SavedTableMismatchError(
+                f"table {name!r}: the checkpoint keys it by {was}, this run by {now} "
+                f"(dynamic is {self.dynamic} now); its keys cannot carry over"
+            )
+        if int(meta.get("dim", self.spec.dim)) != self.spec.dim:
+            raise SavedTableMismatchError(
+                f"table {name!r}: the checkpoint's rows have dim {meta['dim']}, this run's "
+                f"{self.spec.dim}"
+            )
+
+    def _owned(self, arrays: Mapping) -> Mapping:
+        """`arrays` of a snapshot without the keys another owner owns."""
+        if self.owners == 1 or not self.dynamic:
+            return arrays
+        mine = key_owner(arrays["keys"], self.owners) == self.owner
+        out = {}
+        for k, v in arrays.items():
+            if k == "tombstones":
+                v = v[key_owner(v, self.owners) == self.owner]
+            elif k in ("admission/keys", "admission/counts"):
+                v = v[key_owner(arrays["admission/keys"], self.owners) == self.owner]
+            elif not k.startswith(("admission/", "default/")):  # one entry per key
+                v = v[mine]
+            out[k] = v
+        return out
+
+    def _rows_for(self, keys: np.ndarray) -> np.ndarray:
+        """Host rows of `keys`, new ones taken for keys without one."""
+        rows = self.map.lookup(keys).astype(np.int64)
+        new = rows < 0
+        if new.any():
+            got = self._take_rows(int(new.sum()))
+            self.map.insert(keys[new], got.astype(np.int32))
+            self.row_keys.data[got] = keys[new]
+            rows[new] = got
+        return rows
+
+    def _share(self, stats: list[Mapping]) -> TableStats:
+        """This owner's part of the savers' summed stats (the owners' parts add up)."""
+        out = TableStats()
+        for f in dataclasses.fields(TableStats):
+            total = sum(int(s.get(f.name, 0)) for s in stats)
+            share = total // self.owners + (self.owner < total % self.owners)
+            setattr(out, f.name, share)
+        return out
+
+    def _fit_max_rows(self) -> None:
+        """After a restore: evict the least used rows past this owner's share of
+        max_rows (a restore on fewer processes, or an uneven split), with a warning
+        that counts them, or refuse when `when_full` is "error"."""
+        live = len(self.map) if self.dynamic else 0
+        if self.max_rows is None or live <= self.max_rows:
+            return
+        over = live - self.max_rows
+        where = f" (owner {self.owner} of {self.owners})" if self.owners > 1 else ""
+        if self.spec.dynamic.when_full == "error":
+            raise DynamicTableFullError(
+                f"dynamic table {self.spec.name!r}: the checkpoint gives it {live} rows"
+                f"{where}, {over} over max_rows{self._per_owner()}; raise max_rows, or set "
+                f"dynamic.when_full to 'evict' to drop the least used"
+            )
+        self.evict_rows(self._least_used(over, np.zeros(0, np.int64)))
+        warnings.warn(
+            f"dynamic table {self.spec.name!r}: evicted the {over} least used of its {live} "
+            f"restored rows{where} to fit max_rows{self._per_owner()}",
+            RestoreEvictionWarning,
+            stacklevel=2,
+        )
 
     def report(self) -> dict:
         """Stats for logs and summary.json."""

@@ -66,40 +66,43 @@ class _Layer:
         # two programs, not one: a gather and a scatter of the same buffer in one XLA
         # program make XLA copy the whole stack (~50 ms for 800k rows x 16 on 2 cores);
         # apart, the gather reads first and the donated scatter writes in place
-        self.gather = jax.jit(self._gather)
-        self.scatter = jax.jit(self._scatter, donate_argnums=0)
-        self.scatter_copy = jax.jit(self._scatter)  # eval: the state is not changed
+        self.gather = jax.jit(gather_rows)
+        self.scatter = jax.jit(scatter_rows, donate_argnums=0)
+        self.scatter_copy = jax.jit(scatter_rows)  # eval: the state is not changed
 
-    def _gather(self, state, index):
-        """`{stack: (weights, {slot: values})}` at the rows `index[stack]` of each stack
-        (out-of-bounds padding reads zeros)."""
-        return {
-            stack: (
-                state[stack]["weights"].at[idx].get(mode="fill", fill_value=0),
-                {
-                    k: v.at[idx].get(mode="fill", fill_value=0)
-                    for k, v in state[stack]["slots"].items()
-                },
-            )
-            for stack, idx in index.items()
+
+def gather_rows(state, index):
+    """`{stack: (weights, {slot: values})}` at the rows `index[stack]` of each stack
+    (out-of-bounds padding reads zeros)."""
+    return {
+        stack: (
+            state[stack]["weights"].at[idx].get(mode="fill", fill_value=0),
+            {k: v.at[idx].get(mode="fill", fill_value=0) for k, v in state[stack]["slots"].items()},
+        )
+        for stack, idx in index.items()
+    }
+
+
+def scatter_rows(state, loads):
+    """Write each stack's loaded rows (weights and slots) at their stack rows: one
+    scatter per array (padding indices are out of bounds: dropped)."""
+    out = {}
+    for stack, st in state.items():
+        ld = loads[stack]
+        out[stack] = {
+            "weights": st["weights"]
+            .at[ld["index"]]
+            .set(ld["weights"].astype(st["weights"].dtype), mode="drop"),
+            "slots": {
+                k: v.at[ld["index"]].set(ld["slots"][k], mode="drop")
+                for k, v in st["slots"].items()
+            },
         }
+    return out
 
-    def _scatter(self, state, loads):
-        """Write each stack's loaded rows (weights and slots) at their stack rows: one
-        scatter per array (padding indices are out of bounds: dropped)."""
-        out = {}
-        for stack, st in state.items():
-            ld = loads[stack]
-            out[stack] = {
-                "weights": st["weights"]
-                .at[ld["index"]]
-                .set(ld["weights"].astype(st["weights"].dtype), mode="drop"),
-                "slots": {
-                    k: v.at[ld["index"]].set(ld["slots"][k], mode="drop")
-                    for k, v in st["slots"].items()
-                },
-            }
-        return out
+
+def _features_of(store, table: str) -> tuple:
+    return tuple(f for f in store.features.values() if f.table == table)
 
 
 def _pad(a: np.ndarray, n: int, fill=0) -> np.ndarray:
@@ -124,10 +127,6 @@ class HostTables(HostSide):
 
     name = "tiered tables"
     saves_rows = True
-    one_process = (
-        "dynamic or host-cached tables train in one process (each process "
-        "would map raw ids to rows on its own); run them on one host's devices"
-    )
     release_every = 100
     """Train steps between `HostRows.release_pages` of the tables with a disk tier: the
     disk blocks' pages touched since leave the process's resident memory (they stay in
@@ -136,18 +135,8 @@ class HostTables(HostSide):
     def __init__(self, layouts: Mapping):
         self.layers: dict[tuple, _Layer] = {}
         for path, store in layouts.items():
-            tiered = store.tiered_tables
-            if not tiered:
-                continue
-            tables = {
-                name: HostTable(
-                    spec,
-                    tuple(f for f in store.features.values() if f.table == name),
-                    key=layer_table_key(path, name),
-                )
-                for name, spec in tiered.items()
-            }
-            self.layers[path] = _Layer(path, store, tables)
+            if store.tiered_tables:
+                self.layers[path] = self._layer(path, store)
         readers: dict[str, list[tuple[str, bool]]] = {}  # feature -> (table, tiered)
         for store in layouts.values():
             tiered = store.tiered_tables
@@ -164,6 +153,14 @@ class HostTables(HostSide):
         """Features several tiered tables read: their slot ids travel per table."""
         self.step = 0  # training steps prepared (= the state's step)
         self._pending: list = []  # exchanges whose evicted rows are not written back yet
+
+    def _layer(self, path, store) -> _Layer:
+        """The host side of one layer's tiered tables (a whole table each)."""
+        tables = {
+            name: HostTable(spec, _features_of(store, name), key=layer_table_key(path, name))
+            for name, spec in store.tiered_tables.items()
+        }
+        return _Layer(path, store, tables)
 
     @staticmethod
     def needed(layouts: Mapping) -> bool:
@@ -259,7 +256,7 @@ class HostTables(HostSide):
                 weights[at : at + k] = w
                 for name, v in sl.items():
                     slots[name][at : at + k] = v
-                segs.append((t, at, old_rows))
+                segs.append((t, np.arange(at, at + k), old_rows))
                 at += k
             for t in names:  # then the default rows
                 if resets[t]:
@@ -285,19 +282,24 @@ class HostTables(HostSide):
         return with_subtree(state_tables, layer.path, {**layer_state, **new})
 
     def _write_back(self) -> None:
-        """Store the rows the previous exchanges moved out of the cache."""
+        """Store the rows the previous exchanges moved out of the cache (`_pending`:
+        per stack, each table's positions in the gathered rows and the rows they held)."""
         for layer, segments, evicted in self._pending:
             for stack, segs in segments.items():
                 if not any((old >= 0).any() for _, _, old in segs):
                     continue
-                w, slots = jax.device_get(evicted[stack])
-                for t, at, old in segs:
-                    keep = np.nonzero(old >= 0)[0]
+                w, slots = self._on_host(evicted[stack])
+                for t, pos, old in segs:
+                    keep = pos[old >= 0]
                     if keep.shape[0]:
                         layer.tables[t].rows.scatter(
-                            old[keep], w[at + keep], {k: v[at + keep] for k, v in slots.items()}
+                            old[old >= 0], w[keep], {k: v[keep] for k, v in slots.items()}
                         )
         self._pending = []
+
+    def _on_host(self, gathered):
+        """An exchange's gathered rows as host arrays."""
+        return jax.device_get(gathered)
 
     def flush(self, state_tables: Mapping) -> None:
         """Copy every cached row (and a trainable default row) to the host store, so the
