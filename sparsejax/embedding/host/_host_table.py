@@ -433,7 +433,7 @@ class HostTable:
     def _per_owner(self) -> str:
         if self.owners == 1:
             return ""
-        return f" of owner {self.owner} of {self.owners}: its share of {self.spec.dynamic.max_rows}"
+        return f" (process {self.owner} of {self.owners}'s share of {self.spec.dynamic.max_rows})"
 
     def evict_rows(self, rows: np.ndarray) -> None:
         """Remove rows' keys (tombstoned for the next save); rows and slots are reused."""
@@ -785,17 +785,17 @@ class HostTable:
         if self.max_rows is None or live <= self.max_rows:
             return
         over = live - self.max_rows
-        where = f" (owner {self.owner} of {self.owners})" if self.owners > 1 else ""
         if self.spec.dynamic.when_full == "error":
             raise DynamicTableFullError(
-                f"dynamic table {self.spec.name!r}: the checkpoint gives it {live} rows"
-                f"{where}, {over} over max_rows{self._per_owner()}; raise max_rows, or set "
+                f"dynamic table {self.spec.name!r}: the checkpoint gives it {live} rows, "
+                f"{over} over max_rows={self.max_rows}{self._per_owner()}; raise "
+                f"max_rows, or set "
                 f"dynamic.when_full to 'evict' to drop the least used"
             )
         self.evict_rows(self._least_used(over, np.zeros(0, np.int64)))
         warnings.warn(
             f"dynamic table {self.spec.name!r}: evicted the {over} least used of its {live} "
-            f"restored rows{where} to fit max_rows{self._per_owner()}",
+            f"restored rows to fit max_rows={self.max_rows}{self._per_owner()}",
             RestoreEvictionWarning,
             stacklevel=2,
         )
