@@ -1,0 +1,154 @@
+"""Dynamic tables across processes (`sparsejax launch -n 2`): two processes train as one
+(the same losses, step for step, with admission and eviction off), each owns about half
+of the keys and together exactly the keys one process holds; checkpoints restore on the
+other process count and continue the losses; a save killed midway leaves the last
+complete checkpoint, which restores on another count with every key it held and none it
+had evicted."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sparsejax.checkpoint import Checkpointer
+from sparsejax.checkpoint import _host_tables as ht
+
+FEATURES = "data.synthetic_options={vocab_sizes: [3000, 2000, 800, 200]}"
+TABLES = ["C1", "C2", "C3", "C4"]
+
+
+def _args(tmp_path, *extra):
+    return [
+        "configs/default.yaml",
+        f"out_dir={tmp_path / 'runs'}",
+        FEATURES,
+        "data.batch_size=120",  # splits over 1, 2 and 3 processes
+        "progress=false",
+        "eval_every=null",
+        "log_every=1",
+        "optimizer.sparse_learning_rate=0.05",
+        *extra,
+    ]
+
+
+def _sparsejax(*args, timeout=300) -> None:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    out = subprocess.run(
+        [sys.executable, "-m", "sparsejax", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def _losses(run) -> dict[int, float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r.get("kind") == "train"}
+
+
+def _host_keys(ckpt_dir, step, owners) -> list[dict[str, np.ndarray]]:
+    """Per owner `{table: its live keys}` at checkpoint `step` (its whole chain)."""
+    out = []
+    for p in range(owners):
+        live: dict[str, set] = {}
+        for snaps in ht.read_chain(ht.part_root(ckpt_dir, p, owners), step):
+            for key, snap in snaps.items():
+                keys = live.setdefault(key.split("/")[-1], set())
+                if snap.kind == "full":
+                    keys.clear()
+                keys.difference_update(snap.arrays["tombstones"].tolist())
+                keys.update(snap.arrays["keys"].tolist())
+        out.append(live)
+    return out
+
+
+def _drop_after(run, step) -> None:
+    """The run's copy as it was at checkpoint `step` (later checkpoints deleted)."""
+    with Checkpointer(run / "checkpoints", {}) as ckpt:
+        for s in ckpt.steps():
+            if s > step:
+                ckpt.manager.delete(s)
+
+
+@pytest.mark.parametrize("sparse", ["sgd", "rowwise_adagrad"])
+def test_two_processes_train_dynamic_tables_as_one_and_restore_on_either(tmp_path, sparse):
+    tables = "tables={'*': {dynamic: true, cache_rows: 1024}}"
+    args = _args(
+        tmp_path, tables, f"optimizer.sparse={sparse}", "steps=200", "checkpoint_every=100"
+    )
+    _sparsejax("launch", "-n", "2", *args, "name=two")
+    _sparsejax("train", *args, "name=one")
+    runs = tmp_path / "runs"
+    one, two = _losses(runs / "one"), _losses(runs / "two")
+    assert sorted(one) == sorted(two) == list(range(1, 201))
+    np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], atol=1e-5, rtol=0)
+    if sparse == "sgd":
+        return
+    (single,) = _host_keys(runs / "one" / "checkpoints", 200, 1)
+    parts = _host_keys(runs / "two" / "checkpoints", 200, 2)
+    for t in TABLES:  # each key in one owner's part, the union the one process's keys
+        a, b = parts[0][t], parts[1][t]
+        assert not a & b and a | b == single[t], t
+        assert 0.4 <= len(a) / len(single[t]) <= 0.6, (t, len(a), len(single[t]))
+    # each run restored at step 100 on the other process count continues the losses
+    for name, steps in (("two", "one_from_two"), ("one", "two_from_one")):
+        shutil.copytree(runs / name, runs / steps, ignore=shutil.ignore_patterns("launch"))
+        _drop_after(runs / steps, 100)
+    _sparsejax("train", *args, "name=one_from_two")
+    _sparsejax("launch", "-n", "2", *args, "name=two_from_one")
+    for name in ("one_from_two", "two_from_one"):
+        got = _losses(runs / name)
+        np.testing.assert_allclose(
+            [got[s] for s in range(101, 201)], [one[s] for s in range(101, 201)], atol=1e-5
+        )
+
+
+def test_a_save_killed_midway_resumes_from_the_last_complete_one_on_another_count(tmp_path):
+    """Admission (second sight) and TTL eviction on, a full host save every third: the
+    2-process run's last save is broken as a kill -9 of process 1 mid-save leaves it (no
+    orbax step, process 0's part complete, process 1's a temp folder); resumed on 1
+    process and on 3 from the checkpoint before, both continue the never-stopped run's
+    losses and hold exactly its keys at the end: no key lost, none that was evicted
+    back."""
+    tables = (
+        "tables={'*': {dynamic: true, cache_rows: 1024, admission: {min_count: 2},"
+        " eviction: {ttl_steps: 15, every_steps: 5}}}"
+    )
+    args = _args(
+        tmp_path,
+        tables,
+        "steps=60",
+        "checkpoint_every=20",
+        "checkpoint_full_every=3",
+        "keep_checkpoints=5",
+    )
+    _sparsejax("launch", "-n", "2", *args, "name=ref")
+    runs = tmp_path / "runs"
+    ref = _losses(runs / "ref")
+    part1 = ht.part_root(runs / "ref" / "checkpoints", 1, 2)
+    assert [ht.read_manifest(part1, s)["kind"] for s in (20, 40, 60)] == ["full", "delta", "delta"]
+    for n in (1, 3):
+        run = runs / f"killed{n}"
+        shutil.copytree(runs / "ref", run, ignore=shutil.ignore_patterns("launch"))
+        _drop_after(run, 40)  # step 60's orbax step never committed
+        part1 = ht.host_dir(ht.part_root(run / "checkpoints", 1, 2))
+        os.rename(os.path.join(part1, "60"), os.path.join(part1, ".tmp-60-999999-dead"))
+        launch = ["train"] if n == 1 else ["launch", "-n", str(n)]
+        _sparsejax(*launch, *args, f"name=killed{n}")
+        got = _losses(run)
+        np.testing.assert_allclose(
+            [got[s] for s in range(41, 61)], [ref[s] for s in range(41, 61)], atol=1e-5
+        )
+    want = _host_keys(runs / "ref" / "checkpoints", 60, 2)
+    for n in (1, 3):
+        got = _host_keys(runs / f"killed{n}" / "checkpoints", 60, n)
+        for t in TABLES:
+            assert set().union(*(p[t] for p in got)) == want[0][t] | want[1][t], (n, t)
