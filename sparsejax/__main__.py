@@ -659,11 +659,14 @@ def _run_command(args: argparse.Namespace) -> int:
 
 
 def _lost_peer(e: BaseException) -> bool:
-    """A JAX runtime error of a multi-process job: a collective or the coordination
-    service failed, usually because another process ended."""
+    """A JAX runtime error of a multi-process job (a collective or the coordination
+    service failed), or a peer lost in the host exchange of dynamic tables: usually
+    because another process ended."""
     import jax
 
-    return isinstance(e, jax.errors.JaxRuntimeError)
+    from ._peers import PeerLostError, PeerTimeoutError
+
+    return isinstance(e, jax.errors.JaxRuntimeError | PeerLostError | PeerTimeoutError)
 
 
 def _process_of_many() -> int | None:

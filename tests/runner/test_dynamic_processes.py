@@ -8,8 +8,10 @@ had evicted."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -152,3 +154,53 @@ def test_a_save_killed_midway_resumes_from_the_last_complete_one_on_another_coun
         got = _host_keys(runs / f"killed{n}" / "checkpoints", 60, n)
         for t in TABLES:
             assert set().union(*(p[t] for p in got)) == want[0][t] | want[1][t], (n, t)
+
+
+def test_a_process_killed_mid_training_ends_the_other_with_one_line(tmp_path):
+    """Two processes started by hand (no launcher to stop the survivor); process 1 is
+    killed (SIGKILL) while they train: process 0 notices at its next exchange with it
+    and exits within seconds, with one line naming what failed."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tables = "tables={'*': {dynamic: true, cache_rows: 1024}}"
+    args = _args(tmp_path, tables, "steps=100000", "name=killed")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs, logs = [], [open(tmp_path / f"p{i}.err", "w") for i in range(2)]
+    for i in range(2):
+        env_i = dict(
+            env,
+            SPARSEJAX_COORDINATOR=f"127.0.0.1:{port}",
+            SPARSEJAX_NUM_PROCESSES="2",
+            SPARSEJAX_PROCESS_ID=str(i),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "sparsejax", "train", *args],
+                cwd=root,
+                env=env_i,
+                stdout=subprocess.DEVNULL,
+                stderr=logs[i],
+            )
+        )
+    try:
+        metrics = tmp_path / "runs" / "killed" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no training"
+            time.sleep(0.2)
+        procs[1].kill()
+        procs[0].wait(timeout=30)  # never hangs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
+    err = (tmp_path / "p0.err").read_text()
+    assert procs[0].returncode not in (0, None)
+    ours = [ln for ln in err.splitlines() if ln.startswith("sparsejax:")]
+    assert len(ours) == 1 and "process 0: error:" in ours[0], err[-2000:]
+    assert "Traceback" not in err
