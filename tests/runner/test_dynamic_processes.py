@@ -7,6 +7,7 @@ had evicted."""
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -37,7 +38,7 @@ def _args(tmp_path, *extra):
     ]
 
 
-def _sparsejax(*args, timeout=300) -> None:
+def _sparsejax(*args, timeout=300) -> str:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     out = subprocess.run(
@@ -49,6 +50,7 @@ def _sparsejax(*args, timeout=300) -> None:
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
 
 
 def _losses(run) -> dict[int, float]:
@@ -100,6 +102,10 @@ def test_two_processes_train_dynamic_tables_as_one_and_restore_on_either(tmp_pat
         a, b = parts[0][t], parts[1][t]
         assert not a & b and a | b == single[t], t
         assert 0.4 <= len(a) / len(single[t]) <= 0.6, (t, len(a), len(single[t]))
+    # exported for serving from the 2 processes' parts: every key once, the run's scores
+    out = _sparsejax("export", str(runs / "two"), "--out", str(tmp_path / "model"))
+    diff = float(re.search(r"max \|score - score_run\| (\S+),", out).group(1))
+    assert diff < 1e-5, out
     # each run restored at step 100 on the other process count continues the losses
     for name, steps in (("two", "one_from_two"), ("one", "two_from_one")):
         shutil.copytree(runs / name, runs / steps, ignore=shutil.ignore_patterns("launch"))
