@@ -169,7 +169,7 @@ def _tables_line(stats: Mapping[str, Mapping]) -> str:
     rows = {k: s for k, s in stats.items() if "rows_live" in s}
     live = sum(int(s["rows_live"]) for s in rows.values())
     text = f"tables: {len(rows)} tiered, {live:,} rows live"
-    hits = {k: s["cache_hit_rate"] for k, s in stats.items() if "cache_hit_rate" in s}
+    hits = {k: s["cache_hit_rate"] for k, s in stats.items() if s.get("cache_hit_rate") is not None}
     if hits:
         low = min(hits, key=hits.get)
         text += (

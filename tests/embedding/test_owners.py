@@ -141,7 +141,9 @@ def test_host_state_moves_from_one_owner_to_three_and_back_key_for_key():
     assert union == want  # rows, slots, counts: nothing lost, nothing evicted back
     assert {k: v for *_, pend in parts for k, v in pend.items()} == pending
     for f in dataclasses.fields(one.stats):  # the owners' stats add up to the saver's
-        assert sum(getattr(ht.stats, f.name) for ht, *_ in parts) == getattr(one.stats, f.name)
+        each = [getattr(ht.stats, f.name) for ht, *_ in parts]
+        total = max(each) if f.name == "steps" else sum(each)  # every owner counts steps
+        assert total == getattr(one.stats, f.name), f.name
     assert 0.2 < min(len(got) for _, got, _ in parts) / len(want) < 0.47
 
     # each owner trains on, saves, and one process restores every part

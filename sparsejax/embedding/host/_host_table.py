@@ -170,6 +170,26 @@ def bucket_size(n: int) -> int:
     return max(64, 1 << max(0, n - 1).bit_length())
 
 
+def table_report(t: Mapping[str, int]) -> dict:
+    """A tiered table's stats for logs and summary.json from its `HostTable.totals`."""
+    steps = max(t["steps"], 1)
+    out = {
+        "rows_live": t["rows_live"],
+        "cache_rows": t["cache_rows"],
+        "admitted": t["admitted"],
+        "rejected": t["rejected"],
+        "evicted": t["evicted"],
+        "lookups_per_step": t["lookups"] / steps,
+        "rows_moved_per_step": t["rows_moved"] / steps,
+        "cache_hit_rate": t["hits"] / t["unique_rows"] if t["unique_rows"] else None,
+        "host_ram_bytes": t["host_ram_bytes"],
+        "host_disk_bytes": t["host_disk_bytes"],
+    }
+    if "pending_admission" in t:
+        out["pending_admission"] = t["pending_admission"]
+    return out
+
+
 def split_by_feature(values, inverse, names, sizes) -> dict[str, np.ndarray]:
     """`{feature: values[inverse] of its ids}`, padding (inverse -1) as -1: the per-key
     `values` of `HostTable.batch_keys`' distinct keys spread back over the features."""
@@ -462,6 +482,13 @@ class HostTable:
 
     # ---- rows -> cache slots -----------------------------------------------------------
     def _check_capacity(self, distinct: int) -> None:
+        if distinct > self.capacity and self.owners > 1:
+            raise CacheCapacityError(
+                f"table {self.spec.name!r}: one batch looks up {distinct} distinct rows "
+                f"that process {self.owner} owns, but its part of the device cache "
+                f"holds {self.capacity} (of cache.rows={self.spec.device_rows} over "
+                f"{self.owners} processes); raise cache.rows or use smaller batches"
+            )
         if distinct > self.capacity:
             raise CacheCapacityError(
                 f"table {self.spec.name!r}: one batch looks up {distinct} distinct rows "
@@ -770,11 +797,11 @@ class HostTable:
 
     def _share(self, stats: list[Mapping]) -> TableStats:
         """This owner's part of the savers' summed stats (the owners' parts add up)."""
-        out = TableStats()
+        out = TableStats(steps=max(int(s.get("steps", 0)) for s in stats))
         for f in dataclasses.fields(TableStats):
-            total = sum(int(s.get(f.name, 0)) for s in stats)
-            share = total // self.owners + (self.owner < total % self.owners)
-            setattr(out, f.name, share)
+            if f.name != "steps":  # every owner counts every step
+                total = sum(int(s.get(f.name, 0)) for s in stats)
+                setattr(out, f.name, total // self.owners + (self.owner < total % self.owners))
         return out
 
     def _fit_max_rows(self) -> None:
@@ -800,22 +827,21 @@ class HostTable:
             stacklevel=2,
         )
 
-    def report(self) -> dict:
-        """Stats for logs and summary.json."""
-        st = self.stats
-        live = len(self.map) if self.dynamic else self.spec.vocab_size
+    def totals(self) -> dict[str, int]:
+        """Counters of the table since the run (or the restore) started, and its rows
+        and bytes now: numbers that add up over a table's owners (`steps` excepted:
+        every owner counts every step)."""
         out = {
-            "rows_live": live,
+            **dataclasses.asdict(self.stats),
+            "rows_live": len(self.map) if self.dynamic else self.spec.vocab_size,
             "cache_rows": self.capacity,
-            "admitted": st.admitted,
-            "rejected": st.rejected,
-            "evicted": st.evicted,
-            "lookups_per_step": st.lookups / max(st.steps, 1),
-            "rows_moved_per_step": st.rows_moved / max(st.steps, 1),
-            "cache_hit_rate": st.hits / st.unique_rows if st.unique_rows else None,
             "host_ram_bytes": int(self.rows.ram_bytes_used),
             "host_disk_bytes": int(self.rows.disk_bytes_used),
         }
         if self.dynamic:
             out["pending_admission"] = int(self.admission.pending)
         return out
+
+    def report(self) -> dict:
+        """Stats for logs and summary.json (`table_report` of `totals`)."""
+        return table_report(self.totals())

@@ -27,6 +27,7 @@ others fail with one line (`PeerLostError`) instead of waiting.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 
 import jax
@@ -35,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._store import subtree, tiered_feature_key, with_subtree
-from ._host_table import HostTable, bucket_size, split_by_feature
+from ._host_table import HostTable, bucket_size, split_by_feature, table_report
 from ._id_map import unique_keys
 from ._owners import OwnerLayout, key_owner
 from ._tiered import HostTables, _features_of, gather_rows, layer_table_key, scatter_rows
@@ -340,10 +341,22 @@ class OwnedTables(HostTables):
                     ht.default_values = (w[n].astype(np.float32), {k: v[n] for k, v in s.items()})
 
     def stats(self) -> dict[str, dict]:
-        """Per table this owner's stats (`HostTables.stats`) with `owner` and `owners`."""
-        out = super().stats()
-        for key, ht in self.tables.items():
-            out[key] |= {"owner": ht.owner, "owners": ht.owners}
+        """Per table the stats of all its owners together (`HostTables.stats`), with
+        `rows_live_per_process`. A collective: every process calls it."""
+        mine = {key: ht.totals() for key, ht in self.tables.items()}
+        raw = np.frombuffer(json.dumps(mine).encode(), np.uint8)
+        got = self.peers.all_to_all([[raw]] * self.owners)
+        every = [json.loads(g[0].tobytes()) for g in got]
+        out = {}
+        for key in mine:
+            parts = [e[key] for e in every]
+            total = {k: sum(p[k] for p in parts) for k in parts[0]}
+            total["steps"] = max(p["steps"] for p in parts)
+            if any(p.get("pending_admission") == -1 for p in parts):  # a Bloom filter's
+                total["pending_admission"] = -1
+            out[key] = table_report(total) | {
+                "rows_live_per_process": [p["rows_live"] for p in parts]
+            }
         return out
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ between an owner's host store and its cache slots never leaves its process.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -72,8 +73,11 @@ class OwnerLayout:
 
 def owner_layout(cache_rows: int, owners: int, devices: int) -> OwnerLayout:
     """The layout of a `cache_rows`-slot cache over `owners` processes of `devices`
-    devices: each owner gets `ceil(cache_rows / owners)` slots (an owner's share of a
-    batch's keys is about 1/owners of them), and every device the same rows, one more
-    than the slots it must hold somewhere, for the default row."""
-    slots = -(-cache_rows // owners)
+    devices: each owner gets its share of the slots plus four standard deviations of the
+    share of a batch's keys a hash gives it (binomial), at most `cache_rows`: a cache
+    that holds a batch's distinct keys in one process holds each owner's share of them
+    in several. Every device gets the same rows, one more than the slots it must hold
+    somewhere, for the default row."""
+    share = cache_rows / owners
+    slots = min(cache_rows, math.ceil(share + 4 * math.sqrt(share) + 8))
     return OwnerLayout(owners, devices, slots, -(-(slots + 1) // devices))
