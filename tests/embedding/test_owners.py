@@ -201,3 +201,43 @@ def test_a_snapshot_of_another_hash_or_key_space_is_refused_naming_the_table():
     static = dataclasses.replace(saved, meta={**saved.meta, "dynamic": False})
     with pytest.raises(SavedTableMismatchError, match=r"table 'user'.*keys it by row ids"):
         _table().restore([static])
+
+
+def test_a_host_cached_static_table_splits_its_ids_over_the_owners():
+    """Each owner draws the rows of the ids it owns exactly as one process draws them,
+    and a save of either restores on the other count."""
+    spec = TableSpec(
+        name="item",
+        vocab_size=3000,
+        dim=DIM,
+        optimizer=RowWiseAdagrad(learning_rate=0.1),
+        cache=HostCache(rows=64),
+    )
+    feats = (FeatureSpec(name="item", table="item"),)
+
+    def table(owner, owners):
+        ht = HostTable(spec, feats, key="embedding/item", owner=owner, owners=owners, capacity=64)
+        ht.init(jax.random.key(3))
+        return ht
+
+    def rows_by_id(ht):
+        rows, ids = ht.live_rows()
+        return dict(zip(ids.tolist(), ht.rows.gather(rows)[0].tolist(), strict=True))
+
+    one = rows_by_id(table(0, 1))
+    parts = [table(p, 2) for p in range(2)]
+    got = [rows_by_id(ht) for ht in parts]
+    assert not set(got[0]) & set(got[1]) and {**got[0], **got[1]} == one
+    assert all(
+        key_owner(np.array(list(g), np.int64), 2).tolist() == [p] * len(g)
+        for p, g in enumerate(got)
+    )
+    uniq = np.array([5, 17, 2999], np.int64)
+    mine = uniq[key_owner(uniq, 2) == 0]
+    slots, _, load_rows, _ = parts[0].map_keys(
+        mine, np.ones(mine.shape[0], np.int32), 1, train=True
+    )
+    assert (slots < 64).all() and load_rows.shape[0] == mine.shape[0]
+    back = table(0, 1)
+    back.restore([ht.snapshot(1, incremental=False) for ht in parts])
+    assert rows_by_id(back) == one

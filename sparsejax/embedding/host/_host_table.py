@@ -219,11 +219,9 @@ class HostTable:
         self.spec, self.key, self.features = spec, key, features
         self.owner, self.owners = owner, owners
         self.dynamic = spec.dynamic is not None
-        if owners > 1 and not self.dynamic:
-            raise ValueError(
-                f"table {spec.name!r}: a host-cached static table trains in one process; "
-                f"make it dynamic (its ids as keys) or place it on the devices"
-            )
+        self.keyed = self.dynamic or owners > 1
+        """Whether rows are found through a key map: a dynamic table's, or a static
+        table's whose ids several owners share (each keeps its ids' rows only)."""
         # cache slots; slot `capacity` is the default row
         self.capacity = spec.device_rows if capacity is None else capacity
         max_rows = None if not self.dynamic else spec.dynamic.max_rows
@@ -239,7 +237,7 @@ class HostTable:
         )
         big = 1 << max(12, ((24 << 20) // row_bytes).bit_length() - 1)
         disk = cache is not None and cache.disk_dir is not None
-        if self.dynamic:
+        if self.keyed:
             block_rows = big if disk else 1 << 16
         else:
             block_rows = min(big, 1 << max(10, (spec.vocab_size - 1).bit_length()))
@@ -268,14 +266,15 @@ class HostTable:
         self.n_free_slots = self.capacity
         self.stats = TableStats()
         self.seed = 0
-        if self.dynamic:
+        if self.keyed:
             self.map = IdMap()
             self.row_keys = self.meta.field("key")
             self.free_rows = np.zeros(0, np.int64)
             self.high = 0  # rows ever allocated (the next fresh row)
+        if self.dynamic:
             self.admission = make_filter(spec.dynamic.admission)
             self.tombstones: list[np.ndarray] = []
-        else:
+        elif not self.keyed:
             self.high = spec.vocab_size
             self.meta.ensure(self.high)
         self.default_reset = True  # the default row is (re)written at the next exchange
@@ -284,8 +283,9 @@ class HostTable:
 
     # ---- initial values ----------------------------------------------------------------
     def init(self, layer_key: jax.Array) -> None:
-        """Initial rows: a static table's all at once, drawn exactly as the device store
-        draws the same table; a dynamic table's per key at admission (from a seed)."""
+        """Initial rows: a static table's all at once (those of its ids this owner owns),
+        drawn exactly as the device store draws the same table; a dynamic table's per
+        key at admission (from a seed)."""
         key_data = np.asarray(jax.random.key_data(layer_key)).ravel().tolist()
         mixed = 0
         for word in key_data:  # the layer key's words, then the table's name
@@ -294,16 +294,20 @@ class HostTable:
         if self.dynamic:
             return
         spec, v = self.spec, self.spec.vocab_size
-        self.rows.ensure(v)
+        if not self.keyed:
+            self.rows.ensure(v)
         dtype = jnp.dtype(spec.dtype)
         # drawn block by block as every store draws it (`fill_rows`: a pure function
         # of the key, the table's name and the row)
         chunk = init_block_rows(spec.dim) * 4
         for start in range(0, v, chunk):
-            rows = np.arange(start, min(v, start + chunk))
-            w = np.empty((rows.shape[0], spec.dim), dtype)
+            ids = np.arange(start, min(v, start + chunk))
+            w = np.empty((ids.shape[0], spec.dim), dtype)
             fill_rows(layer_key, spec, start, w)
-            self._write_initial(rows, w)
+            if self.keyed:  # this owner's ids, in rows of their own
+                mine = key_owner(ids, self.owners) == self.owner
+                ids, w = ids[mine], w[mine]
+            self._write_initial(self._rows_for(ids) if self.keyed else ids, w)
 
     def default_row(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(weights [D], {slot: value}) the default row is (re)written with: zeros and
@@ -362,9 +366,11 @@ class HostTable:
 
     def _rows_of(self, uniq: np.ndarray, counts: np.ndarray, step: int, admit: bool) -> np.ndarray:
         """Rows of unique keys (-1: no row); with `admit`, new keys may get rows."""
-        if not self.dynamic:
+        if not self.keyed:
             return uniq.copy()
         rows = self.map.lookup(uniq).astype(np.int64)
+        if not self.dynamic:  # a static table's ids: this owner holds a row for each
+            return rows
         if not admit:
             return rows
         new = np.nonzero(rows < 0)[0]
@@ -646,7 +652,7 @@ class HostTable:
     # ---- checkpoints ---------------------------------------------------------------------
     def live_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, keys) of every row holding a key (a static table: all, keyed by id)."""
-        if not self.dynamic:
+        if not self.keyed:
             rows = np.arange(self.high, dtype=np.int64)
             return rows, rows
         rows = np.nonzero(self.row_keys.data[: self.high] >= 0)[0]
@@ -714,7 +720,7 @@ class HostTable:
             owners=self.owners,
             capacity=self.capacity,
         )
-        if not self.dynamic:  # every row of a static table is in the full save
+        if not self.keyed:  # every row of a static table is in the full save
             self.rows.ensure(self.spec.vocab_size)
         if chain[0].kind != "full":
             raise ValueError(f"table {self.spec.name!r}: a restore chain starts with a full save")
@@ -734,7 +740,7 @@ class HostTable:
                 rows = self._rows_for(a["keys"])
                 admission[-1] = _prefixed(a, "admission/")
             else:
-                rows = a["keys"]
+                rows = self._rows_for(a["keys"]) if self.keyed else a["keys"]
             self.rows.scatter(rows, a["weights"], slots)
             self.count.data[rows] = a["count"]
             self.last_seen.data[rows] = a["last_seen"]
@@ -770,7 +776,7 @@ class HostTable:
 
     def _owned(self, arrays: Mapping) -> Mapping:
         """`arrays` of a snapshot without the keys another owner owns."""
-        if self.owners == 1 or not self.dynamic:
+        if self.owners == 1:
             return arrays
         mine = key_owner(arrays["keys"], self.owners) == self.owner
         out = {}
@@ -833,7 +839,7 @@ class HostTable:
         every owner counts every step)."""
         out = {
             **dataclasses.asdict(self.stats),
-            "rows_live": len(self.map) if self.dynamic else self.spec.vocab_size,
+            "rows_live": len(self.map) if self.keyed else self.spec.vocab_size,
             "cache_rows": self.capacity,
             "host_ram_bytes": int(self.rows.ram_bytes_used),
             "host_disk_bytes": int(self.rows.disk_bytes_used),
