@@ -19,7 +19,7 @@ from sparsejax.embedding.host import (
     key_owner,
     owner_layout,
 )
-from sparsejax.embedding.host._host_table import RestoreEvictionWarning, SavedTableMismatchError
+from sparsejax.embedding.host._host_table import RestoreWarning, SavedTableMismatchError
 from sparsejax.ops.optimizers import RowWiseAdagrad
 
 DIM = 4
@@ -157,17 +157,24 @@ def test_host_state_moves_from_one_owner_to_three_and_back_key_for_key():
     assert _state(back) == _state(one)
 
 
-def test_bloom_admission_counts_merge_over_the_owners():
+def test_bloom_admission_splits_its_counters_and_keeps_them_on_as_many_processes():
     bloom = BloomAdmission(counters=1 << 12, hashes=2, min_count=3)
     parts = []
     for p in range(2):
         ht = _table(p, 2, admission=bloom)
+        assert ht.admission.num_counters == 1 << 11  # each owner counts its own keys
         _train(ht, 3, seed=0, owners=2)
         parts.append(ht.snapshot(3, incremental=False))
-    back = _table(admission=bloom)
-    back.restore(parts)
-    counters = [p.arrays["admission/counters"] for p in parts]
-    np.testing.assert_array_equal(back.admission.state()["counters"], np.maximum(*counters))
+    for p in range(2):  # the same count: each owner its own counters
+        back = _table(p, 2, admission=bloom)
+        back.restore(parts)
+        np.testing.assert_array_equal(
+            back.admission.state()["counters"], parts[p].arrays["admission/counters"]
+        )
+    one = _table(admission=bloom)
+    with pytest.warns(RestoreWarning, match=r"'user': its Bloom admission counts .* 2 "):
+        one.restore(parts)
+    assert not one.admission.state()["counters"].any() and len(one.map) > 0
 
 
 def test_a_restore_past_max_rows_evicts_the_least_used_with_a_warning_or_refuses():
@@ -177,7 +184,7 @@ def test_a_restore_past_max_rows_evicts_the_least_used_with_a_warning_or_refuses
     live = len(one.map)
     small = _table(max_rows=live - 10)
     with pytest.warns(
-        RestoreEvictionWarning,
+        RestoreWarning,
         match=r"'user': evicted the 10 least used of its \d+ restored rows to fit max_rows=\d+$",
     ):
         small.restore([saved])

@@ -22,12 +22,14 @@ restore. `min_count=1` admits every key at first sight, without counting.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..._hashing import mix64
 from .._spec import BloomAdmission, CountAdmission
 
-__all__ = ["BloomFilter", "CountFilter", "make_filter", "merge_filter_states"]
+__all__ = ["BloomFilter", "CountFilter", "make_filter", "merge_filter_states", "owner_share"]
 
 
 def _keys_counts(owner: str, keys, counts) -> tuple[np.ndarray, np.ndarray]:
@@ -279,6 +281,15 @@ class BloomFilter:
                 f"carry over (keep admission.bloom counters/hashes as saved)"
             )
         self._counters = counters.copy()
+
+
+def owner_share(spec, owners: int):
+    """An admission spec for one of `owners` processes that each count their own keys:
+    a Bloom filter's counters split among them (the same false-positive rate), exact
+    counts as they are."""
+    if isinstance(spec, BloomAdmission) and owners > 1:
+        return dataclasses.replace(spec, counters=max(1, -(-spec.counters // owners)))
+    return spec
 
 
 def merge_filter_states(states: list[dict]) -> dict:

@@ -22,7 +22,7 @@ from .._spec import (
     truncated_normal_init,
     uniform_init,
 )
-from ._admission import make_filter, merge_filter_states
+from ._admission import make_filter, merge_filter_states, owner_share
 from ._host_rows import HostRows
 from ._id_map import IdMap, unique_keys
 from ._owners import OWNER_HASH, key_owner
@@ -45,8 +45,10 @@ class SavedTableMismatchError(ValueError):
     """A tiered table's saved host state is of another key space or key routing."""
 
 
-class RestoreEvictionWarning(UserWarning):
-    """A restore evicted rows to fit a dynamic table's max_rows (counted in the text)."""
+class RestoreWarning(UserWarning):
+    """A restore changed a dynamic table's state to fit this run: rows evicted past its
+    max_rows (counted in the text), or Bloom admission counts that do not carry over to
+    another process count."""
 
 
 def _prefixed(arrays: Mapping, prefix: str) -> dict:
@@ -246,7 +248,10 @@ class HostTable:
             spec.dim,
             jnp.dtype(spec.dtype),
             [(s.name, s.per_row, s.init) for s in self.slot_specs],
-            ram_bytes=None if cache is None else cache.ram_bytes,
+            # each owner's share of the table's RAM budget
+            ram_bytes=None
+            if cache is None or cache.ram_bytes is None
+            else -(-cache.ram_bytes // owners),
             disk_dir=None if cache is None else cache.disk_dir,
             block_rows=block_rows,
         )
@@ -272,7 +277,7 @@ class HostTable:
             self.free_rows = np.zeros(0, np.int64)
             self.high = 0  # rows ever allocated (the next fresh row)
         if self.dynamic:
-            self.admission = make_filter(spec.dynamic.admission)
+            self.admission = make_filter(owner_share(spec.dynamic.admission, owners))
             self.tombstones: list[np.ndarray] = []
         elif not self.keyed:
             self.high = spec.vocab_size
@@ -724,12 +729,13 @@ class HostTable:
             self.rows.ensure(self.spec.vocab_size)
         if chain[0].kind != "full":
             raise ValueError(f"table {self.spec.name!r}: a restore chain starts with a full save")
-        admission, stats = [], []
+        admission, stats, savers = {}, [], 1
         for snap in chain:
             if snap.kind == "full":  # a saver's chain starts
                 self._check_saved(snap.meta)
+                savers = int(snap.meta.get("owners", 1))
+                saver = int(snap.meta.get("owner", 0))
                 self.seed = int(snap.meta["seed"])
-                admission.append({})
                 stats.append({})
             a = self._owned(snap.arrays)
             slots = {k[len("slot/") :]: v for k, v in a.items() if k.startswith("slot/")}
@@ -738,7 +744,7 @@ class HostTable:
                     rows = self.map.lookup(a["tombstones"])
                     self.evict_rows(rows[rows >= 0].astype(np.int64))
                 rows = self._rows_for(a["keys"])
-                admission[-1] = _prefixed(a, "admission/")
+                admission[saver] = _prefixed(a, "admission/")
             else:
                 rows = self._rows_for(a["keys"]) if self.keyed else a["keys"]
             self.rows.scatter(rows, a["weights"], slots)
@@ -748,10 +754,32 @@ class HostTable:
                 self.default_values = (a["default/weights"], _prefixed(a, "default/slot/"))
             stats[-1] = snap.meta.get("stats", {})
         if self.dynamic:
-            self.admission.load_state(merge_filter_states(admission))
+            self._load_admission(admission, savers)
             self.tombstones = []  # the evictions replayed above are in the chain already
         self.stats = self._share(stats)
         self._fit_max_rows()
+
+    def _load_admission(self, states: dict[int, dict], savers: int) -> None:
+        """The admission counts of this owner's keys from `states` (each saver's last):
+        on as many processes as saved them, its own saver's; on another count, exact
+        counts gathered from every saver; a Bloom filter's (each owner's filter is its
+        share of the counters) do not carry over."""
+        if savers == self.owners:
+            if self.owner in states:
+                self.admission.load_state(states[self.owner])
+            return
+        state = merge_filter_states(list(states.values()))
+        if "counters" in state and self.admission.min_count > 1:
+            warnings.warn(
+                f"dynamic table {self.spec.name!r}: its Bloom admission counts were kept "
+                f"by {savers} process(es) and do not carry over to {self.owners}; keys "
+                f"not yet admitted count again from zero",
+                RestoreWarning,
+                stacklevel=3,
+            )
+            return
+        if state:
+            self.admission.load_state(state)
 
     def _check_saved(self, meta: Mapping) -> None:
         name = self.spec.name
@@ -829,7 +857,7 @@ class HostTable:
         warnings.warn(
             f"dynamic table {self.spec.name!r}: evicted the {over} least used of its {live} "
             f"restored rows to fit max_rows={self.max_rows}{self._per_owner()}",
-            RestoreEvictionWarning,
+            RestoreWarning,
             stacklevel=2,
         )
 
