@@ -23,6 +23,7 @@ Protocol:
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import hashlib
@@ -467,6 +468,30 @@ class PeerExchange:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_JOB: PeerExchange | None = None
+
+
+def job_exchange() -> PeerExchange:
+    """The host exchange of this process's `jax.distributed` job: one per process, made
+    at its first use (where every process must first use it: a collective), shared by
+    whoever exchanges on the host (dynamic tables' keys, the trainer's exchange sizes),
+    closed at exit. Calls on it are collectives in one order on every process."""
+    global _JOB
+    if _JOB is None:
+        import jax
+
+        _JOB = PeerExchange(jax.process_index(), jax.process_count(), JaxRendezvous(), name="job")
+        atexit.register(_JOB.close)
+    return _JOB
+
+
+def all_gather(array: np.ndarray) -> np.ndarray:
+    """`array` of every process of the job, stacked in process order (`job_exchange`)."""
+    ex = job_exchange()
+    got = ex.all_to_all([[array]] * ex.num_processes)
+    return np.stack([g[0] for g in got])
 
 
 def _join(host: str, port: int) -> str:

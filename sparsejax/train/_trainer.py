@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._peers import all_gather
 from ..checkpoint import Layouts, tables_by_name, tables_from_layers
 from ..data import SparseBatch
 from ..embedding import default_mesh
@@ -314,10 +315,8 @@ class Trainer:
         names = sorted(counts)
         need = np.array([int(counts[g].max()) for g in names], np.int64)
         if jax.process_count() > 1:  # one program on every process: agree on the maximum
-            from jax.experimental import multihost_utils
-
-            need = np.asarray(multihost_utils.process_allgather(need)).reshape(-1, len(names))
-            need = need.max(0)
+            # over the host (a device all-gather would wait for the step before)
+            need = all_gather(need).max(0)
         for g, k in zip(names, need.tolist(), strict=True):
             cap = self.exchange_capacity.get(g)
             if cap is None or k > cap:

@@ -41,11 +41,7 @@ def host_side(
 
 
 def _peers():
-    """The host all-to-all between this job's processes (`jax.distributed`'s)."""
-    import jax
+    """The job's host exchange (`jax.distributed`'s processes)."""
+    from ..._peers import job_exchange
 
-    from ..._peers import JaxRendezvous, PeerExchange
-
-    return PeerExchange(
-        jax.process_index(), jax.process_count(), JaxRendezvous(), name="tiered-tables"
-    )
+    return job_exchange()

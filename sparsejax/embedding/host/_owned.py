@@ -130,7 +130,8 @@ class OwnedTables(HostTables):
       layouts: each embedding layer's `TableStore` by module path; every tiered table
         must have an `OwnerLayout` (`ShardedTableStore.owner_layouts`: placed row_wise
         on a mesh of every process's devices).
-      peers: the processes' host all-to-all (`sparsejax._peers.PeerExchange`).
+      peers: the processes' host all-to-all (`sparsejax._peers.PeerExchange`; the
+        job's, shared: it stays open when this closes).
     """
 
     one_process = None
@@ -358,6 +359,3 @@ class OwnedTables(HostTables):
                 "rows_live_per_process": [p["rows_live"] for p in parts]
             }
         return out
-
-    def close(self) -> None:
-        self.peers.close()
