@@ -124,7 +124,8 @@ def test_two_processes_train_dynamic_tables_as_one_and_restore_on_either(tmp_pat
 
 
 def test_a_save_killed_midway_resumes_from_the_last_complete_one_on_another_count(tmp_path):
-    """Admission (second sight) and TTL eviction on, a full host save every third: the
+    """Admission (second sight) and TTL eviction on (and a norm check: each owner reads
+    its cached rows back from its own devices), a full host save every third: the
     2-process run's last save is broken as a kill -9 of process 1 mid-save leaves it (no
     orbax step, process 0's part complete, process 1's a temp folder); resumed on 1
     process and on 3 from the checkpoint before, both continue the never-stopped run's
@@ -132,7 +133,7 @@ def test_a_save_killed_midway_resumes_from_the_last_complete_one_on_another_coun
     back."""
     tables = (
         "tables={'*': {dynamic: true, cache_rows: 1024, admission: {min_count: 2},"
-        " eviction: {ttl_steps: 15, every_steps: 5}}}"
+        " eviction: {ttl_steps: 15, every_steps: 5, min_norm: 1.0e-6}}}"
     )
     args = _args(
         tmp_path,

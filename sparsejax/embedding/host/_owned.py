@@ -176,56 +176,78 @@ class OwnedTables(HostTables):
 
     # ---- one step ----------------------------------------------------------------------
     def _prepare(self, state_tables, batch, *, train: bool):
-        raw, features = batch.features, dict(batch.features)
+        """Steps 1-3 of the module docstring for this process's share of a batch."""
         tables = self._tables()
-        p_count = self.owners
-        mine, requests = [], [[] for _ in range(p_count)]
-        for _, name, ht in tables:  # 1. each owner its keys
+        mine, requests = self._requests(batch.features, tables, train)
+        sent = self.peers.bytes_sent
+        answers, moves = self._answer(self.peers.all_to_all(requests), tables, train)
+        plans = {path: self._plan(layer, moves, train) for path, layer in self.layers.items()}
+        need = np.array([pl[s]["need"] for pl in plans.values() for s in sorted(pl)], np.int64)
+        back = self.peers.all_to_all([a + [need] for a in answers])
+        if train:
+            self.exchanged["bytes"] += self.peers.bytes_sent - sent
+            self.exchanged["steps"] += 1
+        features = self._view_rows(batch.features, back, mine, tables)
+        sizes = np.max([b[-1] for b in back], axis=0).tolist()  # every owner's need
+        for path, layer in self.layers.items():  # rows in and out of my cache slots
+            n = {s: bucket_size(sizes.pop(0)) for s in sorted(plans[path])}
+            state_tables = self._exchange(state_tables, layer, plans[path], n, train=train)
+        return state_tables, dataclasses.replace(batch, features=features)
+
+    def _requests(self, raw, tables, train: bool):
+        """Each table's distinct keys of this process's batch share, with their counts,
+        grouped by owner: `requests[owner]` (keys, counts per table), and what this
+        process needs to spread the answers back over its features."""
+        mine, requests = [], [[] for _ in range(self.owners)]
+        for _, name, ht in tables:
             missing = [f.name for f in ht.features if f.name not in raw]
             if missing:
                 raise KeyError(f"batch lacks features {missing} of table {name!r}")
             names, sizes, uniq, inverse, counts = ht.batch_keys(
                 {f.name: raw[f.name].ids for f in ht.features}
             )
-            owner = key_owner(uniq, p_count)
+            owner = key_owner(uniq, self.owners)
             order = np.argsort(owner, kind="stable")
-            cuts = np.searchsorted(owner[order], np.arange(p_count + 1))
-            for j in range(p_count):
+            cuts = np.searchsorted(owner[order], np.arange(self.owners + 1))
+            for j in range(self.owners):
                 sel = order[cuts[j] : cuts[j + 1]]
                 requests[j] += [uniq[sel], counts[sel]]
             mine.append((names, sizes, uniq.shape[0], inverse, order, cuts))
             if train:
-                ex = self.exchanged
-                ex["keys"] += uniq.shape[0]
-                ex["keys_away"] += uniq.shape[0] - (cuts[ht.owner + 1] - cuts[ht.owner])
-        sent = self.peers.bytes_sent
-        got = self.peers.all_to_all(requests)
-        answers, moves = [[] for _ in range(p_count)], {}
-        for t, (layer, name, ht) in enumerate(tables):  # 2. map the keys I own
-            keys = [got[i][2 * t] for i in range(p_count)]
+                self.exchanged["keys"] += uniq.shape[0]
+                self.exchanged["keys_away"] += uniq.shape[0] - int(np.diff(cuts)[ht.owner])
+        return mine, requests
+
+    def _answer(self, got, tables, train: bool):
+        """As the owner: map every process's keys (`got[process]`, as `_requests` sent
+        them) as one batch, counts summed; `answers[process]`: each table's view rows of
+        its keys, and `moves`: each table's cache exchange."""
+        answers, moves = [[] for _ in range(self.owners)], {}
+        for t, (layer, name, ht) in enumerate(tables):
+            keys = [g[2 * t] for g in got]
             uniq, inv, _ = unique_keys(np.concatenate(keys))
-            counts = np.bincount(
-                inv, np.concatenate([got[i][2 * t + 1] for i in range(p_count)]), uniq.shape[0]
-            ).astype(np.int64)
-            slots, *moves[(layer.path, name)] = ht.map_keys(uniq, counts, self.step, train=train)
+            counts = np.bincount(inv, np.concatenate([g[2 * t + 1] for g in got]), uniq.shape[0])
+            slots, *moves[(layer.path, name)] = ht.map_keys(
+                uniq, counts.astype(np.int64), self.step, train=train
+            )
             p = layer.place[name]
             view = np.where(
                 slots == ht.capacity, p.layout.default_row, p.layout.rows(p.owner, slots)
             ).astype(np.int32)
             starts = np.cumsum([0] + [k.shape[0] for k in keys])
-            for i in range(p_count):
+            for i in range(self.owners):
                 answers[i].append(view[inv[starts[i] : starts[i + 1]]])
-        plans = {path: self._plan(layer, moves, train) for path, layer in self.layers.items()}
-        need = np.array([pl[s]["need"] for pl in plans.values() for s in sorted(pl)], np.int64)
-        for a in answers:
-            a.append(need)
-        back = self.peers.all_to_all(answers)
-        if train:
-            self.exchanged["bytes"] += self.peers.bytes_sent - sent
-        for t, (_, name, _) in enumerate(tables):  # 3. my batch's view rows
+        return answers, moves
+
+    def _view_rows(self, raw, back, mine, tables) -> dict:
+        """The batch's features with the owners' answers (`back[owner]`) as ids: each
+        tiered table's view rows (under `tiered_feature_key` too when several read one
+        feature)."""
+        features = dict(raw)
+        for t, (_, name, _) in enumerate(tables):
             names, sizes, n_uniq, inverse, order, cuts = mine[t]
             rows = np.empty(n_uniq, np.int32)
-            for j in range(p_count):
+            for j in range(self.owners):
                 rows[order[cuts[j] : cuts[j + 1]]] = back[j][t]
             for f, ids in split_by_feature(rows, inverse, names, sizes).items():
                 slots = dataclasses.replace(raw[f], ids=ids)
@@ -233,14 +255,7 @@ class OwnedTables(HostTables):
                     features[tiered_feature_key(f, name)] = slots
                 if features[f] is raw[f]:
                     features[f] = slots
-        sizes = np.max([b[-1] for b in back], axis=0).tolist()
-        at = 0
-        for path, layer in self.layers.items():  # 4. rows in and out of my cache slots
-            n = {s: bucket_size(sizes[at + i]) for i, s in enumerate(sorted(plans[path]))}
-            at += len(n)
-            state_tables = self._exchange(state_tables, layer, plans[path], n, train=train)
-        self.exchanged["steps"] += train
-        return state_tables, dataclasses.replace(batch, features=features)
+        return features
 
     def _plan(self, layer: _OwnedLayer, moves, train: bool) -> dict:
         """Per stack of `layer`: the rows this process loads into its cache slots (each
