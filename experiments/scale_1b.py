@@ -69,6 +69,21 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} load {load}] {msg}", file=sys.stderr, flush=True)
 
 
+def time_host_side(host, sampler) -> None:
+    """Adds the seconds of each of `host.prepare`'s calls (the host's share of each
+    step) to `sampler.host_s`."""
+    prepare = host.prepare
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return prepare(*a, **k)
+        finally:
+            sampler.host_s += time.perf_counter() - t
+
+    host.prepare = timed
+
+
 class Sampler(Hook):
     """Records a row every `every` steps; stops training after `seconds` of wall time."""
 
@@ -81,17 +96,7 @@ class Sampler(Hook):
         self.step_last = 0
         self.host_last = 0.0
         self.loss: list[float] = []
-        host = trainer.host
-        prepare = host.prepare
-
-        def timed(*a, **k):  # the host's share of each step
-            t = time.perf_counter()
-            try:
-                return prepare(*a, **k)
-            finally:
-                self.host_s += time.perf_counter() - t
-
-        host.prepare = timed
+        time_host_side(trainer.host, self)
 
     def after_step(self, step, state, metrics):
         if self.t0 is None:  # the first step (compilation) is not timed

@@ -52,7 +52,7 @@ def child(args) -> None:
     initialize_from_env()
     import jax
     import numpy as np
-    from scale_1b import proc_status
+    from scale_1b import proc_status, time_host_side
 
     from sparsejax.runner import load_config
     from sparsejax.runner._run import build_run, train_loader
@@ -71,16 +71,7 @@ def child(args) -> None:
     class Sampler(Hook):
         def __init__(self):
             self.rows, self.host_s, self.t0 = [], 0.0, None
-            prepare = host.prepare
-
-            def timed(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return prepare(*a, **k)
-                finally:
-                    self.host_s += time.perf_counter() - t
-
-            host.prepare = timed
+            time_host_side(host, self)
 
         def after_step(self, step, state, metrics):
             if self.t0 is None:  # the first step (compilation) is not timed

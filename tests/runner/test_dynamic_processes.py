@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from _cli import ROOT, run_sparsejax
 
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.checkpoint import _host_tables as ht
@@ -37,21 +38,6 @@ def _args(tmp_path, *extra):
         "optimizer.sparse_learning_rate=0.05",
         *extra,
     ]
-
-
-def _sparsejax(*args, timeout=300) -> str:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
-    out = subprocess.run(
-        [sys.executable, "-m", "sparsejax", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out.stdout + out.stderr
 
 
 def _losses(run) -> dict[int, float]:
@@ -92,8 +78,8 @@ def test_two_processes_train_dynamic_tables_as_one_and_restore_on_either(tmp_pat
     args = _args(
         tmp_path, tables, f"optimizer.sparse={sparse}", "steps=200", "checkpoint_every=100"
     )
-    _sparsejax("launch", "-n", "2", *args, "name=two")
-    _sparsejax("train", *args, "name=one")
+    run_sparsejax("launch", "-n", "2", *args, "name=two")
+    run_sparsejax("train", *args, "name=one")
     runs = tmp_path / "runs"
     one, two = _losses(runs / "one"), _losses(runs / "two")
     assert sorted(one) == sorted(two) == list(range(1, 201))
@@ -107,15 +93,15 @@ def test_two_processes_train_dynamic_tables_as_one_and_restore_on_either(tmp_pat
         assert not a & b and a | b == single[t], t
         assert 0.4 <= len(a) / len(single[t]) <= 0.6, (t, len(a), len(single[t]))
     # exported for serving from the 2 processes' parts: every key once, the run's scores
-    out = _sparsejax("export", str(runs / "two"), "--out", str(tmp_path / "model"))
+    out = run_sparsejax("export", str(runs / "two"), "--out", str(tmp_path / "model"))
     diff = float(re.search(r"max \|score - score_run\| (\S+),", out).group(1))
     assert diff < 1e-5, out
     # each run restored at step 100 on the other process count continues the losses
     for name, steps in (("two", "one_from_two"), ("one", "two_from_one")):
         shutil.copytree(runs / name, runs / steps, ignore=shutil.ignore_patterns("launch"))
         _drop_after(runs / steps, 100)
-    _sparsejax("train", *args, "name=one_from_two")
-    _sparsejax("launch", "-n", "2", *args, "name=two_from_one")
+    run_sparsejax("train", *args, "name=one_from_two")
+    run_sparsejax("launch", "-n", "2", *args, "name=two_from_one")
     for name in ("one_from_two", "two_from_one"):
         got = _losses(runs / name)
         np.testing.assert_allclose(
@@ -143,7 +129,7 @@ def test_a_save_killed_midway_resumes_from_the_last_complete_one_on_another_coun
         "checkpoint_full_every=3",
         "keep_checkpoints=5",
     )
-    _sparsejax("launch", "-n", "2", *args, "name=ref")
+    run_sparsejax("launch", "-n", "2", *args, "name=ref")
     runs = tmp_path / "runs"
     ref = _losses(runs / "ref")
     part1 = ht.part_root(runs / "ref" / "checkpoints", 1, 2)
@@ -155,7 +141,7 @@ def test_a_save_killed_midway_resumes_from_the_last_complete_one_on_another_coun
         part1 = ht.host_dir(ht.part_root(run / "checkpoints", 1, 2))
         os.rename(os.path.join(part1, "60"), os.path.join(part1, ".tmp-60-999999-dead"))
         launch = ["train"] if n == 1 else ["launch", "-n", str(n)]
-        _sparsejax(*launch, *args, f"name=killed{n}")
+        run_sparsejax(*launch, *args, f"name=killed{n}")
         got = _losses(run)
         np.testing.assert_allclose(
             [got[s] for s in range(41, 61)], [ref[s] for s in range(41, 61)], atol=1e-5
@@ -178,7 +164,6 @@ def test_a_process_killed_mid_training_ends_the_other_with_one_line(tmp_path):
         port = s.getsockname()[1]
     tables = "tables={'*': {dynamic: true, cache_rows: 1024}}"
     args = _args(tmp_path, tables, "steps=100000", "name=killed")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     procs, logs = [], [open(tmp_path / f"p{i}.err", "w") for i in range(2)]
     for i in range(2):
         env_i = dict(
@@ -190,7 +175,7 @@ def test_a_process_killed_mid_training_ends_the_other_with_one_line(tmp_path):
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "sparsejax", "train", *args],
-                cwd=root,
+                cwd=ROOT,
                 env=env_i,
                 stdout=subprocess.DEVNULL,
                 stderr=logs[i],

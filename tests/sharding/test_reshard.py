@@ -13,13 +13,12 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 import yaml
+from _cli import run_sparsejax
 
 from sparsejax import ops, runner, train
 from sparsejax.__main__ import main
@@ -227,20 +226,6 @@ PROCS = {
 PROC_PLACEMENTS = ["tables.C1.placement=row_wise", "tables.C2.placement=table_wise"]
 
 
-def _sparsejax(*args, timeout=240) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
-    out = subprocess.run(
-        [sys.executable, "-m", "sparsejax", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-
-
 def test_processes_2_to_1_to_2_restore_each_others_shards_and_continue_the_losses(tmp_path):
     """A run of 6 steps on 2 processes (one device each, C1 row-wise over both, C2
     table-wise: each process writes its own shards); its copy at step 2 resumed on 1
@@ -250,7 +235,7 @@ def test_processes_2_to_1_to_2_restore_each_others_shards_and_continue_the_losse
     checkpoint 2 (saved by 2 processes) restores bitwise the same on 1, 2 and 8 devices
     of one process."""
     config = _config(tmp_path, PROCS)
-    _sparsejax("launch", "-n", "2", config, "name=ref", "steps=6", *PROC_PLACEMENTS)
+    run_sparsejax("launch", "-n", "2", config, "name=ref", "steps=6", *PROC_PLACEMENTS)
     ref, rs = tmp_path / "runs" / "ref", tmp_path / "runs" / "rs"
     item = ref / "checkpoints" / "2" / "tables"
     for p in (0, 1):  # each process wrote its own shards
@@ -259,8 +244,8 @@ def test_processes_2_to_1_to_2_restore_each_others_shards_and_continue_the_losse
     with Checkpointer(rs / "checkpoints", {}) as ckpt:
         for step in (4, 6):  # the copy goes back to step 2
             ckpt.manager.delete(step)
-    _sparsejax("train", config, "name=rs", "steps=4", *PROC_PLACEMENTS)
-    _sparsejax("launch", "-n", "2", config, "name=rs", "steps=6", *PROC_PLACEMENTS)
+    run_sparsejax("train", config, "name=rs", "steps=4", *PROC_PLACEMENTS)
+    run_sparsejax("launch", "-n", "2", config, "name=rs", "steps=6", *PROC_PLACEMENTS)
     want, got = _records(ref, "train"), _records(rs, "train")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose(
