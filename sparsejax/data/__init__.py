@@ -54,6 +54,9 @@ from ._loader import LoaderPosition as LoaderPosition
 from ._loader import measure_throughput as measure_throughput
 from ._loader import pack_examples as pack_examples
 from ._loader import resplit_stream_positions as resplit_stream_positions
+from ._prepared import PreparedData as PreparedData
+from ._prepared import PreparedDataError as PreparedDataError
+from ._prepared import write_prepared as write_prepared
 from ._readers import iter_criteo_chunks as iter_criteo_chunks
 from ._readers import read_criteo as read_criteo
 from ._readers import read_delimited as read_delimited

@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ._batch import BatchPacker, JaggedIds, SparseBatch
+from ._batch import BatchPacker, JaggedIds, PaddedIds, SparseBatch
 
 HostBatch = tuple[dict[str, JaggedIds], np.ndarray, np.ndarray]
 """`(sparse by feature name, labels f32[n, ...], dense f32[n, num_dense])`: host arrays of
@@ -378,7 +379,10 @@ class Loader:
         self.shuffle_buffer = shuffle_buffer
         self.streaming = False
         b = packer.batch_size
-        if isinstance(source, Examples):
+        self.prepared = callable(getattr(source, "batch_rows", None))
+        if self.prepared:  # `PreparedData`: its columns must be the packer's
+            source.check(packer)
+        if isinstance(source, Examples) or self.prepared:
             n = len(source)
             self.batches_per_epoch = n // b if drop_remainder else math.ceil(n / b)
             if self.batches_per_epoch == 0 and epochs != 0:
@@ -448,6 +452,27 @@ class Loader:
         shuffle, seed, bs = self.shuffle, self.seed, packer.batch_size
         endless = self.batches_per_epoch is None
         cache: dict[int, np.ndarray] = {}
+
+        if self.prepared:
+            share = getattr(packer, "share_of", None)  # one process's share of the batch
+            compact = target is True and share is None and source.compact_for(packer)
+            window = self.shuffle_buffer
+
+            def make_prepared(epoch: int, index: int):
+                rows = source.batch_rows(
+                    epoch, index, bs, shuffle=shuffle, seed=seed, window_rows=window
+                )
+                if compact:
+                    return _put_compact(packer, *source.take_compact(rows))
+                first, pack = index * bs, packer.pack
+                if share is not None:  # read only this process's rows
+                    lo, hi = share(rows.shape[0])
+                    rows, first, pack = rows[lo:hi], first + lo, packer.local.pack
+                sparse, labels, dense = source.take(rows)
+                batch = pack(sparse, labels=labels, dense=dense, first_example=first)
+                return _to_device(batch, target)
+
+            return make_prepared
 
         def make(epoch: int, index: int):
             if endless:
@@ -568,6 +593,52 @@ def _put_default(batch):
             _UNFLATTEN.pop(next(iter(_UNFLATTEN)))
     flats = [np.concatenate([leaves[i].ravel() for i in idx]) for idx in groups.values()]
     return fn(*jax.device_put(flats))
+
+
+def _put_compact(packer: BatchPacker, ids: np.ndarray, labels: np.ndarray, dense: np.ndarray):
+    """The batch `packer.pack` would build from one-id features `ids[n, F]` (columns in
+    `packer.features` order), put on the default device as three arrays and unpacked
+    there: one jitted split of the id columns; the segments and the mask, the same for
+    every batch of n examples, made once and shared (a step does not donate its batch)."""
+    n, b = ids.shape[0], packer.batch_size
+    caps = tuple(f.capacity_for(b) for f in packer.features)
+    key = (caps, b, n, labels.shape[1:], dense.shape[1])
+    cached = _UNPACK.get(key)
+    if cached is None:
+
+        def split(ids, labels, dense):
+            cols = [
+                jnp.full(cap, -1, jnp.int32).at[:n].set(ids[:, j]) for j, cap in enumerate(caps)
+            ]
+            pad = [(0, b - n)]
+            return (
+                cols,
+                jnp.pad(labels, pad + [(0, 0)] * (labels.ndim - 1)),
+                jnp.pad(dense, pad + [(0, 0)]),
+            )
+
+        segments = {
+            cap: jax.device_put(
+                np.concatenate([np.arange(n), np.full(cap - n, b - 1)]).astype(np.int32)
+            )
+            for cap in set(caps)
+        }
+        mask = jax.device_put((np.arange(b) < n).astype(np.float32))
+        cached = _UNPACK[key] = (jax.jit(split), segments, mask)
+        if len(_UNPACK) > 64:
+            _UNPACK.pop(next(iter(_UNPACK)))
+    split, segments, mask = cached
+    cols, labels, dense = split(
+        *jax.device_put((ids, labels.astype(np.float32, copy=False), dense))
+    )
+    features = {
+        f.name: PaddedIds(ids=col, segments=segments[cap])
+        for f, col, cap in zip(packer.features, cols, caps, strict=True)
+    }
+    return SparseBatch(features=features, dense=dense, labels=labels, mask=mask)
+
+
+_UNPACK: dict = {}
 
 
 def _concat_host(parts: list[HostBatch]) -> HostBatch:
