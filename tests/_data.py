@@ -14,3 +14,17 @@ def data_dir() -> Path | None:
     candidates = [Path(env)] if env else []
     candidates.append(Path(__file__).resolve().parents[2] / "shared" / "data")
     return next((d.resolve() for d in candidates if (d / CRITEO_SAMPLE).is_file()), None)
+
+
+def write_criteo_like(path: Path, n: int = 200) -> None:
+    """`n` random lines of the Criteo TSV's shape (label, 13 integers, 26 ids of 8 hex
+    digits out of 30 values each)."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    lines = []
+    for _ in range(n):
+        dense = [str(int(x)) for x in rng.integers(0, 20, 13)]
+        cats = [f"{int(x):08x}" for x in rng.integers(0, 30, 26)]
+        lines.append("\t".join([str(int(rng.random() < 0.3)), *dense, *cats]))
+    Path(path).write_text("\n".join(lines) + "\n")

@@ -42,6 +42,7 @@ from ._optim import OptimizerConfig as OptimizerConfig
 from ._optim import dense_optimizer as dense_optimizer
 from ._optim import sparse_optimizer as sparse_optimizer
 from ._plan import plan_command as plan_command
+from ._prepare import prepare_data as prepare_data
 from ._profile import profile as profile
 from ._read import absolute_data_paths as absolute_data_paths
 from ._read import resolve_data_path as resolve_data_path

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
+import os
 from typing import Any
 
 import jax
@@ -51,6 +53,7 @@ from ._read import (
     _read_side_tables,
     _read_split,
     _read_splits,
+    resolve_data_dir,
     resolve_files,
 )
 from ._schema import RunConfig
@@ -62,6 +65,9 @@ from ._tables import (
     is_dynamic,
     table_dim,
 )
+
+DATASET = "dataset.json"
+"""The description of a `sparsejax data` directory (features, tables, splits)."""
 
 # ---------------------------------------------------------------------------------------
 # Many processes: each packs its share of every global batch
@@ -107,10 +113,13 @@ class ProcessSharePacker:
     def __getattr__(self, name: str):
         return getattr(self.whole, name)
 
-    def pack(self, sparse, *, labels, dense=None, mask=None, first_example: int = 0):
+    def share_of(self, n: int) -> tuple[int, int]:
+        """This process's rows `[lo, hi)` of a global batch of `n` examples."""
         b = self.local.batch_size
-        n = int(np.shape(labels)[0])
-        lo, hi = min(self.rank * b, n), min((self.rank + 1) * b, n)
+        return min(self.rank * b, n), min((self.rank + 1) * b, n)
+
+    def pack(self, sparse, *, labels, dense=None, mask=None, first_example: int = 0):
+        lo, hi = self.share_of(int(np.shape(labels)[0]))
         return self.local.pack(
             {k: _rows(v, lo, hi) for k, v in sparse.items()},
             labels=np.asarray(labels)[lo:hi],
@@ -188,7 +197,7 @@ class DataBundle:
 
     @property
     def steps_per_epoch(self) -> int | None:
-        if isinstance(self.train_source, Examples):
+        if isinstance(self.train_source, Examples | sd.PreparedData):
             return math.ceil(len(self.train_source) / self.packer.batch_size)
         return None
 
@@ -198,7 +207,7 @@ def build_data(cfg: RunConfig) -> DataBundle:
     d, dim = cfg.data, cfg.model.embedding_dim
     table_kw = dict(dtype=cfg.model.table_dtype, optimizer=sparse_optimizer(cfg.optimizer))
     eval_b = d.eval_batch_size or d.batch_size
-    if d.kind not in FILE_KINDS:
+    if d.kind not in (*FILE_KINDS, "prepared"):
         if d.kind == "synthetic":
             gen = sd.SyntheticCriteo(
                 max_vocab=d.max_vocab, zipf_exponent=d.zipf, seed=cfg.seed, **d.synthetic_options
@@ -218,6 +227,8 @@ def build_data(cfg: RunConfig) -> DataBundle:
         return DataBundle(tuple(tables), tuple(features), packer, gen, eval_batches, report=note)
     if d.kind == "events":
         return _build_events(cfg, table_kw)
+    if d.kind == "prepared":
+        return _build_prepared(cfg, table_kw)
     return _build_file_data(cfg, table_kw)
 
 
@@ -509,6 +520,60 @@ def _file_specs(
         min_counts=min_counts,
     )
     return specs, features, note
+
+
+def _build_prepared(cfg: RunConfig, table_kw: dict) -> DataBundle:
+    """data.kind=prepared: the splits `sparsejax data` wrote under `data.path`, with the
+    config's `tables` section applied to the tables they were written for."""
+    d = cfg.data
+    if d.path is None:
+        raise ConfigError("data.kind='prepared' needs data.path (a `sparsejax data` directory)")
+    root = resolve_data_dir(d.path, "data.path")
+    if not os.path.isfile(os.path.join(root, DATASET)):
+        raise ConfigError(
+            f"data.path={d.path!r}: no prepared data there (no {DATASET}); write it with "
+            f"`sparsejax data CONFIG --out DIR`"
+        )
+    try:
+        with open(os.path.join(root, DATASET)) as fh:
+            info = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{os.path.join(root, DATASET)}: unreadable: {e}") from None
+    features = [FeatureSpec(**f) for f in info["features"]]
+    train = sd.PreparedData(os.path.join(root, "train"))
+    tables = [
+        TableSpec(
+            name=name,
+            vocab_size=t["rows"] or 1,  # dynamic: apply_tables makes it so again
+            dim=table_dim(cfg, name, t["dim"]),
+            **table_kw,
+        )
+        for name, t in info["tables"].items()
+    ]
+    tables, note = apply_tables(cfg, tables, features, train=train)
+    packer, eval_packer = _packers(d, tables, features, num_dense=info["num_dense"])
+    train.check(packer)
+    held = {}
+    for split in ("eval", "test"):
+        if split in info["splits"]:
+            part = sd.PreparedData(os.path.join(root, split))
+            part.check(eval_packer)
+            sparse, labels, dense = part.take(np.arange(len(part)))
+            held[split] = Examples(labels=labels, dense=dense, sparse=sparse)
+    reports = [f"prepared {root}: train {len(train):,}, eval {len(held['eval']):,}"]
+    if note:
+        reports.append(note)
+    return DataBundle(
+        tuple(tables),
+        tuple(features),
+        packer,
+        train,
+        sd.pack_examples(held["eval"], eval_packer),
+        report="; ".join(reports),
+        test_batches=None if "test" not in held else sd.pack_examples(held["test"], eval_packer),
+        eval_examples=held["eval"],
+        test_examples=held.get("test"),
+    )
 
 
 def first_train_batch(data: DataBundle) -> SparseBatch:

@@ -127,14 +127,16 @@ class DataConfig:
     splits from `train` / `eval` / `test` (each a path, a glob or a list of files), or
     from one source (`train` or `path`) and a `split` rule."""
 
-    kind: Literal["synthetic", "criteo", "delimited", "libsvm", "parquet", "events", "behavior"] = (
-        "synthetic"
-    )
+    kind: Literal[
+        "synthetic", "criteo", "delimited", "libsvm", "parquet", "events", "behavior", "prepared"
+    ] = "synthetic"
     """synthetic: Criteo-shaped Zipf data, no download; criteo: Kaggle DAC TSV files;
     delimited: any CSV/TSV described by `schema`; libsvm: libSVM/libFM text
     (`label idx:val ...`); parquet: Parquet files described by `schema`; events: a
     (user, item, time) event log made into sequence examples as `events` says (DIN,
-    two-tower); behavior: synthetic user histories (for DIN and two-tower)."""
+    two-tower); behavior: synthetic user histories (for DIN and two-tower); prepared:
+    the directory `path` that `sparsejax data CONFIG --out DIR` wrote (any of the
+    others' data as table rows in memory-mapped columns: the fastest input)."""
     path: str | None = None
     """Data file (one source, split by `split` or `train_rows`); `train` says the same
     and also takes globs and lists. A relative path is looked up in the working
@@ -331,6 +333,15 @@ def check_data_config(d: DataConfig) -> None:
     file_opts += [
         k for k in ("features", "joins", "indicator_bags", "field_map", "stream") if getattr(d, k)
     ]
+    if d.kind == "prepared":
+        others = [k for k in file_keys + file_opts if k != "path"]
+        if d.path is None or others:
+            raise ConfigError(
+                "data.kind='prepared' reads one directory, data.path (written by `sparsejax "
+                "data`)"
+                + (f"; data.{others[0]} is for the data it was prepared from" if others else "")
+            )
+        return
     if d.kind not in FILE_KINDS:
         _check_generator_options(d)
         if file_keys or file_opts:

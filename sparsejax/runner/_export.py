@@ -142,7 +142,7 @@ def _restore(run_dir: str, step: int | str | None, overrides: Sequence[str], log
 def _input_spec(cfg, data) -> dict:
     """The manifest's "input": the raw fields and how they become `Examples`."""
     d = cfg.data
-    if d.kind in ("synthetic", "behavior"):
+    if d.kind in ("synthetic", "behavior", "prepared"):  # ids are table rows (or keys)
         gen_dense = data.eval_batches[0].dense.shape[1]
         return {
             "kind": "ids",

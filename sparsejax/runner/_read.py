@@ -57,6 +57,18 @@ def resolve_data_path(path: str | os.PathLike, key: str = "data.path") -> str:
     )
 
 
+def resolve_data_dir(path: str | os.PathLike, key: str = "data.path") -> str:
+    """The directory `path` names, looked up as `resolve_data_path` looks up a file."""
+    path = os.fspath(path)
+    places = _places(path)
+    found = next((p for p in places if os.path.isdir(p)), None)
+    if found is None:
+        raise ConfigError(
+            f"{key}={path!r}: no such directory (looked for {', '.join(places)}){_unset(path)}"
+        )
+    return os.path.abspath(found)
+
+
 def _places(path: str) -> list[str]:
     places = [path] if os.path.isabs(path) else [os.path.abspath(path)]
     data_dir = os.environ.get(DATA_DIR_ENV)
@@ -114,6 +126,8 @@ def absolute_data_paths(d: DataConfig) -> DataConfig:
         dataclasses.replace(j, path=files(j.path, f"data.joins[{i}].path"))
         for i, j in enumerate(d.joins)
     )
+    if d.kind == "prepared":  # one directory
+        return dataclasses.replace(d, path=resolve_data_dir(d.path, "data.path"))
     return dataclasses.replace(
         d,
         path=files(d.path, "data.path"),

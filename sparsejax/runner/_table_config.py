@@ -165,7 +165,7 @@ _HASHED_KINDS = ("criteo", "delimited", "libsvm", "parquet")
 """File data kinds whose ids the runner maps (vocabulary, hash buckets or raw keys)."""
 
 
-_DYNAMIC_KINDS = ("synthetic", *_HASHED_KINDS)
+_DYNAMIC_KINDS = ("synthetic", "prepared", *_HASHED_KINDS)
 """Data kinds whose tables may be dynamic (raw ids as keys)."""
 
 
@@ -380,7 +380,9 @@ def check_tables_config(tables, d: DataConfig) -> dict[str, TableConfig]:
                 f"{d.kind!r} sets its own vocabularies"
                 + (" (data.max_vocab, data.synthetic_options)" if d.kind == "synthetic" else "")
             )
-        if isinstance(tc.cache_rows, float) and (d.kind not in _HASHED_KINDS or d.stream):
+        if isinstance(tc.cache_rows, float) and (
+            d.kind not in (*_HASHED_KINDS, "prepared") or d.stream
+        ):
             what = "data.stream" if d.stream else f"data.kind={d.kind!r}"
             raise ConfigError(
                 f"tables.{name}.cache_rows={tc.cache_rows}: a fraction of the distinct train "

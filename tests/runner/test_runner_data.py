@@ -10,6 +10,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from _data import write_criteo_like
 
 from sparsejax import data as sd
 from sparsejax import runner
@@ -119,22 +120,12 @@ def _movielens(root: pathlib.Path, n=400, users=30, items=40, lost_user=7):
     return dict(user=user, item=item, rating=rating, time=time, genres=genres)
 
 
-def _criteo(path: pathlib.Path, n=200):
-    rng = np.random.default_rng(2)
-    lines = []
-    for _ in range(n):
-        dense = [str(int(x)) for x in rng.integers(0, 20, 13)]
-        cats = [f"{int(x):08x}" for x in rng.integers(0, 30, 26)]
-        lines.append("\t".join([str(int(rng.random() < 0.3)), *dense, *cats]))
-    path.write_text("\n".join(lines) + "\n")
-
-
 # ---------------------------------------------------------------------------------------
 # Splits and files
 
 
 def test_old_keys_path_and_train_rows_keep_working(tmp_path):
-    _criteo(tmp_path / "c.tsv")
+    write_criteo_like(tmp_path / "c.tsv")
     old = runner.build_data(
         _load(
             None, tmp_path, "data.kind=criteo", f"data.path={tmp_path}/c.tsv", "data.train_rows=150"
@@ -425,7 +416,7 @@ def test_unmapped_minus_one_labels_stop_the_read(tmp_path):
 def test_criteo_minus_one_labels_stop_the_read_without_a_label_rule(tmp_path):
     # without data.label a Criteo line labelled -1 must not be dropped as malformed
     # (that trains on the positives alone): the read stops naming file, line and value
-    _criteo(tmp_path / "c.tsv", n=20)
+    write_criteo_like(tmp_path / "c.tsv", n=20)
     lines = (tmp_path / "c.tsv").read_text().splitlines()
     lines[4] = "-1" + lines[4][1:]
     (tmp_path / "c.tsv").write_text("\n".join(lines) + "\n")
