@@ -57,9 +57,15 @@ ext_modules = [
                 "interaction",
                 "id_map",
                 "quantized_bag",
+                "text",
             )
         ],
-        depends=["csrc/common.h", "csrc/worker_pool.h", "csrc/optimizers.h"],
+        depends=[
+            "csrc/common.h",
+            "csrc/worker_pool.h",
+            "csrc/optimizers.h",
+            "csrc/py_buffer.h",
+        ],
         include_dirs=_include_dirs + ["csrc"] if _include_dirs else [],
         language="c++",
         # No -march/-mavx*: the wheel must run on any x86-64 (or aarch64) machine.

@@ -29,6 +29,8 @@
 #include <new>
 #include <vector>
 
+#include "py_buffer.h"
+
 namespace sparsejax {
 namespace {
 
@@ -361,40 +363,6 @@ int64_t UniqueKeys(const int64_t* keys, int64_t n, int64_t* uniq, int32_t* inver
 
 // ---------------------------------------------------------------- Python bindings
 
-// A C-contiguous 1-D buffer of 8- or 4-byte signed integers, released on destruction.
-class Buffer {
- public:
-  ~Buffer() {
-    if (ok_) PyBuffer_Release(&view_);
-  }
-  // False with a Python exception set when `obj` is not a contiguous 1-D buffer of
-  // signed integers of `itemsize` bytes (writable if asked).
-  bool Get(PyObject* obj, Py_ssize_t itemsize, bool writable, const char* name) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, &view_, flags) < 0) return false;
-    ok_ = true;
-    const char* f = view_.format == nullptr ? "B" : view_.format;
-    if (*f == '@' || *f == '=' || *f == '<') ++f;
-    const bool int_format = f[1] == '\0' && (f[0] == 'q' || f[0] == 'l' || f[0] == 'i');
-    if (view_.ndim != 1 || view_.itemsize != itemsize || !int_format) {
-      PyErr_Format(PyExc_TypeError, "%s: expected a 1-D int%d buffer (format '%s', ndim %d)",
-                   name, static_cast<int>(itemsize * 8), view_.format ? view_.format : "B",
-                   view_.ndim);
-      return false;
-    }
-    return true;
-  }
-  int64_t size() const { return view_.shape != nullptr ? view_.shape[0] : view_.len / 8; }
-  template <typename T>
-  T* data() const {
-    return static_cast<T*>(view_.buf);
-  }
-
- private:
-  Py_buffer view_{};
-  bool ok_ = false;
-};
-
 bool SameSize(const Buffer& a, const Buffer& b, const char* what) {
   if (a.size() == b.size()) return true;
   PyErr_Format(PyExc_ValueError, "%s: %lld keys but %lld %s", what,
@@ -402,31 +370,6 @@ bool SameSize(const Buffer& a, const Buffer& b, const char* what) {
   return false;
 }
 
-// Runs fn() with the GIL released; a C++ exception becomes a Python MemoryError /
-// RuntimeError. Returns false with the exception set.
-template <typename Fn>
-bool WithoutGil(Fn&& fn) {
-  bool bad_alloc = false;
-  bool other = false;
-  Py_BEGIN_ALLOW_THREADS;
-  try {
-    fn();
-  } catch (const std::bad_alloc&) {
-    bad_alloc = true;
-  } catch (...) {
-    other = true;
-  }
-  Py_END_ALLOW_THREADS;
-  if (bad_alloc) {
-    PyErr_SetString(PyExc_MemoryError, "IdMap: out of memory while growing the table");
-    return false;
-  }
-  if (other) {
-    PyErr_SetString(PyExc_RuntimeError, "IdMap: unexpected C++ exception");
-    return false;
-  }
-  return true;
-}
 
 struct PyIdMap {
   PyObject_HEAD Table* table;

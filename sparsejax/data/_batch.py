@@ -197,19 +197,9 @@ class BatchPacker:
         per-feature path packs them, and names any error)."""
         groups: dict[int, list] = {}
         for spec in self.features:
-            col = sparse.get(spec.name)
-            if (
-                spec.is_sequence
-                or spec.weighted
-                or not isinstance(col, JaggedIds)
-                or col.weights is not None
-                or np.shape(col.values) != (n,)
-                or np.shape(col.lengths) != (n,)
-            ):
+            if not self._maybe_one_id(spec, sparse.get(spec.name), n):
                 continue
             dynamic = spec.table in self.dynamic
-            if dynamic and getattr(col.values, "dtype", None) != np.int64:
-                continue  # uint64 and wrong dtypes: the per-feature path
             groups.setdefault((spec.capacity_for(self.batch_size), dynamic), []).append(spec)
         out: dict[str, PaddedIds] = {}
         if n == 0:
@@ -235,6 +225,47 @@ class BatchPacker:
                 if ok[j]:
                     out[spec.name] = PaddedIds(ids=ids[j], segments=seg[j])
         return out
+
+    def _maybe_one_id(self, spec: FeatureSpec, col, n: int) -> bool:
+        """Whether `col` has the shapes of one id per example for `spec` (its lengths and
+        ids are checked by the caller)."""
+        return not (
+            spec.is_sequence
+            or spec.weighted
+            or not isinstance(col, JaggedIds)
+            or col.weights is not None
+            or np.shape(col.values) != (n,)
+            or np.shape(col.lengths) != (n,)
+            # a dynamic table's uint64 and wrong dtypes: the per-feature path
+            or (spec.table in self.dynamic and getattr(col.values, "dtype", None) != np.int64)
+        )
+
+    def one_id_matrix(self, sparse: Mapping, n: int) -> np.ndarray | None:
+        """`ids i32[n, F]` (columns in `features` order) when every feature of the batch
+        has exactly one in-range id per example, no weights and a static table of under
+        2**31 rows: the whole sparse part of what `pack` would build, as one matrix that
+        is shipped as is and unpacked on the device (`Loader`). None otherwise (then
+        `pack` builds the batch, and names any error)."""
+        if n == 0 or set(sparse) != {f.name for f in self.features}:
+            return None
+        b = self.batch_size
+        for spec in self.features:
+            if (
+                spec.table in self.dynamic
+                or self.vocab[spec.table] > _INT32_MAX
+                or spec.capacity_for(b) < min(n, b)
+                or not self._maybe_one_id(spec, sparse[spec.name], n)
+            ):
+                return None
+        cols = [sparse[f.name] for f in self.features]
+        lengths = np.stack([c.lengths for c in cols], 1)
+        if lengths.min() != 1 or lengths.max() != 1:
+            return None
+        ids = np.stack([c.values for c in cols], 1)
+        vocab = np.array([self.vocab[f.table] for f in self.features])
+        if ids.min() < 0 or (ids.max(0) >= vocab).any():
+            return None
+        return ids.astype(np.int32, copy=False)
 
     def _pack_feature(self, spec: FeatureSpec, col: JaggedIds, n: int, first: int) -> PaddedIds:
         lengths = np.asarray(col.lengths, np.int64)

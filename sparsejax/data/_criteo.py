@@ -25,11 +25,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..embedding import MISSING_KEY, FeatureSpec, TableSpec
+from . import _text
 from ._batch import JaggedIds
 from ._csv import MISSING, ParseErrors
 from ._labels import LabelRule
 from ._loader import Examples
-from ._text import parse_decimal, parse_float, parse_hex, split_fields
+from ._text import count_lines, parse_decimal, parse_float, parse_hex, split_fields
 
 NUM_DENSE = 13
 NUM_CATEGORICAL = 26
@@ -97,24 +98,11 @@ class CriteoParser:
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
         n_fields = NUM_DENSE + NUM_CATEGORICAL + (1 if labeled else 0)
-        arr = np.frombuffer(data, np.uint8)
-        n_lines, start, length, good, lo, hi = split_fields(arr, 9, n_fields)
-        bad = ~good
-        off = 1 if labeled else 0
-        if labeled and rule is None:
-            lab = arr[np.minimum(start[:, 0], max(arr.shape[0] - 1, 0))]
-            bad |= (length[:, 0] != 1) | ((lab != ord("0")) & (lab != ord("1")))
-            labels = (lab == ord("1")).astype(np.float64)
-        elif labeled:
-            labels, lbad = parse_float(arr, start[:, 0], length[:, 0])
-            bad |= lbad | (length[:, 0] == 0)
+        if _text.NATIVE is not None and rule is None:
+            labels, dense_int, raw, bad, lo, hi = _parse_native(data, labeled)
         else:
-            labels = np.zeros(n_lines)
-        dsl = slice(off, off + NUM_DENSE)
-        dense_int, bad_d = parse_decimal(arr, start[:, dsl], length[:, dsl])
-        csl = slice(off + NUM_DENSE, n_fields)
-        raw, bad_c = parse_hex(arr, start[:, csl], length[:, csl], MAX_HEX_DIGITS)
-        bad |= bad_d.any(1) | bad_c.any(1)
+            labels, dense_int, raw, bad, lo, hi = self._parse_numpy(data, n_fields)
+        n_lines = labels.shape[0]
         dense = _dense_transform(dense_int)
         keep = ~bad
         for i in np.flatnonzero(bad):  # exact re-check names the reason (or accepts the line)
@@ -143,6 +131,41 @@ class CriteoParser:
         if labeled and rule is not None:
             labels = rule.apply(labels, path=path, lines=first_line + kept)
         return _examples(labels.astype(np.float32), dense[kept], raw[kept]), n_lines
+
+    def _parse_numpy(self, data: bytes, n_fields: int):
+        """`(labels f64, dense int64, raw int64, bad, line_lo, line_hi)` of every line,
+        vectorized with numpy (the path without the C++ extension, and with a label rule)."""
+        arr = np.frombuffer(data, np.uint8)
+        n_lines, start, length, good, lo, hi = split_fields(arr, 9, n_fields)
+        bad = ~good
+        off = 1 if self.labeled else 0
+        if self.labeled and self.rule is None:
+            lab = arr[np.minimum(start[:, 0], max(arr.shape[0] - 1, 0))]
+            bad |= (length[:, 0] != 1) | ((lab != ord("0")) & (lab != ord("1")))
+            labels = (lab == ord("1")).astype(np.float64)
+        elif self.labeled:
+            labels, lbad = parse_float(arr, start[:, 0], length[:, 0])
+            bad |= lbad | (length[:, 0] == 0)
+        else:
+            labels = np.zeros(n_lines)
+        dsl = slice(off, off + NUM_DENSE)
+        dense_int, bad_d = parse_decimal(arr, start[:, dsl], length[:, dsl])
+        csl = slice(off + NUM_DENSE, n_fields)
+        raw, bad_c = parse_hex(arr, start[:, csl], length[:, csl], MAX_HEX_DIGITS)
+        return labels, dense_int, raw, bad | bad_d.any(1) | bad_c.any(1), lo, hi
+
+
+def _parse_native(data: bytes, labeled: bool):
+    """`CriteoParser._parse_numpy`'s result, by the C++ parser (labels "0"/"1" only)."""
+    n = count_lines(data)
+    width = 1 + NUM_DENSE + NUM_CATEGORICAL + 1
+    out = np.empty((n, width), np.int64)
+    starts = np.empty(n + 1, np.int64)
+    _text.NATIVE.parse_criteo(data, labeled, out.reshape(-1), starts)
+    labels = out[:, 0].astype(np.float64)
+    dense_int = out[:, 1 : 1 + NUM_DENSE]
+    raw = np.ascontiguousarray(out[:, 1 + NUM_DENSE : -1])
+    return labels, dense_int, raw, out[:, -1].astype(bool), starts[:-1], starts[1:] - 1
 
 
 def _examples(labels: np.ndarray, dense: np.ndarray, raw: np.ndarray) -> Examples:

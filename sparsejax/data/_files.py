@@ -37,6 +37,8 @@ from os import PathLike
 
 import numpy as np
 
+from ._text import count_lines
+
 COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 """File name endings read as compressed streams."""
 
@@ -301,7 +303,7 @@ def iter_line_blocks(
                 buf += chunk
                 cut = _cut(buf, len(buf), block_lines, end - offset if end is not None else None)
             data, buf = buf[:cut], buf[cut:]
-            n = data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
+            n = count_lines(data) + (0 if data.endswith(b"\n") else 1)
             offset += len(data)
             yield LineBlock(
                 data=data,

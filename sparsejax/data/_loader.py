@@ -119,12 +119,7 @@ class Examples:
                 out[name] = JaggedIds(lengths=col.lengths[idx], values=col.values[idx], weights=w)
                 continue
             lengths = col.lengths[idx]
-            starts = off[idx]
-            ends = np.cumsum(lengths)
-            # Flat source index of every value: its example's start + its position in it.
-            src = np.arange(ends[-1] if ends.size else 0) + np.repeat(
-                starts - (ends - lengths), lengths
-            )
+            src = ragged_source(off[idx], lengths)
             w = None if col.weights is None else col.weights[src]
             out[name] = JaggedIds(lengths=lengths, values=col.values[src], weights=w)
         return out
@@ -482,8 +477,7 @@ class Loader:
                     cache.clear()
                     cache[epoch] = _epoch_order(len(source), shuffle, seed, epoch)
                 sparse, labels, dense = source.take(cache[epoch][index * bs : (index + 1) * bs])
-            batch = packer.pack(sparse, labels=labels, dense=dense, first_example=index * bs)
-            return _to_device(batch, target)
+            return _ship(packer, sparse, labels, dense, index * bs, target)
 
         return make
 
@@ -549,6 +543,24 @@ class Loader:
         self.close()
 
 
+def ragged_source(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Flat source index of every value of the examples whose values start at `starts`
+    and number `lengths`: each example's start plus the value's position in it."""
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if ends.size else 0
+    return np.arange(total) + np.repeat(starts - (ends - lengths), lengths)
+
+
+def _cached(cache: dict, key, build):
+    """`cache[key]`, built by `build()` on a miss; the oldest of more than 64 entries go."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = build()
+        if len(cache) > 64:
+            cache.pop(next(iter(cache)))
+    return value
+
+
 def _to_device(batch, target):
     if target is True:
         return _put_default(batch)
@@ -572,8 +584,8 @@ def _put_default(batch):
     groups: dict = {}
     for i, dt in enumerate(dtypes):
         groups.setdefault(dt, []).append(i)
-    fn = _UNFLATTEN.get(sig)
-    if fn is None:
+
+    def build():
         layout = [
             (idx, [leaves[i].shape for i in idx], [leaves[i].size for i in idx])
             for idx in groups.values()
@@ -588,9 +600,9 @@ def _put_default(batch):
                     o += size
             return jax.tree_util.tree_unflatten(treedef, out)
 
-        fn = _UNFLATTEN[sig] = jax.jit(unflatten)
-        if len(_UNFLATTEN) > 64:
-            _UNFLATTEN.pop(next(iter(_UNFLATTEN)))
+        return jax.jit(unflatten)
+
+    fn = _cached(_UNFLATTEN, sig, build)
     flats = [np.concatenate([leaves[i].ravel() for i in idx]) for idx in groups.values()]
     return fn(*jax.device_put(flats))
 
@@ -603,9 +615,8 @@ def _put_compact(packer: BatchPacker, ids: np.ndarray, labels: np.ndarray, dense
     n, b = ids.shape[0], packer.batch_size
     caps = tuple(f.capacity_for(b) for f in packer.features)
     key = (caps, b, n, labels.shape[1:], dense.shape[1])
-    cached = _UNPACK.get(key)
-    if cached is None:
 
+    def build():
         def split(ids, labels, dense):
             cols = [
                 jnp.full(cap, -1, jnp.int32).at[:n].set(ids[:, j]) for j, cap in enumerate(caps)
@@ -624,10 +635,9 @@ def _put_compact(packer: BatchPacker, ids: np.ndarray, labels: np.ndarray, dense
             for cap in set(caps)
         }
         mask = jax.device_put((np.arange(b) < n).astype(np.float32))
-        cached = _UNPACK[key] = (jax.jit(split), segments, mask)
-        if len(_UNPACK) > 64:
-            _UNPACK.pop(next(iter(_UNPACK)))
-    split, segments, mask = cached
+        return jax.jit(split), segments, mask
+
+    split, segments, mask = _cached(_UNPACK, key, build)
     cols, labels, dense = split(
         *jax.device_put((ids, labels.astype(np.float32, copy=False), dense))
     )
@@ -644,6 +654,8 @@ _UNPACK: dict = {}
 def _concat_host(parts: list[HostBatch]) -> HostBatch:
     if len(parts) == 1:
         return parts[0]
+    if isinstance(parts[0][0], np.ndarray):
+        return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
     sparse = {}
     for name in parts[0][0]:
         cols = [p[0][name] for p in parts]
@@ -753,6 +765,7 @@ def _stream_batches(
             for k, (w_start, w_end, ex) in enumerate(_windows(chunks, st["window"], buffer_rows)):
                 w = w0 + k
                 n = len(ex)
+                ex = _window_rows(packer, ex, target)
                 seen += n
                 order = (
                     np.random.default_rng([seed, epoch, w]).permutation(n)
@@ -815,6 +828,7 @@ def _resplit_epoch(
         try:
             for k, (w_start, w_end, ex) in enumerate(_windows(chunks, sh["window"], buffer_rows)):
                 w, n = w0 + k, len(ex)
+                ex = _window_rows(packer, ex, target)
                 order = (
                     np.random.default_rng([seed, epoch, w]).permutation(n)
                     if shuffle
@@ -853,8 +867,66 @@ def _resplit_epoch(
         yield LoaderPosition(epoch=epoch + 1, batch=0), _pack(packer, pending, batch_i * bs, target)
 
 
+class _OneIdWindow:
+    """A window of examples whose every feature is one id a row, kept as the id matrix
+    `BatchPacker.one_id_matrix` builds once for the window: a batch is then one row
+    gather of it (instead of one per feature), shipped as is (`_put_compact`)."""
+
+    def __init__(self, ids: np.ndarray, labels: np.ndarray, dense: np.ndarray):
+        self.ids, self.labels, self.dense = ids, labels, dense
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def take(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.ids[idx], self.labels[idx], self.dense[idx]
+
+
+def _window_rows(packer: BatchPacker, ex: Examples, target) -> Examples | _OneIdWindow:
+    """`ex`, as a `_OneIdWindow` where its batches would be shipped as id matrices."""
+    n = len(ex)
+    if (
+        target is True
+        and not hasattr(packer, "share_of")
+        and ex.dense.shape[1:] == (packer.num_dense,)
+    ):
+        ids = packer.one_id_matrix(ex.sparse, n)
+        if ids is not None:
+            return _OneIdWindow(ids, ex.labels, ex.dense)
+    return ex
+
+
 def _pack(packer: BatchPacker, parts: list[HostBatch], first: int, target):
-    sparse, labels, dense = _concat_host(parts)
+    matrices = [isinstance(p[0], np.ndarray) for p in parts]
+    if any(matrices) and not all(matrices):  # a batch across two kinds of window
+        parts = [_as_jagged(packer, p) if m else p for p, m in zip(parts, matrices, strict=True)]
+    return _ship(packer, *_concat_host(parts), first, target)
+
+
+def _as_jagged(packer: BatchPacker, part) -> HostBatch:
+    """A `_OneIdWindow.take` part as host arrays of a batch."""
+    ids, labels, dense = part
+    ones = np.ones(ids.shape[0], np.int32)
+    sparse = {
+        f.name: JaggedIds(lengths=ones, values=ids[:, j]) for j, f in enumerate(packer.features)
+    }
+    return sparse, labels, dense
+
+
+def _ship(packer: BatchPacker, sparse, labels, dense, first: int, target):
+    """The batch of these host arrays, packed by `packer` and put on `target`. A batch
+    for the default device whose every feature is one id per example goes as one id
+    matrix, unpacked on the device (`_put_compact`): the same batch at a third of the
+    host work. `first` numbers the examples in error messages."""
+    if isinstance(sparse, np.ndarray):  # an id matrix (`_OneIdWindow`)
+        return _put_compact(packer, sparse, labels, dense)
+    if target is True and not hasattr(packer, "share_of"):
+        labels = np.asarray(labels)
+        n = labels.shape[0]
+        if dense is not None and np.shape(dense) == (n, packer.num_dense):
+            ids = packer.one_id_matrix(sparse, n)
+            if ids is not None:
+                return _put_compact(packer, ids, labels, np.asarray(dense, np.float32))
     batch = packer.pack(sparse, labels=labels, dense=dense, first_example=first)
     return _to_device(batch, target)
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..embedding import FeatureSpec, TableSpec
 from ._batch import JaggedIds
-from ._loader import Examples, HostBatch
+from ._loader import Examples, HostBatch, ragged_source
 
 MANIFEST = "prepared.json"
 FORMAT = "sparsejax-prepared"
@@ -95,11 +95,16 @@ class _Layout:
 class _ColumnWriter:
     """Appends one column's rows to its file, with a crc32 per row group."""
 
-    def __init__(self, root: str, name: str, dtype, row_shape: tuple[int, ...] = ()):
+    def __init__(self, root: str, name: str, dtype, row_shape: tuple[int, ...] = (), leading=None):
+        """`leading`: rows written first, outside every row group (an offsets column's 0)."""
         self.file, self.dtype, self.row_shape = name, np.dtype(dtype), tuple(row_shape)
         self.f = open(os.path.join(root, name), "wb")  # noqa: SIM115 - closed in close()
         self.rows = 0
         self.crc: list[int] = []
+        if leading is not None:
+            lead = np.ascontiguousarray(leading, self.dtype)
+            self.f.write(memoryview(lead).cast("B"))
+            self.rows = lead.shape[0]
 
     def write_group(self, block: np.ndarray) -> None:
         block = np.ascontiguousarray(block, self.dtype)
@@ -252,7 +257,9 @@ class _Writer:
         for name in lay.ragged:
             spec = self.specs[name]
             wide = _wide(self.tables[spec.table])
-            cols[f"{name}.offsets"] = _ColumnWriter(root, f"{name}.offsets", np.int64)
+            cols[f"{name}.offsets"] = _ColumnWriter(
+                root, f"{name}.offsets", np.int64, leading=np.zeros(1)
+            )
             cols[f"{name}.values"] = _ColumnWriter(
                 root, f"{name}.values", np.int64 if wide else np.int32
             )
@@ -263,8 +270,6 @@ class _Writer:
     def _write(self, ex: Examples) -> None:
         if self.cols is None:
             self.cols = self._open(ex)
-            for name in self.layout.ragged:  # offsets[0]: its own leading entry
-                self.cols[f"{name}.offsets"].f.write(np.zeros(1, np.int64).tobytes())
         cols, lay = self.cols, self.layout
         if ex.num_dense != cols["dense"].row_shape[0]:
             raise PreparedDataError(
@@ -296,10 +301,11 @@ class _Writer:
             self._write(Examples.concat(self.pending))
         if self.cols is None:
             raise PreparedDataError("no examples to write")
-        columns = {k: c.close() for k, c in self.cols.items()}
-        for name in self.layout.ragged:  # the leading 0 is one more entry
-            columns[f"{name}.offsets"]["shape"][0] += 1
-        return columns, self.rows, self.cols["dense"].row_shape[0]
+        return (
+            {k: c.close() for k, c in self.cols.items()},
+            self.rows,
+            self.cols["dense"].row_shape[0],
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -352,6 +358,7 @@ class PreparedData:
             self._maps[key] = self._map(key, col)
         self._groups = -(-self.rows // self.row_group)
         self._verified = np.zeros(self._groups, bool)
+        self._all_verified = False
         self._windows: dict = {}
 
     def __len__(self) -> int:
@@ -521,10 +528,13 @@ class PreparedData:
 
     def verify(self, rows: np.ndarray | None = None) -> None:
         """Check the crc32 of every row group that `rows` touch (all: None), once each."""
+        if self._all_verified:
+            return
         groups = np.arange(self._groups) if rows is None else np.unique(rows // self.row_group)
         for g in groups[~self._verified[groups]]:
             self._verify_group(int(g))
             self._verified[g] = True
+        self._all_verified = bool(self._verified.all())
 
     def _verify_group(self, g: int) -> None:
         a, b = g * self.row_group, min((g + 1) * self.row_group, self.rows)
@@ -561,9 +571,7 @@ class PreparedData:
             off = self._maps[f"{name}.offsets"]
             starts, ends = off[rows], off[rows + 1]
             lengths = ends - starts
-            src = np.arange(int(lengths.sum())) + np.repeat(
-                starts - (np.cumsum(lengths) - lengths), lengths
-            )
+            src = ragged_source(starts, lengths)
             weights = self._maps.get(f"{name}.weights")
             sparse[name] = JaggedIds(
                 lengths=lengths,

@@ -26,6 +26,23 @@ for _c in b"abcdef":
     _HEX_LUT[_c - 32] = _c - 87  # upper case
 
 
+def _load_native():
+    try:
+        from .. import _cpu_ext
+    except ImportError:
+        return None
+    return _cpu_ext if hasattr(_cpu_ext, "parse_criteo") else None
+
+
+NATIVE = _load_native()
+"""`sparsejax._cpu_ext` when it has the text functions (csrc/text.cc), else None."""
+
+
+def count_lines(data: bytes) -> int:
+    """The newlines in `data` (memchr in C++ when built: ~10x `bytes.count`)."""
+    return NATIVE.count_lines(data) if NATIVE is not None else data.count(b"\n")
+
+
 def split_fields(arr: np.ndarray, delim: int, n_fields: int):
     """Lines and fields of a chunk (`arr`: bytes ending with a newline, no carriage
     returns). Returns `(n_lines, start[n, k], length[n, k], good[n], line_lo[n],
