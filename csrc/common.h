@@ -9,10 +9,13 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
+#include "worker_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SJ_HAVE_X86 1
@@ -77,9 +80,23 @@ inline bool IsFloat(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16;
 }
 
-// Runs fn() -> ffi::Error so that no C++ exception (e.g. std::bad_alloc) crosses into XLA.
+// XLA's intra-op thread pool of an FFI call, as an Executor for the parallel loops.
+class XlaPool final : public Executor {
+ public:
+  explicit XlaPool(ffi::ThreadPool pool) : pool_(pool) {}
+  int64_t NumThreads() const override { return pool_.num_threads(); }
+  void Schedule(std::function<void()> task) override { pool_.Schedule(std::move(task)); }
+
+ private:
+  ffi::ThreadPool pool_;
+};
+
+// Runs fn() -> ffi::Error with the kernel's parallel loops on XLA's intra-op `pool`, so
+// that no C++ exception (e.g. std::bad_alloc) crosses into XLA.
 template <typename Fn>
-ffi::Error Guarded(const char* name, Fn&& fn) {
+ffi::Error Guarded(const char* name, ffi::ThreadPool pool, Fn&& fn) {
+  XlaPool xla_pool(pool);
+  ScopedExecutor on_xla_pool(&xla_pool);
   try {
     return fn();
   } catch (const std::exception& ex) {

@@ -253,9 +253,9 @@ void BackwardImpl(const T* g, const T* x, T* dx, int64_t nb, int64_t f, int64_t 
   });
 }
 
-ffi::Error ForwardHandler(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error ForwardHandler(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
   constexpr const char* kName = "sparsejax_pairwise_dots";
-  return Guarded(kName, [&]() -> ffi::Error {
+  return Guarded(kName, pool, [&]() -> ffi::Error {
     auto xd = x.dimensions(), od = out->dimensions();
     if (!IsFloat(x.element_type()) || out->element_type() != x.element_type()) {
       return ffi::Error::InvalidArgument(std::string(kName) +
@@ -278,9 +278,9 @@ ffi::Error ForwardHandler(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
   });
 }
 
-ffi::Error BackwardHandler(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> dx) {
+ffi::Error BackwardHandler(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> dx) {
   constexpr const char* kName = "sparsejax_pairwise_dots_bwd";
-  return Guarded(kName, [&]() -> ffi::Error {
+  return Guarded(kName, pool, [&]() -> ffi::Error {
     auto gd = g.dimensions(), xd = x.dimensions(), od = dx->dimensions();
     if (!IsFloat(x.element_type()) || g.element_type() != x.element_type() ||
         dx->element_type() != x.element_type()) {
@@ -313,11 +313,13 @@ ffi::Error BackwardHandler(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::Result<ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxPairwiseDots, sparsejax::ForwardHandler,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()    // x T[B,F,D]
                                   .Ret<ffi::AnyBuffer>());  // out T[B,F(F-1)/2]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxPairwiseDotsBwd, sparsejax::BackwardHandler,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()    // g T[B,F(F-1)/2]
                                   .Arg<ffi::AnyBuffer>()    // x T[B,F,D]
                                   .Ret<ffi::AnyBuffer>());  // dx T[B,F,D]

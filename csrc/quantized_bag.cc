@@ -379,11 +379,11 @@ ffi::Error QuantizedBagImpl(ffi::AnyBuffer coef, ffi::AnyBuffer ids, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizedBagHandler(ffi::AnyBuffer coef, ffi::AnyBuffer ids, ffi::AnyBuffer seg,
+ffi::Error QuantizedBagHandler(ffi::ThreadPool pool, ffi::AnyBuffer coef, ffi::AnyBuffer ids, ffi::AnyBuffer seg,
                                ffi::AnyBuffer data, ffi::AnyBuffer scale,
                                ffi::AnyBuffer zero_point, int32_t bits,
                                std::string_view combiner, ffi::Result<ffi::AnyBuffer> out) {
-  return Guarded("sparsejax_quantized_bag", [&] {
+  return Guarded("sparsejax_quantized_bag", pool, [&] {
     return QuantizedBagImpl(coef, ids, seg, data, scale, zero_point, bits, combiner, out);
   });
 }
@@ -393,6 +393,7 @@ ffi::Error QuantizedBagHandler(ffi::AnyBuffer coef, ffi::AnyBuffer ids, ffi::Any
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxQuantizedBag, sparsejax::QuantizedBagHandler,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()  // coef f32[N] (f32[0]: all 1)
                                   .Arg<ffi::AnyBuffer>()  // ids i32[N]
                                   .Arg<ffi::AnyBuffer>()  // segment_ids i32[N]

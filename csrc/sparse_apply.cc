@@ -7,9 +7,9 @@
 //
 // For every unique valid id r (0 <= ids[k] < V and 0 <= seg[k] < S): g = sum over its
 // entries k, in ascending k, of coef[k] * grad[seg[k]] (f32), then row r of the table
-// and its slots is updated. Entries are radix-sorted by id, run-length encoded, and the
-// unique rows split over the worker pool at run boundaries; untouched rows are
-// bit-identical. Table dtype f32 or bf16 (updated in f32, rounded to nearest even, or
+// and its slots is updated. Entries are grouped by the top bits of their id, each group
+// sorted and run-length encoded, and the groups' unique rows updated, all split over
+// threads by groups; untouched rows are bit-identical. Table dtype f32 or bf16 (updated in f32, rounded to nearest even, or
 // stochastically with the `stochastic_rounding` attribute).
 
 #include <algorithm>
@@ -29,40 +29,8 @@
 namespace sparsejax {
 namespace {
 
-// Stable LSD radix sort of keys (id << 32 | k) on bits [32, 32 + id_bits).
-// Returns a pointer to whichever buffer holds the result.
-uint64_t* RadixSortById(uint64_t* a, uint64_t* b, int64_t n, int id_bits) {
-  if (id_bits <= 0 || n <= 1) return a;
-  const int passes = (id_bits + 10) / 11;
-  const int digit = (id_bits + passes - 1) / passes;
-  const uint64_t mask = (uint64_t{1} << digit) - 1;
-  std::vector<int64_t> hist(static_cast<size_t>(passes) << digit, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t id = a[i] >> 32;
-    for (int p = 0; p < passes; ++p) {
-      ++hist[(static_cast<size_t>(p) << digit) + ((id >> (p * digit)) & mask)];
-    }
-  }
-  for (int p = 0; p < passes; ++p) {
-    int64_t* h = hist.data() + (static_cast<size_t>(p) << digit);
-    // Skip passes where every key has the same digit.
-    const uint64_t d0 = ((a[0] >> 32) >> (p * digit)) & mask;
-    if (h[d0] == n) continue;
-    int64_t sum = 0;
-    for (uint64_t j = 0; j <= mask; ++j) {
-      const int64_t c = h[j];
-      h[j] = sum;
-      sum += c;
-    }
-    const int shift = 32 + p * digit;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint64_t key = a[i];
-      b[h[(key >> shift) & mask]++] = key;
-    }
-    std::swap(a, b);
-  }
-  return a;
-}
+// Entries are grouped by the top kGroupBits bits of their row's id before sorting.
+constexpr int kGroupBits = 11;
 
 struct ApplyCtx {
   int32_t opt;
@@ -425,53 +393,90 @@ ffi::Error SparseApplyImplHandler(ffi::RemainingArgs args, ffi::RemainingRets re
   c.stochastic = stochastic_rounding != 0;
   if (n == 0 || v == 0) return ffi::Error::Success();
 
-  // 1. Valid entries as (id << 32 | k), ascending k.
+  // The valid entries as keys (id << 32 | k), grouped by the top bits of their id
+  // (stable in k), then each group sorted, run-length encoded and applied by one thread:
+  // groups hold disjoint rows, so every step but a prefix sum over the groups runs in
+  // parallel (the route of FBGEMM's radix-sort dedup).
   const int32_t* id_p = reinterpret_cast<const int32_t*>(ids.untyped_data());
-  std::unique_ptr<uint64_t[]> keys(new uint64_t[n]), tmp(new uint64_t[n]);
-  int64_t nv = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t id = id_p[k], sg = c.seg[k];
-    if (id >= 0 && id < v && sg >= 0 && sg < c.s) {
-      keys[nv++] = (static_cast<uint64_t>(id) << 32) | static_cast<uint64_t>(k);
-    }
-  }
-  if (nv == 0) return ffi::Error::Success();
-
-  // 2. Stable radix sort by id on ceil(log2 V) bits.
   int id_bits = 0;
   while (id_bits < 32 && (uint64_t{1} << id_bits) < static_cast<uint64_t>(v)) ++id_bits;
-  const uint64_t* sorted = RadixSortById(keys.get(), tmp.get(), nv, id_bits);
+  const int low_bits = id_bits - std::min(id_bits, kGroupBits);
+  const int64_t groups = int64_t{1} << (id_bits - low_bits);
+  const int nt = ThreadsFor(n);
+  auto valid = [&](int64_t k) {
+    const int64_t id = id_p[k], sg = c.seg[k];
+    return id >= 0 && id < v && sg >= 0 && sg < c.s;
+  };
+  auto range = [&](int64_t t) { return std::make_pair(n * t / nt, n * (t + 1) / nt); };
 
-  // 3. Run-length encode.
-  std::vector<int64_t> run_start;
-  run_start.reserve(static_cast<size_t>(nv) + 1);
-  run_start.push_back(0);
-  for (int64_t i = 1; i < nv; ++i) {
-    if ((sorted[i] >> 32) != (sorted[i - 1] >> 32)) run_start.push_back(i);
+  // 1. Per range of entries, the entries of each group; then, per (group, range), where
+  //    its entries go: ranges in order within a group keep the entries in k order.
+  std::vector<int64_t> place(static_cast<size_t>(nt * groups), 0);
+  ParallelChunks(nt, nt, [&](int64_t t) {
+    int64_t* h = place.data() + t * groups;
+    for (auto [k, e] = range(t); k < e; ++k) {
+      if (valid(k)) ++h[id_p[k] >> low_bits];
+    }
+  });
+  std::vector<int64_t> group_start(static_cast<size_t>(groups) + 1);
+  int64_t nv = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    group_start[g] = nv;
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t count = place[t * groups + g];
+      place[t * groups + g] = nv;
+      nv += count;
+    }
   }
-  const int64_t runs = static_cast<int64_t>(run_start.size());
-  run_start.push_back(nv);
+  group_start[groups] = nv;
+  if (nv == 0) return ffi::Error::Success();
 
-  // 4. Update unique rows, split over threads at run boundaries by entry count.
-  const int nt = ThreadsFor(nv);
+  // 2. Scatter the keys into their groups.
+  std::unique_ptr<uint64_t[]> keys(new uint64_t[nv]);
+  ParallelChunks(nt, nt, [&](int64_t t) {
+    int64_t* at = place.data() + t * groups;
+    for (auto [k, e] = range(t); k < e; ++k) {
+      if (valid(k)) {
+        const uint64_t id = static_cast<uint64_t>(id_p[k]);
+        keys[at[id >> low_bits]++] = (id << 32) | static_cast<uint64_t>(k);
+      }
+    }
+  });
+
+  // 3. Chunks of whole groups with about equal entries: sort each group (by id, then k),
+  //    run-length encode, update the unique rows.
   const int nc = nt > 1 ? nt * kChunksPerThread : 1;
   std::vector<int64_t> lo(nc + 1);
   lo[0] = 0;
-  lo[nc] = runs;
+  lo[nc] = groups;
   for (int t = 1; t < nc; ++t) {
     const int64_t target = nv * t / nc;
-    lo[t] = std::upper_bound(run_start.begin(), run_start.begin() + runs, target) -
-            run_start.begin() - 1;
+    lo[t] = std::upper_bound(group_start.begin(), group_start.end() - 1, target) -
+            group_start.begin() - 1;
     lo[t] = std::max(lo[t], lo[t - 1]);
   }
-  ParallelChunks(nt, nc,
-                 [&](int64_t t) { ApplyRuns(c, sorted, run_start.data(), lo[t], lo[t + 1]); });
+  ParallelChunks(nt, nc, [&](int64_t t) {
+    const int64_t begin = group_start[lo[t]], end = group_start[lo[t + 1]];
+    if (begin == end) return;
+    for (int64_t g = lo[t]; g < lo[t + 1]; ++g) {
+      std::sort(keys.get() + group_start[g], keys.get() + group_start[g + 1]);
+    }
+    std::vector<int64_t> run_start;
+    run_start.reserve(static_cast<size_t>(end - begin) + 1);
+    run_start.push_back(begin);
+    for (int64_t i = begin + 1; i < end; ++i) {
+      if ((keys[i] >> 32) != (keys[i - 1] >> 32)) run_start.push_back(i);
+    }
+    const int64_t runs = static_cast<int64_t>(run_start.size());
+    run_start.push_back(end);
+    ApplyRuns(c, keys.get(), run_start.data(), 0, runs);
+  });
   return ffi::Error::Success();
 }
 
-ffi::Error SparseApplyHandler(ffi::RemainingArgs args, ffi::RemainingRets rets,
+ffi::Error SparseApplyHandler(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets,
                               int32_t optimizer, int32_t stochastic_rounding) {
-  return Guarded("sparsejax_sparse_apply", [&] {
+  return Guarded("sparsejax_sparse_apply", pool, [&] {
     return SparseApplyImplHandler(args, rets, optimizer, stochastic_rounding);
   });
 }
@@ -482,6 +487,7 @@ ffi::Error SparseApplyHandler(ffi::RemainingArgs args, ffi::RemainingRets rets,
 // Outputs (aliased): table, slots...
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxSparseApply, sparsejax::SparseApplyHandler,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int32_t>("optimizer")

@@ -459,16 +459,16 @@ ffi::Error SegMaxImplHandler(ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::Any
   return ffi::Error::Success();
 }
 
-ffi::Error SpmmHandler(ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::AnyBuffer seg,
+ffi::Error SpmmHandler(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::AnyBuffer seg,
                        ffi::AnyBuffer dense, ffi::Result<ffi::AnyBuffer> out) {
-  return Guarded("sparsejax_spmm",
+  return Guarded("sparsejax_spmm", pool,
                  [&] { return SpmmImplHandler(values, col, seg, dense, out); });
 }
 
-ffi::Error SegMaxHandler(ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::AnyBuffer seg,
+ffi::Error SegMaxHandler(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::AnyBuffer seg,
                          ffi::AnyBuffer dense, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> argk) {
-  return Guarded("sparsejax_segment_max",
+  return Guarded("sparsejax_segment_max", pool,
                  [&] { return SegMaxImplHandler(values, col, seg, dense, out, argk); });
 }
 
@@ -477,6 +477,7 @@ ffi::Error SegMaxHandler(ffi::AnyBuffer values, ffi::AnyBuffer col, ffi::AnyBuff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxSpmm, sparsejax::SpmmHandler,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()   // values f32[N]
                                   .Arg<ffi::AnyBuffer>()   // col_ids i32[N]
                                   .Arg<ffi::AnyBuffer>()   // segment_ids i32[N]
@@ -485,6 +486,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxSpmm, sparsejax::SpmmHandler,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparsejaxSegmentMax, sparsejax::SegMaxHandler,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // XLA's intra-op pool
                                   .Arg<ffi::AnyBuffer>()   // values f32[N]
                                   .Arg<ffi::AnyBuffer>()   // col_ids i32[N]
                                   .Arg<ffi::AnyBuffer>()   // segment_ids i32[N]

@@ -12,8 +12,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -238,9 +241,67 @@ class WorkerPool {
   std::atomic<uint64_t> generation_{0};
 };
 
+thread_local Executor* tls_executor = nullptr;
+
+// Whether kernels run on the Executor of their FFI call (XLA's intra-op pool):
+// $SPARSEJAX_CPU_POOL=xla; by default ("own") they run on this file's pool. Measured on
+// the 2-CPU VM (experiments/RESULTS.md, issue 26): the same train step on either, and
+// with PyTorch's pool alive in the process ours kept the embedding-bag forward at
+// 1.03-1.04x torch's where XLA's fell to 0.91x (its idle threads stay runnable longer).
+bool ExecutorsAllowed() {
+  const char* v = std::getenv("SPARSEJAX_CPU_POOL");
+  return v != nullptr && std::string(v) == "xla";
+}
+
+// The shares of one ParallelFor on an Executor; shared with its tasks, which may start
+// after the call has returned (they then find no share left and touch nothing else).
+struct ExecutorJob {
+  const std::function<void(int)>* fn;
+  int n;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+  std::atomic<bool> failed{false};
+
+  // Claims and runs shares until none is left.
+  void Work() {
+    for (int t = next.fetch_add(1, std::memory_order_relaxed); t < n;
+         t = next.fetch_add(1, std::memory_order_relaxed)) {
+      try {
+        (*fn)(t);
+      } catch (...) {
+        failed.store(true);
+      }
+      done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+};
+
+// As WorkerPool::TryRun, on `ex`: the caller runs shares too and waits only for the
+// shares other threads have claimed, so a pool whose threads are all busy (or a pool
+// of one, or tasks run inline) never stalls the call.
+void RunOnExecutor(Executor& ex, int n, const std::function<void(int)>& fn) {
+  auto job = std::make_shared<ExecutorJob>();
+  job->fn = &fn;
+  job->n = n;
+  const int64_t helpers = std::min<int64_t>(n - 1, std::max<int64_t>(ex.NumThreads(), 1));
+  for (int64_t h = 0; h < helpers && job->next.load(std::memory_order_relaxed) < n; ++h) {
+    ex.Schedule([job] { job->Work(); });
+  }
+  job->Work();
+  auto all_done = [&] { return job->done.load(std::memory_order_acquire) == n; };
+  while (!SpinUntil(all_done, std::chrono::milliseconds(1))) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  if (job->failed.load()) throw std::runtime_error("worker thread failed");
+}
+
 void ParallelFor(int n, const std::function<void(int)>& fn) {
   if (n <= 1) {
     fn(0);
+    return;
+  }
+  if (tls_executor != nullptr && ExecutorsAllowed()) {
+    RunOnExecutor(*tls_executor, n, fn);
     return;
   }
   if (WorkerPool::Get().TryRun(n, fn)) return;
@@ -248,6 +309,12 @@ void ParallelFor(int n, const std::function<void(int)>& fn) {
 }
 
 }  // namespace
+
+ScopedExecutor::ScopedExecutor(Executor* executor) : saved_(tls_executor) {
+  tls_executor = executor;
+}
+
+ScopedExecutor::~ScopedExecutor() { tls_executor = saved_; }
 
 // CPUs this process may run on (its affinity mask: taskset, cgroup cpusets), read once.
 int AvailableCpus() {

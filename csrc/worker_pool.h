@@ -6,6 +6,9 @@
 // for tiny inputs). Results never depend on the thread count: every loop below hands
 // out disjoint chunks, and each chunk is computed the same way on whichever thread.
 //
+// With $SPARSEJAX_CPU_POOL=xla, the loops of an XLA FFI call run on XLA's own intra-op
+// pool instead (see Executor).
+//
 // The pool shares the machine with other thread pools (PyTorch's OpenMP team, XLA's,
 // data loaders): idle workers spin briefly ($SPARSEJAX_CPU_SPIN_US, default 400) and
 // then sleep, a late worker's share is run by the caller, workers keep off the
@@ -29,6 +32,30 @@ int MaxThreads();
 
 // Number of threads for `work` items: one per $SPARSEJAX_CPU_MIN_PARALLEL items.
 int ThreadsFor(int64_t work);
+
+// A thread pool other than ours that ParallelChunks may run on, e.g. XLA's intra-op pool
+// during an FFI call (common.h XlaPool): its threads are the ones XLA already keeps busy,
+// so a kernel adds no threads of its own that would compete with them for the cores.
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  virtual int64_t NumThreads() const = 0;
+  // Runs task() on some thread of the pool, possibly later, possibly on the caller.
+  virtual void Schedule(std::function<void()> task) = 0;
+};
+
+// While alive, ParallelChunks calls on this thread run on `executor` (nullptr: on ours)
+// when $SPARSEJAX_CPU_POOL=xla (see worker_pool.cc ExecutorsAllowed for the default).
+class ScopedExecutor {
+ public:
+  explicit ScopedExecutor(Executor* executor);
+  ~ScopedExecutor();
+  ScopedExecutor(const ScopedExecutor&) = delete;
+  ScopedExecutor& operator=(const ScopedExecutor&) = delete;
+
+ private:
+  Executor* saved_;
+};
 
 // Runs fn(c) for every chunk c in [0, nchunks) on up to `nthreads` threads (the caller
 // among them) that grab chunks dynamically, so a thread that is slow to run (its core

@@ -308,10 +308,12 @@ def test_cpu_max_kernel_ties_and_threads(monkeypatch):
         dense = rng.standard_normal((300, 8)).astype(np.float32)
         monkeypatch.setenv("SPARSEJAX_CPU_THREADS", "3")
         monkeypatch.setenv("SPARSEJAX_CPU_MIN_PARALLEL", "1")
-        out, arg = kernel(values, col, seg, dense, num_segments=s)
         want, want_arg = ref.segment_max(values, col, seg, dense, s)
-        np.testing.assert_array_equal(np.asarray(arg), want_arg)
-        np.testing.assert_array_equal(np.asarray(out), want)
+        for pool in ("own", "xla"):  # our worker pool, XLA's intra-op pool
+            monkeypatch.setenv("SPARSEJAX_CPU_POOL", pool)
+            out, arg = kernel(values, col, seg, dense, num_segments=s)
+            np.testing.assert_array_equal(np.asarray(arg), want_arg)
+            np.testing.assert_array_equal(np.asarray(out), want)
 
 
 # ------------------------------------------------------------------ Pallas forward kernel

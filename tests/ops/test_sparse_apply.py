@@ -449,9 +449,11 @@ def test_cpu_kernel_threads_bit_identical(monkeypatch):
         table, ids, seg, coef, grad = _junk_apply_inputs(rng, v, d, s, n, np.float32)
         slots = ref.random_slots(opt, v, d, rng)
         outs = []
-        for threads in ["1", "2", "5"]:
+        # pool "xla": the threads of XLA's intra-op pool (the FFI call's), else ours
+        for threads, pool in [("1", "own"), ("2", "own"), ("5", "own"), ("2", "xla"), ("5", "xla")]:
             monkeypatch.setenv("SPARSEJAX_CPU_THREADS", threads)
             monkeypatch.setenv("SPARSEJAX_CPU_MIN_PARALLEL", "1")
+            monkeypatch.setenv("SPARSEJAX_CPU_POOL", pool)
             if threads == "1":
                 outs.append(_check_cpu(opt, table, slots, ids, seg, coef, grad, STEP)[:2])
             else:
