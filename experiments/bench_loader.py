@@ -7,6 +7,7 @@ synthetic generator's loader (what `sparsejax train configs/dlrm_synthetic_1m.ya
 reads today), measured in the same run:
 
   synthetic           Loader(SyntheticCriteo): generate + pack + put
+  ..., 2 workers      the same with Loader(workers=2): two threads make batches
   criteo tsv          Loader(FileSource(Criteo TSV, hash ids into the tables)), streamed
                       with a shuffle window of 65,536 rows: parse + map + pack + put
   prepared            Loader(PreparedData) of --rows generated rows (`sparsejax data`),
@@ -33,7 +34,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-CASES = ("synthetic", "criteo tsv", "prepared", "prepared, in order", "prepared criteo")
+CASES = (
+    "synthetic",
+    "synthetic, 2 workers",
+    "criteo tsv",
+    "prepared",
+    "prepared, 2 workers",
+    "prepared, in order",
+    "prepared criteo",
+)
 
 
 def log(msg: str) -> None:
@@ -95,8 +104,8 @@ def child(args) -> None:
     from sparsejax import data as sd
 
     cfg, bundle, maps = _data()
-    case = args.child
-    kw = dict(device_put=True, prefetch=4, epochs=None, shuffle_buffer=1 << 16)
+    case, workers = args.child.removesuffix(", 2 workers"), 2 if "2 workers" in args.child else 1
+    kw = dict(device_put=True, prefetch=4, epochs=None, shuffle_buffer=1 << 16, workers=workers)
     if case == "synthetic":
         source = bundle.train_source
     elif case == "criteo tsv":

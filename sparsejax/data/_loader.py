@@ -7,13 +7,15 @@ files larger than memory, read with a bounded shuffle buffer and resumable mid-f
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import jax
@@ -302,6 +304,27 @@ def _produce(items: Iterator[tuple[LoaderPosition, Any]], q: queue.Queue, stop: 
         put(_END)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         put(_Failure(exc))
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()  # a generator's `finally` (its worker threads) runs now, in this thread
+
+
+def _ordered_map(fn: Callable, args: Iterable[tuple], workers: int, ahead: int) -> Iterator:
+    """`fn(*a)` for every `a` of `args`, in order, computed by `workers` threads at most
+    `ahead` calls ahead of the consumer. A call's exception is raised in its turn."""
+    with ThreadPoolExecutor(workers, thread_name_prefix="sparsejax-loader") as pool:
+        pending: collections.deque = collections.deque()
+        try:
+            for a in args:
+                pending.append(pool.submit(fn, *a))
+                if len(pending) >= ahead:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 class Loader:
@@ -326,6 +349,11 @@ class Loader:
         `prefetch` batches. Chunks are parsed (and the source's `transform` applied) in
         the background thread. Batches do not span epochs; the last one is padded or
         dropped as for `Examples`.
+
+    `workers` > 1 makes the batches of an `Examples`, prepared or generated source on that
+    many threads (in order, each batch the same as with one: a batch depends only on its
+    index), for the hosts where one thread cannot keep up with the device; numpy, the
+    C++ parser and the device transfers release the GIL. A stream is read by one thread.
 
     Resuming: `position` is the next batch to be yielded (`LoaderPosition`); a loader
     constructed with that position yields bit-identical batches to the ones the
@@ -354,9 +382,12 @@ class Loader:
         device_put: bool | jax.Device | jax.sharding.Sharding = False,
         position: LoaderPosition | Mapping[str, Any] | None = None,
         shuffle_buffer: int = 1 << 16,
+        workers: int = 1,
     ):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         if epochs is not None and epochs < 0:
             raise ValueError(f"epochs must be >= 0 or None, got {epochs}")
         if isinstance(position, Mapping):
@@ -372,6 +403,7 @@ class Loader:
         if shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
         self.shuffle_buffer = shuffle_buffer
+        self.workers = workers
         self.streaming = False
         b = packer.batch_size
         self.prepared = callable(getattr(source, "batch_rows", None))
@@ -437,16 +469,33 @@ class Loader:
                 return LoaderPosition(epoch=epoch + 1, batch=0)
             return LoaderPosition(epoch=epoch, batch=b + 1)
 
-        return (
-            (after(epoch, b), make(epoch, b))
-            for epoch, b in _schedule(self._position, self.epochs, per_epoch)
+        schedule = _schedule(self._position, self.epochs, per_epoch)
+        if self.workers == 1:
+            return ((after(epoch, b), make(epoch, b)) for epoch, b in schedule)
+        return _ordered_map(
+            lambda epoch, b: (after(epoch, b), make(epoch, b)),
+            schedule,
+            self.workers,
+            ahead=self.workers + self.prefetch,
         )
 
     def _make(self) -> Callable[[int, int], Any]:
         source, packer, target = self.source, self.packer, self.device_put
         shuffle, seed, bs = self.shuffle, self.seed, packer.batch_size
         endless = self.batches_per_epoch is None
-        cache: dict[int, np.ndarray] = {}
+        orders: dict[int, np.ndarray] = {}  # of the last epochs, shared by the workers
+        lock = threading.Lock()
+
+        def epoch_order(epoch: int) -> np.ndarray:
+            with lock:
+                order = orders.get(epoch)
+            if order is None:
+                order = _epoch_order(len(source), shuffle, seed, epoch)
+                with lock:
+                    if len(orders) >= 2:
+                        orders.pop(min(orders))
+                    orders[epoch] = order
+            return order
 
         if self.prepared:
             share = getattr(packer, "share_of", None)  # one process's share of the batch
@@ -473,10 +522,8 @@ class Loader:
             if endless:
                 sparse, labels, dense = source.batch(index, bs)
             else:
-                if epoch not in cache:
-                    cache.clear()
-                    cache[epoch] = _epoch_order(len(source), shuffle, seed, epoch)
-                sparse, labels, dense = source.take(cache[epoch][index * bs : (index + 1) * bs])
+                order = epoch_order(epoch)
+                sparse, labels, dense = source.take(order[index * bs : (index + 1) * bs])
             return _ship(packer, sparse, labels, dense, index * bs, target)
 
         return make

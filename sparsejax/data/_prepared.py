@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import shutil
+import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -360,6 +361,7 @@ class PreparedData:
         self._verified = np.zeros(self._groups, bool)
         self._all_verified = False
         self._windows: dict = {}
+        self._lock = threading.Lock()  # the loader's worker threads share the windows
 
     def __len__(self) -> int:
         return self.rows
@@ -500,17 +502,16 @@ class PreparedData:
         return np.random.default_rng([seed, epoch, 0x5EED]).permutation(self._groups)
 
     def _window_starts(self, epoch: int, seed: int, per: int) -> np.ndarray:
-        key = ("starts", epoch, seed, per)
-        if key not in self._windows:
+        def build():
             order = self._group_order(epoch, seed)
             sizes = np.minimum(self.row_group, self.rows - order * self.row_group)
             sums = np.add.reduceat(sizes, np.arange(0, order.shape[0], per))
-            self._keep(key, np.concatenate([[0], np.cumsum(sums)]).astype(np.int64))
-        return self._windows[key]
+            return np.concatenate([[0], np.cumsum(sums)]).astype(np.int64)
+
+        return self._kept(("starts", epoch, seed, per), build)
 
     def _window(self, epoch: int, seed: int, per: int, w: int) -> np.ndarray:
-        key = ("rows", epoch, seed, per, w)
-        if key not in self._windows:
+        def build():
             groups = self._group_order(epoch, seed)[w * per : (w + 1) * per]
             rows = np.concatenate(
                 [
@@ -518,13 +519,22 @@ class PreparedData:
                     for g in groups
                 ]
             )
-            self._keep(key, np.random.default_rng([seed, epoch, w]).permutation(rows))
-        return self._windows[key]
+            return np.random.default_rng([seed, epoch, w]).permutation(rows)
 
-    def _keep(self, key, value) -> None:
-        if len(self._windows) >= 8:  # a batch spans at most two windows of an epoch
-            self._windows.pop(next(iter(self._windows)))
-        self._windows[key] = value
+        return self._kept(("rows", epoch, seed, per, w), build)
+
+    def _kept(self, key, build):
+        """`build()`, kept among the last 8 (a batch spans at most two windows of an
+        epoch; the loader's worker threads each hold one or two)."""
+        with self._lock:
+            value = self._windows.get(key)
+        if value is None:
+            value = build()
+            with self._lock:
+                if len(self._windows) >= 8:
+                    self._windows.pop(next(iter(self._windows)))
+                self._windows[key] = value
+        return value
 
     def verify(self, rows: np.ndarray | None = None) -> None:
         """Check the crc32 of every row group that `rows` touch (all: None), once each."""

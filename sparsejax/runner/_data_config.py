@@ -204,6 +204,10 @@ class DataConfig:
     """synthetic/behavior: batches in the held-out eval set."""
     shuffle: bool = True
     prefetch: int = 4
+    workers: int = 1
+    """Threads that make the train batches (generated, in-memory or prepared data; a
+    stream is read by one): more where one host thread cannot keep up with the device.
+    The batches are the same for any count."""
     stream: bool = False
     """File data: read the train files chunk by chunk while training, in the loader's
     background thread (files larger than memory train with bounded memory; each process
@@ -307,7 +311,7 @@ def check_data_config(d: DataConfig) -> None:
             j, "indicator_bags", _bags(j.indicator_bags, f"data.joins[{i}].indicator_bags")
         )
 
-    for f in ("batch_size", "eval_batches", "min_count", "max_vocab", "prefetch"):
+    for f in ("batch_size", "eval_batches", "min_count", "max_vocab", "prefetch", "workers"):
         if getattr(d, f) < 1:
             raise ConfigError(f"data.{f} must be >= 1, got {getattr(d, f)}")
     if d.eval_batch_size is not None and d.eval_batch_size < 1:

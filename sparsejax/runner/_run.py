@@ -311,7 +311,8 @@ def run_evaluator(run: Run) -> Callable[[TrainState], dict]:
 
 
 def train_loader(run: Run, *, epochs: int | None, position: dict | None = None) -> Loader:
-    """The run's train batches as its config says (shuffle, prefetch), from `position`."""
+    """The run's train batches as its config says (shuffle, prefetch, workers), from
+    `position`."""
     cfg = run.cfg
     return Loader(
         run.data.train_source,
@@ -321,6 +322,7 @@ def train_loader(run: Run, *, epochs: int | None, position: dict | None = None) 
         epochs=epochs,
         prefetch=cfg.data.prefetch,
         shuffle_buffer=cfg.data.shuffle_buffer,
+        workers=cfg.data.workers,
         # tiered tables: the host maps the raw int64 ids to cache slots first;
         # host-executed tables: the host looks their ids up; tables placed on a mesh:
         # the trainer splits the host batch per device

@@ -37,6 +37,7 @@ RESUMABLE_KEYS = (
     "checkpoint_full_every",
     "progress",
     "data.prefetch",
+    "data.workers",
     "profile_steps",
     "sharding.devices",
     "sharding.model",

@@ -232,7 +232,8 @@ class RunConfig:
     resume: bool = True
     """Continue from the run directory's latest checkpoint if there is one. The
     resumable keys (steps, epochs, log_every, eval_every, checkpoint_every,
-    keep_checkpoints, checkpoint_full_every, progress, data.prefetch, the sharding keys
+    keep_checkpoints, checkpoint_full_every, progress, data.prefetch, data.workers, the
+    sharding keys
     (a checkpoint restores on any mesh), a table's placement, and a tiered table's
     cache_rows, cache_policy, ram_bytes, disk_dir) may change between runs of one run
     directory (each change is logged in run.json); any other change is refused."""

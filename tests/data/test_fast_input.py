@@ -3,7 +3,8 @@ Criteo parser against the numpy one (values, kept lines and named errors), and b
 shipped as one id matrix and unpacked on the device against `BatchPacker.pack` put
 with `jax.device_put`, for in-memory examples, streamed files (windows of both kinds,
 batches across them) and the synthetic generator; an id outside its table still gets
-the packer's named error."""
+the packer's named error. Worker threads make the same batches, resume exactly, stop
+when closed and pass a batch's error on in its turn."""
 
 import random
 
@@ -217,3 +218,72 @@ def test_an_id_outside_its_table_still_names_the_feature(tmp_path):
         data.Loader(_two_feature_stream(path), packer, device_put=True) as loader,
     ):
         list(loader)
+
+
+def _one_id_examples(n: int, seed: int = 0, bad_at: int | None = None) -> data.Examples:
+    rng = np.random.default_rng(seed)
+    ones = np.ones(n, np.int32)
+    b = rng.integers(0, 9, n)
+    if bad_at is not None:
+        b[bad_at] = 9  # outside table b
+    return data.Examples(
+        labels=rng.integers(0, 2, n).astype(np.float32),
+        dense=rng.random((n, 3), np.float32),
+        sparse={
+            "a": data.JaggedIds(lengths=ones, values=rng.integers(0, 40, n)),
+            "b": data.JaggedIds(lengths=ones, values=b),
+        },
+    )
+
+
+@pytest.mark.parametrize("put", [False, True])
+def test_worker_threads_make_the_same_batches(tmp_path, put):
+    tables, features = _specs()
+    packer = data.BatchPacker(tables, features, batch_size=8, num_dense=3)
+    ex = _one_id_examples(30)  # 4 batches an epoch, the last one partial
+    prepared = data.write_prepared(tmp_path / "p", ex, tables, features, row_group=8)
+    gen = data.SyntheticCriteo(num_dense=3, vocab_sizes=(40, 9), seed=4)
+    gen_packer = data.BatchPacker(*gen.specs(dim=4), batch_size=8, num_dense=3)
+    for source, pk, kw in (
+        (ex, packer, dict(epochs=3)),
+        (prepared, packer, dict(epochs=3, shuffle_buffer=16)),
+        (gen, gen_packer, dict(epochs=None)),
+    ):
+        runs = []
+        for workers in (1, 3):
+            with data.Loader(source, pk, seed=2, device_put=put, workers=workers, **kw) as ld:
+                runs.append([next(ld) for _ in range(10)] if kw["epochs"] is None else list(ld))
+        _assert_same(runs[1], runs[0])
+
+
+def test_worker_threads_resume_exactly_and_stop_cleanly():
+    tables, features = _specs()
+    packer = data.BatchPacker(tables, features, batch_size=8, num_dense=3)
+    ex = _one_id_examples(30)
+    with data.Loader(ex, packer, seed=1, epochs=3, workers=3) as loader:
+        first = [next(loader) for _ in range(5)]
+        position = loader.position
+        rest = list(loader)
+    with data.Loader(ex, packer, seed=1, epochs=3, workers=3, position=position) as loader:
+        _assert_same(list(loader), rest)
+    loader = data.Loader(ex, packer, seed=1, epochs=None, workers=3)
+    _assert_same([next(loader) for _ in range(5)], first)
+    thread = loader._thread
+    loader.close()  # mid-epoch, the workers busy ahead of the consumer
+    assert thread is not None and not thread.is_alive()
+
+
+def test_a_failing_worker_stops_the_loader_with_the_packers_error():
+    tables, features = _specs()
+    packer = data.BatchPacker(tables, features, batch_size=8, num_dense=3)
+    ex = _one_id_examples(64, bad_at=50)  # batch 6
+    got = []
+    with (
+        pytest.raises(ValueError, match=r"feature 'b'.*example 50"),
+        data.Loader(ex, packer, shuffle=False, workers=3) as loader,
+    ):
+        for batch in loader:
+            got.append(batch)
+    assert len(got) == 6
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        data.Loader(ex, packer, workers=0)
