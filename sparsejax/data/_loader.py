@@ -483,19 +483,10 @@ class Loader:
         source, packer, target = self.source, self.packer, self.device_put
         shuffle, seed, bs = self.shuffle, self.seed, packer.batch_size
         endless = self.batches_per_epoch is None
-        orders: dict[int, np.ndarray] = {}  # of the last epochs, shared by the workers
-        lock = threading.Lock()
+        orders = BoundedCache(2)  # of the last epochs the workers are in
 
         def epoch_order(epoch: int) -> np.ndarray:
-            with lock:
-                order = orders.get(epoch)
-            if order is None:
-                order = _epoch_order(len(source), shuffle, seed, epoch)
-                with lock:
-                    if len(orders) >= 2:
-                        orders.pop(min(orders))
-                    orders[epoch] = order
-            return order
+            return orders.get(epoch, lambda: _epoch_order(len(source), shuffle, seed, epoch))
 
         if self.prepared:
             share = getattr(packer, "share_of", None)  # one process's share of the batch
@@ -598,14 +589,27 @@ def ragged_source(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total) + np.repeat(starts - (ends - lengths), lengths)
 
 
-def _cached(cache: dict, key, build):
-    """`cache[key]`, built by `build()` on a miss; the oldest of more than 64 entries go."""
-    value = cache.get(key)
-    if value is None:
-        value = cache[key] = build()
-        if len(cache) > 64:
-            cache.pop(next(iter(cache)))
-    return value
+class BoundedCache:
+    """The last `limit` values built, by key; thread-safe (the loader's worker threads
+    share them). A value may be built twice by two threads at once, never wrong: every
+    `build` of a key gives the same value."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._values: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key, build: Callable[[], Any]):
+        """`build()`'s value for `key`, built on a miss; the oldest entries make room."""
+        with self._lock:
+            value = self._values.get(key)
+        if value is None:
+            value = build()
+            with self._lock:
+                while len(self._values) >= self.limit:
+                    self._values.pop(next(iter(self._values)))
+                self._values[key] = value
+        return value
 
 
 def _to_device(batch, target):
@@ -616,7 +620,7 @@ def _to_device(batch, target):
     return batch
 
 
-_UNFLATTEN: dict = {}
+_UNFLATTEN = BoundedCache(64)
 
 
 def _put_default(batch):
@@ -649,7 +653,7 @@ def _put_default(batch):
 
         return jax.jit(unflatten)
 
-    fn = _cached(_UNFLATTEN, sig, build)
+    fn = _UNFLATTEN.get(sig, build)
     flats = [np.concatenate([leaves[i].ravel() for i in idx]) for idx in groups.values()]
     return fn(*jax.device_put(flats))
 
@@ -684,7 +688,7 @@ def _put_compact(packer: BatchPacker, ids: np.ndarray, labels: np.ndarray, dense
         mask = jax.device_put((np.arange(b) < n).astype(np.float32))
         return jax.jit(split), segments, mask
 
-    split, segments, mask = _cached(_UNPACK, key, build)
+    split, segments, mask = _UNPACK.get(key, build)
     cols, labels, dense = split(
         *jax.device_put((ids, labels.astype(np.float32, copy=False), dense))
     )
@@ -695,7 +699,7 @@ def _put_compact(packer: BatchPacker, ids: np.ndarray, labels: np.ndarray, dense
     return SparseBatch(features=features, dense=dense, labels=labels, mask=mask)
 
 
-_UNPACK: dict = {}
+_UNPACK = BoundedCache(64)
 
 
 def _concat_host(parts: list[HostBatch]) -> HostBatch:

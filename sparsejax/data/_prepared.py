@@ -29,7 +29,6 @@ import functools
 import json
 import os
 import shutil
-import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -38,7 +37,7 @@ import numpy as np
 
 from ..embedding import FeatureSpec, TableSpec
 from ._batch import JaggedIds
-from ._loader import Examples, HostBatch, ragged_source
+from ._loader import BoundedCache, Examples, HostBatch, ragged_source
 
 MANIFEST = "prepared.json"
 FORMAT = "sparsejax-prepared"
@@ -360,8 +359,8 @@ class PreparedData:
         self._groups = -(-self.rows // self.row_group)
         self._verified = np.zeros(self._groups, bool)
         self._all_verified = False
-        self._windows: dict = {}
-        self._lock = threading.Lock()  # the loader's worker threads share the windows
+        # a batch spans at most two windows of an epoch; the loader's workers a few more
+        self._windows = BoundedCache(8)
 
     def __len__(self) -> int:
         return self.rows
@@ -508,7 +507,7 @@ class PreparedData:
             sums = np.add.reduceat(sizes, np.arange(0, order.shape[0], per))
             return np.concatenate([[0], np.cumsum(sums)]).astype(np.int64)
 
-        return self._kept(("starts", epoch, seed, per), build)
+        return self._windows.get(("starts", epoch, seed, per), build)
 
     def _window(self, epoch: int, seed: int, per: int, w: int) -> np.ndarray:
         def build():
@@ -521,20 +520,7 @@ class PreparedData:
             )
             return np.random.default_rng([seed, epoch, w]).permutation(rows)
 
-        return self._kept(("rows", epoch, seed, per, w), build)
-
-    def _kept(self, key, build):
-        """`build()`, kept among the last 8 (a batch spans at most two windows of an
-        epoch; the loader's worker threads each hold one or two)."""
-        with self._lock:
-            value = self._windows.get(key)
-        if value is None:
-            value = build()
-            with self._lock:
-                if len(self._windows) >= 8:
-                    self._windows.pop(next(iter(self._windows)))
-                self._windows[key] = value
-        return value
+        return self._windows.get(("rows", epoch, seed, per, w), build)
 
     def verify(self, rows: np.ndarray | None = None) -> None:
         """Check the crc32 of every row group that `rows` touch (all: None), once each."""
