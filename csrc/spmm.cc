@@ -136,22 +136,33 @@ void ZeroRows(T* out, int64_t s_begin, int64_t s_end, int64_t d) {
 // not 64-byte aligned. Unlike PrefetchBytes, no per-row alignment arithmetic or
 // variable trip count: with a compile-time d this is a few straight-line prefetches.
 // (A function, not a lambda: with a lambda here GCC 12 emitted no prefetches at all.)
-template <typename T>
+// kLocality: __builtin_prefetch's (3: into L1, 1: into L2).
+template <typename T, int kLocality = 3>
 SJ_INLINE void PrefetchRow(const T* dense, int64_t d, int32_t c, uint32_t k_rows,
                            bool aligned) {
   if (static_cast<uint32_t>(c) >= k_rows) return;
   const char* row = reinterpret_cast<const char*>(dense + static_cast<int64_t>(c) * d);
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-  for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 3);
-  if (!aligned) __builtin_prefetch(row + row_bytes - 1, 0, 3);
+  for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, kLocality);
+  if (!aligned) __builtin_prefetch(row + row_bytes - 1, 0, kLocality);
 }
 
-// Rows the spmm gather prefetches ahead: ~12 KiB of rows, 16 to 64 rows. For D=64
-// f32, 48 rows measured best on AMD EPYC (16 rows reached ~2/3 of the bandwidth).
+
+// Rows the spmm gather prefetches ahead into L1: ~12 KiB of rows, 16 to 64 rows. For
+// D=64 f32, 48 rows measured best on AMD EPYC (16 rows reached ~2/3 of the bandwidth).
 template <typename T>
 constexpr int64_t SpmmPrefetchRows(int64_t d) {
   const int64_t rows = (int64_t{12} << 10) / std::max<int64_t>(d * sizeof(T), 1);
   return std::min<int64_t>(64, std::max<int64_t>(16, rows));
+}
+
+// Rows prefetched further ahead into L2 only (4x the L1 distance): L1 holds few misses in
+// flight, L2 many more, so the far rows are on their way while L1's are being used.
+// D=64 f32 on the AMD EPYC VM: 1.06 -> 0.51-0.60 ms a forward of 53k lookups (from 48%
+// to 93-100% of the copy bandwidth; experiments/RESULTS.md, issue 26).
+template <typename T>
+constexpr int64_t SpmmFarRows(int64_t d) {
+  return 4 * SpmmPrefetchRows<T>(d);
 }
 
 // Sorted fast path over one chunk: entries [k_begin, k_end) own output rows
@@ -177,9 +188,13 @@ SJ_INLINE bool SpmmSortedRangeBody(const Entries& e, const T* SJ_RESTRICT dense,
   // Negative ids wrap to large unsigned values: one compare each checks validity.
   const uint32_t k_rows = static_cast<uint32_t>(e.k), n_seg = static_cast<uint32_t>(e.s);
   const int64_t dist = SpmmPrefetchRows<T>(d);
+  const int64_t far = SpmmFarRows<T>(d);
   const bool aligned = (reinterpret_cast<uintptr_t>(dense) | (d * sizeof(T))) % 64 == 0;
   for (int64_t p = k_begin; p < std::min<int64_t>(k_end, k_begin + dist); ++p) {
     PrefetchRow(dense, d, col[p], k_rows, aligned);
+  }
+  for (int64_t p = k_begin + dist; p < std::min<int64_t>(k_end, k_begin + far); ++p) {
+    PrefetchRow<T, 1>(dense, d, col[p], k_rows, aligned);
   }
   int64_t next_zero = s_begin;  // rows [s_begin, next_zero) are written
   int64_t i = k_begin;
@@ -187,6 +202,7 @@ SJ_INLINE bool SpmmSortedRangeBody(const Entries& e, const T* SJ_RESTRICT dense,
     uint32_t g = 0;  // the segment of the next valid entry
     for (; i < k_end; ++i) {
       if (i + dist < k_end) PrefetchRow(dense, d, col[i + dist], k_rows, aligned);
+      if (i + far < k_end) PrefetchRow<T, 1>(dense, d, col[i + far], k_rows, aligned);
       g = static_cast<uint32_t>(seg[i]);
       if (static_cast<uint32_t>(col[i]) < k_rows && g < n_seg) break;
     }
@@ -196,6 +212,7 @@ SJ_INLINE bool SpmmSortedRangeBody(const Entries& e, const T* SJ_RESTRICT dense,
     for (int64_t j = 0; j < d; ++j) acc[j] = 0.0f;
     for (; i < k_end; ++i) {
       if (i + dist < k_end) PrefetchRow(dense, d, col[i + dist], k_rows, aligned);
+      if (i + far < k_end) PrefetchRow<T, 1>(dense, d, col[i + far], k_rows, aligned);
       const uint32_t c = static_cast<uint32_t>(col[i]), s = static_cast<uint32_t>(seg[i]);
       if (c >= k_rows || s >= n_seg) continue;
       if (s != g) break;
