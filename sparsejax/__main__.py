@@ -27,7 +27,7 @@
         write a self-contained model dir for serving (tables, id maps, preprocessing);
         an unreadable newest checkpoint is refused unless --step names the one to export
     sparsejax serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]
-                    [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 10]
+                    [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 2]
         serve it over HTTP: /v1/predict, /v1/retrieve, /healthz, /metrics
 
 Configs layer left to right, then the overrides, e.g.
@@ -492,8 +492,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     sv.add_argument(
         "--poll-seconds",
         type=float,
-        default=10.0,
-        help="how often to look for a new model version (default 10; 0: never)",
+        default=2.0,
+        help="how often to look for a new model version or delta (default 2; 0: never)",
     )
     sv.set_defaults(fn=_serve)
     for name, p in sub.choices.items():  # (also when a subparser parses alone: main)

@@ -25,6 +25,7 @@ from ._data import DataBundle, build_data, first_train_batch
 from ._knobs import build_trainer, run_knobs
 from ._lock import LOCK_NAME, RunLock, RunLockedError
 from ._model import model_warnings
+from ._publish import PublishHook
 from ._report import (
     Console,
     MetricsLog,
@@ -380,6 +381,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
     board = tensorboard_log(cfg.run_dir, start, log) if primary else None  # RUN/tensorboard/
     reports = [r for r in (metrics_log, board, console) if r is not None] if primary else []
     windows = _profile_window(run, log)
+    publish = [PublishHook(run, log)] if cfg.publish is not None else []
     try:
         result = fit(
             run.trainer,
@@ -393,7 +395,7 @@ def train_run(run: Run, *, log: Callable[[str], None] = print) -> dict:
             data_position=_data_position(loader),
             checkpoint_extra={"config": to_dict(cfg), "config_sha256": config_hash(cfg)},
             log_every=cfg.log_every,
-            hooks=[*reports, knobs, *windows],
+            hooks=[*reports, knobs, *windows, *publish],
             evaluate=run_evaluator(run),
             log_window=run.log_window,
         )

@@ -39,6 +39,7 @@ RESUMABLE_KEYS = (
     "data.prefetch",
     "data.workers",
     "profile_steps",
+    "publish",
     "sharding.devices",
     "sharding.model",
     "sharding.device_memory",
@@ -61,7 +62,7 @@ _WHERE_KEYS = ("name", "out_dir", "resume")  # where a run lives and whether to 
 def _resumable(key: str, old: Any = None, new: Any = None) -> bool:
     """Whether a change of `key` from `old` to `new` may resume (see `RESUMABLE_KEYS`,
     `RESUMABLE_TABLE_KEYS`)."""
-    if key in RESUMABLE_KEYS:
+    if key in RESUMABLE_KEYS or key.startswith("publish."):
         return True
     parts = key.split(".")
     if len(parts) != 3 or parts[0] != "tables" or parts[2] not in RESUMABLE_TABLE_KEYS:

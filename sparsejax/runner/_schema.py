@@ -194,6 +194,33 @@ class ShardingConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PublishConfig:
+    """Publish the model while it trains, for `sparsejax serve DIR` to follow
+    (`publish`): a full model dir into `dir` at the first step and every `full_every_s`
+    seconds, and between them a delta every `every_s` seconds: the table rows changed
+    since the version before and the dense parameters, which the server applies in
+    place (see `sparsejax.serving.Publisher`). Runs with dynamic tables publish full
+    model dirs only. One-process runs."""
+
+    dir: str
+    """The publish folder (`DIR/<v>/` full model dirs, `DIR/<v>.delta/` deltas)."""
+    every_s: float = 5.0
+    """Seconds between publishes (checked after each step)."""
+    full_every_s: float | None = 3600.0
+    """Seconds between full model dirs (null: only the first)."""
+    quantize: Literal["fp32", "fp16", "bf16", "int8", "int4"] = "fp32"
+    """Table storage of the published model (as `sparsejax export --quantize`)."""
+    kernels: Literal["xla", "native"] = "xla"
+    """As `sparsejax export --kernels`."""
+
+    def __post_init__(self):
+        if not self.every_s > 0:
+            raise ValueError(f"`every_s` must be > 0, got {self.every_s!r}")
+        if self.full_every_s is not None and not self.full_every_s > 0:
+            raise ValueError(f"`full_every_s` must be > 0 or null, got {self.full_every_s!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "default"
     """Run directory name under out_dir. A run directory belongs to one config: running
@@ -259,6 +286,9 @@ class RunConfig:
     and write `RUN/profile_steps_<first>/` (the trace, and summary.txt/json with the
     device time per part, as `sparsejax profile` splits it); null: off. Not with
     dynamic or host-cached tables."""
+    publish: PublishConfig | None = None
+    """Publish the model for serving while training (see `PublishConfig`), e.g.
+    `{dir: models/ctr, every_s: 5}`; null: off."""
 
     def __post_init__(self):
         check_range("seed", self.seed, ">=0")

@@ -10,9 +10,14 @@ raw feature values, serve it over HTTP with dynamic batching.
 - `make_app` / `serve` (`sparsejax serve MODEL_DIR`, the `[serve]` extra): the aiohttp
   server; imported on first use, so the rest works without aiohttp.
 - `InferenceTableStore`: the read-only (quantized) table store the exported models use.
+- `Publisher`: a training run publishes full model dirs and, between them, deltas (the
+  rows changed since the version before) that `Predictor.with_delta` and the server
+  apply in place (`_delta`).
 """
 
 from ._batching import DynamicBatcher as DynamicBatcher
+from ._delta import DeltaError as DeltaError
+from ._delta import Publisher as Publisher
 from ._export import DEFAULT_BUCKETS as DEFAULT_BUCKETS
 from ._export import KERNELS as KERNELS
 from ._export import ExportError as ExportError
@@ -20,6 +25,7 @@ from ._export import Preprocessing as Preprocessing
 from ._export import check_export as check_export
 from ._export import check_servable as check_servable
 from ._export import export_model as export_model
+from ._export import serving_arguments as serving_arguments
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import ModelLoadError as ModelLoadError
 from ._predictor import Predictor as Predictor

@@ -47,7 +47,7 @@ from ..data import (
     SparseBatch,
     VocabMapping,
 )
-from ..embedding import MAX_STACK_ROWS, FeatureSpec, TableSpec
+from ..embedding import MAX_STACK_ROWS, FeatureSpec, TableSpec, aligned_empty
 from ..embedding.host import layer_table_key
 from ..nn import EMBEDDING, tables_stored_by, trace_layouts
 from ..ops import custom_call_targets
@@ -247,21 +247,23 @@ class _Arg:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
 
-def _write_tables(tmp: str, layouts, full: _Tables, kind: str) -> tuple[dict, dict, dict]:
-    """Every layer's tables in serving form, written shard by shard: each block of rows
-    this process holds is quantized on its own (row-wise quantization is per row) and
-    written as a piece of its stack's argument. Returns `({(path, stack, kind): [piece
-    entries]}, table_info, {path: {stack: {kind: _Arg}}})`."""
-    pieces: dict[tuple, list] = {}
-    table_info: dict[str, dict] = {}
-    markers: dict = {}
-    directory = os.path.join(tmp, "arrays")
-    for path, store in layouts.items():
-        shapes = store.abstract_state()
-        markers[path] = {
+def _markers(layouts) -> dict:
+    """`{path: {stack: {kind: _Arg}}}`: every table argument of the serving layouts."""
+    return {
+        path: {
             sname: {k: _Arg(path, sname, k, sd.shape, sd.dtype) for k, sd in arrays.items()}
-            for sname, arrays in shapes.items()
+            for sname, arrays in store.abstract_state().items()
         }
+        for path, store in layouts.items()
+    }
+
+
+def _table_blocks(layouts, full: _Tables, kind: str, table_info: dict):
+    """Every layer's tables in serving form, block by block of the rows this process
+    holds, each block quantized on its own (row-wise quantization is per row): yields
+    `(path, stack, kind, table name, table rows (r0, r1), the stack's offset of the
+    table, array)`; `table_info` gains each table's rows, dim and bytes."""
+    for path, store in layouts.items():
         for sname, stack in store.stacks.items():
             offset = 0
             for t in stack.tables:
@@ -277,19 +279,78 @@ def _write_tables(tmp: str, layouts, full: _Tables, kind: str) -> tuple[dict, di
                     info["fp32_bytes"] += int(block.nbytes)
                     for k, a in quantize_table(block, kind, t.name).items():
                         info["bytes"] += int(a.nbytes)
-                        pieces.setdefault((path, sname, k), []).append(
-                            write_piece(
-                                directory,
-                                f"{layer_key(path)}.{t.name}.{k}.{r0}-{r1}",
-                                a,
-                                rows=[offset + r0, offset + r1],
-                                table=t.name,
-                                table_rows=[r0, r1],
-                            )
-                            | {"process": jax.process_index()}  # the process that wrote it
-                        )
+                        yield path, sname, k, t.name, (r0, r1), offset, a
                 offset += t.vocab_size
-    return pieces, table_info, markers
+
+
+def _write_tables(tmp: str, layouts, full: _Tables, kind: str) -> tuple[dict, dict, dict]:
+    """Every layer's tables in serving form, written shard by shard (`_table_blocks`):
+    each block is a piece of its stack's argument. Returns `({(path, stack, kind):
+    [piece entries]}, table_info, {path: {stack: {kind: _Arg}}})`."""
+    pieces: dict[tuple, list] = {}
+    table_info: dict[str, dict] = {}
+    directory = os.path.join(tmp, "arrays")
+    for path, sname, k, name, (r0, r1), offset, a in _table_blocks(layouts, full, kind, table_info):
+        pieces.setdefault((path, sname, k), []).append(
+            write_piece(
+                directory,
+                f"{layer_key(path)}.{name}.{k}.{r0}-{r1}",
+                a,
+                rows=[offset + r0, offset + r1],
+                table=name,
+                table_rows=[r0, r1],
+            )
+            | {"process": jax.process_index()}  # the process that wrote it
+        )
+    return pieces, table_info, _markers(layouts)
+
+
+def serving_arguments(
+    trainer: Trainer,
+    state: TrainState,
+    *,
+    make_model: Callable[[Sequence[TableSpec]], Any],
+    tables: Sequence[TableSpec],
+    features: Sequence[FeatureSpec],
+    num_dense: int,
+    quantize: str | None = None,
+) -> dict[str, np.ndarray]:
+    """The arguments a model dir of `state` holds (`export_model` with `quantize`), in
+    memory and keyed as its manifest's "arguments": what a delta is cut from. One
+    process, static tables: a dynamic table's serving rows move as keys come and go."""
+    dynamic = [t.name for t in tables if t.dynamic is not None]
+    if dynamic:
+        raise ExportError(
+            f"tables {dynamic} are dynamic: their serving rows change with their keys, so "
+            f"they are published as full exports only"
+        )
+    if jax.process_count() > 1:
+        raise ExportError("serving_arguments runs in one process")
+    kind = storage_kind(quantize)
+    features = tuple(features)
+    full = _full_tables(trainer, state, {t.name: t for t in tables}, features)
+    serving_tables = [serving_spec(t, full.rows[t.name]) for t in tables]
+    model = make_model(serving_tables).clone(implementation="xla")
+    packer = BatchPacker(serving_tables, features, batch_size=1, num_dense=num_dense)
+    with tables_stored_by(InferenceTableStore.factory(kind, "xla")):
+        layouts, _ = trace_layouts(model, _pad_batch(packer))
+    markers = _markers(layouts)
+    values: dict[tuple, np.ndarray] = {}
+    for path, sname, k, _, (r0, r1), offset, a in _table_blocks(layouts, full, kind, {}):
+        arr = values.get((path, sname, k))
+        if arr is None:
+            m = markers[path][sname][k]
+            arr = values[(path, sname, k)] = aligned_empty(m.shape, m.dtype)
+        arr[offset + r0 : offset + r1] = a
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        (jax.device_get(state.params), tables_from_layers(layouts, markers))
+    )
+    return {
+        jax.tree_util.keystr(p): values[(a.path, a.stack, a.kind)]
+        if isinstance(a, _Arg)
+        else np.asarray(a)
+        for p, a in flat
+    }
 
 
 # ---- preprocessing ------------------------------------------------------------------------
@@ -426,6 +487,7 @@ def export_model(
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     kernels: str = "xla",
     overwrite: bool = False,
+    publish: Mapping[str, Any] | None = None,
 ) -> dict:
     """Export a trained model as a model dir (see the module docstring).
 
@@ -447,6 +509,8 @@ def export_model(
       quantize: table storage: fp32 (None), fp16, bf16, int8 or int4 (row-wise).
       buckets: the padded batch sizes compiled at load.
       kernels: "xla" (portable) or "native" (this platform's custom calls).
+      publish: recorded as the manifest's "publish" (`Publisher`: the model id and
+        version that deltas name as their base).
 
     Returns:
       The manifest written (also `out/model.json`), with "check": the exported model's
@@ -589,6 +653,7 @@ def export_model(
             "arguments": arguments,
             "mapping_arrays": write_arrays(os.path.join(tmp, "mappings"), arrays) if first else {},
             "retrieval": retrieval,
+            "publish": None if publish is None else dict(publish),
         }
         manifest["memory"] = {
             "tables_bytes": sum(v["bytes"] for v in table_info.values()),

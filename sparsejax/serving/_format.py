@@ -202,6 +202,18 @@ def _check_coverage(model_dir: str, entry: Mapping, rows: int) -> None:
         )
 
 
+def read_json_manifest(path: str, fmt: str, error: type[Exception]) -> dict:
+    """The JSON object in `path` whose "format" is `fmt`; else `error(one line)`."""
+    try:
+        with open(path) as fh:
+            m = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise error(f"{path} is unreadable: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != fmt:
+        raise error(f"{path} is not a {fmt} manifest")
+    return m
+
+
 def read_manifest(model_dir: str) -> dict:
     """The manifest of `model_dir`, its format and version checked."""
     path = os.path.join(model_dir, MANIFEST)
@@ -212,13 +224,7 @@ def read_manifest(model_dir: str) -> dict:
             f"{model_dir} is not a sparsejax model dir (no {MANIFEST}; write one with "
             f"`sparsejax export RUN_DIR --out {model_dir}`)"
         )
-    try:
-        with open(path) as fh:
-            m = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path} is unreadable: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ModelLoadError(f"{path} is not a {FORMAT} manifest")
+    m = read_json_manifest(path, FORMAT, ModelLoadError)
     version = m.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
         raise ModelLoadError(

@@ -11,9 +11,11 @@ exported computation.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -24,6 +26,7 @@ from .._version import __version__
 from ..data import BatchPacker, Examples
 from ..embedding import FeatureSpec, TableSpec
 from ..ops import cpu_ffi_available
+from ._delta import DeltaError, patched, read_delta
 from ._export import _pad_batch, _scores, batch_arrays
 from ._format import EXAMPLE_REQUEST, ModelLoadError, read_argument, read_array, read_manifest
 from ._preprocess import Preprocessor, RequestError, mapping_from_entry
@@ -102,6 +105,10 @@ class Predictor:
         self._leaves = []
         for e in m["arguments"].values():  # one host array at a time, read in place
             self._leaves.append(_on_device(read_argument(model_dir, e)))
+        publish = m.get("publish") or {}
+        self.model_id = publish.get("model_id")
+        self.created = os.path.getmtime(os.path.join(model_dir, "model.json"))
+        self.base_version = None  # the full version the applied deltas started from
         self._calls = {}
         for b in self.buckets:
             path = os.path.join(model_dir, m["exported"][str(b)])
@@ -135,6 +142,36 @@ class Predictor:
         if warmup:
             p.warmup()
         return p
+
+    def with_delta(self, path: str) -> Predictor:
+        """A predictor of this model with the delta at `path` applied (`_delta`): the
+        arguments it changes are new arrays, the rest (and the compiled computations) are
+        shared, and this predictor is left as it was. A `DeltaError` names a delta for
+        another model or base version, or one that is corrupt or does not fit."""
+        m = read_delta(path)
+        if self.model_id is None or m["model_id"] != self.model_id:
+            raise DeltaError(
+                f"delta {path} is for model {m['model_id']}, this is "
+                f"{self.model_id or 'a model exported without publishing'}"
+            )
+        if str(m["base"]) != self.version:
+            raise DeltaError(
+                f"delta {path} applies to version {m['base']}, this is version {self.version}"
+            )
+        keys = list(self.manifest["arguments"])
+        at = {k: i for i, k in enumerate(keys)}
+        served = {k: (lambda i=i: np.asarray(self._leaves[i])) for k, i in at.items()}
+        new = patched(path, m, served)
+        leaves = list(self._leaves)
+        for k, a in new.items():
+            leaves[at[k]] = _on_device(a)
+        out = copy.copy(self)
+        out._leaves = leaves
+        out.version = str(m["version"])
+        out.created = float(m["created"])
+        out.base_version = self.base_version or self.version
+        out.manifest = {**self.manifest, "source": {**self.manifest["source"], "step": m["step"]}}
+        return out
 
     def _check_layout(self, exp, b: int, path: str) -> None:
         """The exported computation takes this version's batch layout (same leaves,
@@ -175,6 +212,10 @@ class Predictor:
             "buckets": list(self.buckets),
             "features": list(self.preprocessor.fields),
             "source": m["source"],
+            "model_id": self.model_id,
+            "full_version": self.base_version or self.version,
+            "version_created": self.created,
+            "version_age_s": round(time.time() - self.created, 3),
         }
 
     def parse(self, examples: Sequence[Mapping]) -> Examples:

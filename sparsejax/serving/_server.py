@@ -54,6 +54,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from ._batching import BatcherClosedError, DynamicBatcher
+from ._delta import DeltaError, delta_dirs
 from ._predictor import ModelLoadError, Predictor, RequestError
 
 __all__ = ["ModelServer", "make_app", "serve", "SERVER_KEY"]
@@ -154,6 +155,12 @@ def _candidates(source: str) -> list[str]:
     return [os.path.join(source, n) for _, n in reversed(versions)]
 
 
+def _age(predictor: Any) -> float | None:
+    """Seconds since the served version was published (None: unknown)."""
+    created = getattr(predictor, "created", None)
+    return None if created is None else round(time.time() - created, 3)
+
+
 def _signature(model_dir: str) -> tuple | None:
     """What changes when a model dir's files are replaced: name, size and mtime of each
     entry (and of the dir). None if it cannot be read."""
@@ -227,6 +234,19 @@ class _Metrics:
         )
         self.reloads.labels("success")
         self.reloads.labels("failure")
+        self.deltas = prom.Counter(
+            "sparsejax_model_deltas",
+            "Published deltas, by result (applied, refused)",
+            ["result"],
+            registry=r,
+        )
+        self.deltas.labels("applied")
+        self.deltas.labels("refused")
+        self.version_created = prom.Gauge(
+            "sparsejax_model_version_created_seconds",
+            "When the served version was published (Unix time; its age is now minus this)",
+            registry=r,
+        )
         self._children: dict = {}
 
     def request(self, endpoint: str, status: int, seconds: float) -> None:
@@ -250,6 +270,9 @@ class _Metrics:
     def serving(self, predictor: Any) -> None:
         self.model.clear()
         self.model.labels(str(predictor.version), str(predictor.task)).set(1)
+        created = getattr(predictor, "created", None)
+        if created is not None:
+            self.version_created.set(created)
 
 
 class ModelServer:
@@ -269,7 +292,7 @@ class ModelServer:
         max_batch: int | None = None,
         max_wait_ms: float = 2.0,
         max_body_bytes: int = 1 << 20,
-        poll_seconds: float | None = 10.0,
+        poll_seconds: float | None = 2.0,
         log: Callable[[str], Any] = print,
     ):
         if max_body_bytes < 1:
@@ -295,6 +318,7 @@ class ModelServer:
         self._failed: dict[str, Any] = {}  # dir -> its signature when its load failed
         self._unreadable: dict[str, str] = {}  # model path -> why it could not be listed
         self._last_error = ("", 0.0)
+        self.last_error: dict | None = None  # the last refused load or delta (/v1/model)
         self.started = time.time()
         self.connections: Callable[[], int] | None = None  # open connections (`attach`)
         if predictor is None:
@@ -386,7 +410,7 @@ class ModelServer:
                 failed = not retry_failed and d in self._failed and self._failed[d] == sig
                 if d == self.model_dir and (sig == self._signature or failed):
                     self.source = source  # unchanged, or its change failed to load before
-                    return {"reloaded": False, "model_version": current.version}
+                    return await self._follow_deltas(source, current)
                 if failed:
                     continue  # failed before and unchanged since
                 loop = asyncio.get_running_loop()
@@ -414,13 +438,47 @@ class ModelServer:
                 }
             return first_failure or {"reloaded": False, "model_version": current.version}
 
+    async def _follow_deltas(self, source: str, current: Any) -> dict:
+        """Apply the publish folder's deltas that follow the served version, in order:
+        `<v+1>.delta` on version v (one that arrives before its base waits for it). Each
+        is applied off the event loop and swapped in at once; a refused one is logged
+        and counted, and the served version stays (`_failure`)."""
+        result = {"reloaded": False, "model_version": current.version}
+        deltas = delta_dirs(source) if getattr(current, "model_id", None) else {}
+        loop = asyncio.get_running_loop()
+        while current.version.isdigit() and int(current.version) + 1 in deltas:
+            path = deltas[int(current.version) + 1]
+            sig = _signature(path)
+            if self._failed.get(path) == sig:
+                break  # refused before and unchanged since
+            try:
+                predictor = await loop.run_in_executor(self._load_pool, current.with_delta, path)
+            except Exception as e:
+                self.metrics.deltas.labels("refused").inc()
+                return {**self._failure(path, sig, e, current), **{"reloaded": result["reloaded"]}}
+            self._failed.pop(path, None)
+            self.batcher.swap(predictor)
+            self.metrics.serving(predictor)
+            self.metrics.deltas.labels("applied").inc()
+            result = {
+                "reloaded": True,
+                "model_version": predictor.version,
+                "previous_version": result.get("previous_version", current.version),
+                "delta": path,
+            }
+            current = predictor
+        return result
+
     def _failure(self, where: str, sig: Any, e: Exception, current: Any) -> dict:
         """Log and count a failed load; a model dir's `sig` is remembered so that polling
         does not try (and log) it again until it changes."""
         if sig is not None:
             self._failed[where] = sig
-        self.metrics.reloads.labels("failure").inc()
-        message = f"cannot load {where}: {_one_line(e)}"
+        if not isinstance(e, DeltaError):
+            self.metrics.reloads.labels("failure").inc()
+        verb = "apply" if isinstance(e, DeltaError) else "load"
+        message = f"cannot {verb} {where}: {_one_line(e)}"
+        self.last_error = {"message": message, "time": time.time()}
         gone = " (its folder is gone)" if self._on_disk() is False else ""
         self.log(f"sparsejax serve: {message}; still serving {current.version}{gone}")
         return {"reloaded": False, "model_version": current.version, "error": message}
@@ -580,6 +638,7 @@ class ModelServer:
             {
                 "status": "ok",
                 "model_version": predictor.version,
+                "model_version_age_s": _age(predictor),
                 "task": predictor.task,
                 "model_dir": self.model_dir,
                 "model_dir_on_disk": self._on_disk(),
@@ -591,7 +650,7 @@ class ModelServer:
         )
 
     async def model(self, request: web.Request) -> web.Response:
-        return _json(dict(self.predictor.info))
+        return _json({**self.predictor.info, "last_error": self.last_error})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -629,7 +688,7 @@ def make_app(
     max_batch: int | None = None,
     max_wait_ms: float = 2.0,
     max_body_bytes: int = 1 << 20,
-    poll_seconds: float | None = 10.0,
+    poll_seconds: float | None = 2.0,
     log: Callable[[str], Any] = print,
 ) -> web.Application:
     """The prediction server as an aiohttp app (for `serve`, or aiohttp's test client).
@@ -682,7 +741,7 @@ def serve(
     max_batch: int | None = None,
     max_wait_ms: float = 2.0,
     max_body_bytes: int = 1 << 20,
-    poll_seconds: float | None = 10.0,
+    poll_seconds: float | None = 2.0,
     shutdown_timeout: float = 30.0,
     loader: Callable[[str], Any] | None = None,
     log: Callable[[str], Any] = print,

@@ -246,7 +246,8 @@ def test_predict_body_forms_and_health():
     status, health = got[4]
     assert status == 200 and health["status"] == "ok" and health["model_version"] == "7"
     assert health["max_batch"] == 64 and health["task"] == "binary"
-    assert got[5] == (200, {"path": None, "version": "7", "format": "fake", "task": "binary"})
+    want = {"path": None, "version": "7", "format": "fake", "task": "binary", "last_error": None}
+    assert got[5] == (200, want)
 
 
 BAD_BODIES = [

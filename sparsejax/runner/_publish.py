@@ -1,0 +1,101 @@
+"""`publish`: the training run publishes its model for `sparsejax serve` to follow (a
+`sparsejax.serving.Publisher` driven by a training hook)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import jax
+
+from ..serving import Preprocessing, Publisher, export_model, serving_arguments
+from ..train import Hook, TrainState
+from ._config import ConfigError
+from ._export import _input_spec, example_rows
+from ._model import configured_model
+
+
+class PublishHook(Hook):
+    """Publishes after the first step, then every `publish.every_s` seconds, and at the
+    end of training; one line a publish."""
+
+    def __init__(self, run, log: Callable[[str], object] = print):
+        cfg, data = run.cfg, run.data
+        p = cfg.publish
+        if jax.process_count() > 1:
+            raise ConfigError(
+                f"publish: a run of {jax.process_count()} processes cannot publish yet; "
+                f"export its checkpoints (`sparsejax export`) into the serving folder instead"
+            )
+        self.every_s, self.log = p.every_s, log
+        self._state: TrainState | None = None
+        self._last: float | None = None
+        self._published_step: int | None = None
+        spec = _input_spec(cfg, data)
+        common = dict(
+            make_model=lambda tables: configured_model(cfg, tables, data.features),
+            tables=data.tables,
+            features=data.features,
+        )
+
+        def export(out: str, publish) -> dict:
+            return export_model(
+                out,
+                run.trainer,
+                self._state,
+                preprocessing=Preprocessing(
+                    input=spec, mappings=data.mappings or {}, examples=example_rows(cfg, data, spec)
+                ),
+                eval_batches=data.eval_batches,
+                model_name=cfg.model.name,
+                source={"run_dir": os.path.abspath(cfg.run_dir)},
+                quantize=p.quantize,
+                kernels=p.kernels,
+                overwrite=True,
+                publish=publish,
+                **common,
+            )
+
+        def arguments() -> dict:
+            return serving_arguments(
+                run.trainer,
+                self._state,
+                num_dense=data.eval_batches[0].dense.shape[1],
+                quantize=p.quantize,
+                **common,
+            )
+
+        dynamic = any(t.dynamic is not None for t in data.tables)
+        if run.trainer.task == "retrieval":
+            raise ConfigError("publish: retrieval models are not published yet; export them")
+        self.publisher = Publisher(
+            p.dir,
+            export=export,
+            arguments=None if dynamic else arguments,
+            full_every_s=p.full_every_s,
+            log=log,
+        )
+        if dynamic:
+            log(f"publish: {p.dir}: the run has dynamic tables, so every publish is a full one")
+
+    def _publish(self, step: int, state: TrainState) -> None:
+        self._state = state
+        t0 = time.perf_counter()
+        got = self.publisher.publish(step)
+        self._state = None
+        self._last, self._published_step = time.monotonic(), step
+        rows = got.get("rows")
+        changed = "" if rows is None else f", {sum(v for v in rows.values() if v != 'all'):,} rows"
+        self.log(
+            f"published step {step} as {got['kind']} version {got['version']} ({got['path']}"
+            f"{changed}) in {time.perf_counter() - t0:.2f} s"
+        )
+
+    def after_step(self, step: int, state: TrainState, metrics) -> None:
+        if self._last is None or time.monotonic() - self._last >= self.every_s:
+            self._publish(step, state)
+
+    def on_end(self, step: int, state: TrainState) -> None:
+        if self._published_step != step:
+            self._publish(step, state)

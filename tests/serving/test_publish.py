@@ -1,0 +1,194 @@
+"""Training publishes, serving follows: a run with `publish` writes a full model dir and
+then deltas; a predictor (and the server) that applies them in order scores exactly as
+a model dir exported from the run's final checkpoint (fp32 and int8); deltas for
+another model or base, corrupt ones and ones that arrive early are refused or wait, and
+the served version stays."""
+
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from sparsejax import runner
+from sparsejax.runner import export_run
+from sparsejax.serving import DeltaError, Predictor, make_app
+from sparsejax.serving._delta import DELTA, delta_dirs
+
+SYNTHETIC = [
+    "data.kind=synthetic",
+    "data.max_vocab=5000",
+    "data.batch_size=32",
+    "data.eval_batches=1",
+    "model.embedding_dim=8",
+    "model.options={bottom: [16, 8], top: [16, 1]}",
+    "progress=false",
+    "log_every=1000",
+    "eval_every=null",
+    "steps=5",
+]
+
+
+def _published_run(tmp, quantize):
+    pub = tmp / f"pub_{quantize}"
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp / 'runs'}",
+            f"name=run_{quantize}",
+            *SYNTHETIC,
+            f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, quantize: {quantize}}}",
+        ],
+    )
+    lines = []
+    runner.train(cfg, log=lines.append)
+    return str(tmp / "runs" / f"run_{quantize}"), pub, lines
+
+
+@pytest.fixture(scope="module", params=["fp32", "int8"])
+def published(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"publish_{request.param}")
+    run, pub, lines = _published_run(tmp, request.param)
+    final = str(tmp / "final")
+    export_run(run, final, quantize=request.param, log=lambda _: None)
+    return run, pub, lines, Predictor.load(final, warmup=False)
+
+
+def _follow(pub) -> Predictor:
+    p = Predictor.load(str(pub / "1"), warmup=False)
+    deltas = delta_dirs(str(pub))
+    for v in sorted(deltas):
+        p = p.with_delta(deltas[v])
+    return p
+
+
+def test_deltas_applied_in_order_score_as_the_final_export(published):
+    run, pub, lines, final = published
+    assert sorted(os.listdir(pub)) == ["1", *[f"{v}.delta" for v in range(2, 6)]]
+    assert sum("as full version 1" in ln for ln in lines) == 1
+    assert sum(" as delta version " in ln for ln in lines) == 4
+    first = Predictor.load(str(pub / "1"), warmup=False)
+    p = _follow(pub)
+    rows = final.example_request["examples"]
+    assert p.version == "5" and p.info["full_version"] == "1"
+    np.testing.assert_allclose(p.predict(rows), final.predict(rows), rtol=0, atol=1e-6)
+    # the deltas moved the model, and the first predictor was left as it was
+    assert np.abs(first.predict(rows) - final.predict(rows)).max() > 1e-6
+    assert first.version == "1"
+
+
+def test_a_delta_carries_only_the_rows_training_changed(published):
+    _, pub, _, final = published
+    m = json.loads(pathlib.Path(pub, "3.delta", DELTA).read_text())
+    assert m["base"] == 2 and m["version"] == 3 and m["step"] == 3
+    table_rows = {k: e["shape"][0] for k, e in final.manifest["arguments"].items() if "pieces" in e}
+    carried = {k: e["rows"]["shape"][0] for k, e in m["arguments"].items() if "rows" in e}
+    assert carried and set(carried) <= set(table_rows)
+    # one batch of 32 examples touches a few hundred of the 5000-row tables' rows
+    for k, n in carried.items():
+        assert 0 < n < table_rows[k] // 2
+
+
+def _copy_pub(pub, tmp):
+    dst = tmp / "pub"
+    shutil.copytree(pub, dst)
+    return dst
+
+
+def test_bad_deltas_are_refused_naming_why(published, tmp_path):
+    _, pub, _, _ = published
+    pub = _copy_pub(pub, tmp_path)
+    p = Predictor.load(str(pub / "1"), warmup=False)
+    with pytest.raises(DeltaError, match=r"applies to version 2, this is version 1"):
+        p.with_delta(str(pub / "3.delta"))
+    meta = pub / "2.delta" / DELTA
+    m = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**m, "model_id": "0" * 32}))
+    with pytest.raises(DeltaError, match=r"is for model 0{32}, this is [0-9a-f]{32}"):
+        p.with_delta(str(pub / "2.delta"))
+    meta.write_text(json.dumps(m))
+    victim = next((pub / "2.delta" / "arrays").glob("*values*.npy"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(DeltaError, match=r"delta file .*values.* is corrupt \(crc32 mismatch\)"):
+        p.with_delta(str(pub / "2.delta"))
+    assert p.version == "1"
+
+
+def _server_calls(app, *rounds):
+    """Each round: optionally a function run first (changes on disk), then its calls
+    (method, path, JSON body) against one running `app`: [(status, body)] per round."""
+
+    async def go():
+        async with TestClient(TestServer(app)) as client:
+            out = []
+            for before, calls in rounds:
+                if before is not None:
+                    before()
+                got = []
+                for method, path, body in calls:
+                    r = await getattr(client, method)(path, json=body)
+                    is_json = r.content_type == "application/json"
+                    got.append((r.status, await (r.json() if is_json else r.text())))
+                out.append(got)
+            return out
+
+    return asyncio.run(go())
+
+
+def test_the_server_follows_deltas_and_waits_for_their_base(published, tmp_path):
+    _, pub, _, final = published
+    pub = _copy_pub(pub, tmp_path)
+    held = tmp_path / "held"
+    held.mkdir()
+    for v in (2, 3):  # 4 and 5 are there before their base: they wait
+        shutil.move(pub / f"{v}.delta", held / f"{v}.delta")
+
+    def arrive():
+        for v in (2, 3):
+            shutil.move(held / f"{v}.delta", pub / f"{v}.delta")
+
+    app = make_app(str(pub), poll_seconds=0, log=lambda _: None)
+    rows = final.example_request["examples"]
+    first, then = _server_calls(
+        app,
+        (None, [("post", "/v1/reload", None), ("get", "/v1/model", None)]),
+        (
+            arrive,
+            [
+                ("post", "/v1/reload", None),
+                ("post", "/v1/predict", {"examples": rows}),
+                ("get", "/healthz", None),
+                ("get", "/metrics", None),
+            ],
+        ),
+    )
+    (s1, r1), (_, m1) = first
+    assert s1 == 200 and r1 == {"reloaded": False, "model_version": "1"}
+    assert m1["version"] == "1" and m1["last_error"] is None
+    (_, r2), (_, pred), (_, health), (_, metrics) = then
+    assert r2["reloaded"] and r2["model_version"] == "5" and r2["previous_version"] == "1"
+    assert pred["model_version"] == "5"
+    np.testing.assert_allclose(pred["scores"], final.predict(rows), rtol=0, atol=1e-6)
+    assert health["model_version"] == "5" and 0 <= health["model_version_age_s"] < 600
+    assert 'sparsejax_model_deltas_total{result="applied"} 4.0' in metrics
+
+
+def test_a_refused_delta_keeps_the_served_version(published, tmp_path):
+    _, pub, _, _ = published
+    pub = _copy_pub(pub, tmp_path)
+    meta = pub / "3.delta" / DELTA
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "model_id": "f" * 32}))
+    logs = []
+    app = make_app(str(pub), poll_seconds=0, log=logs.append)
+    calls = [("post", "/v1/reload", None), ("get", "/v1/model", None), ("get", "/metrics", None)]
+    (((_, r), (_, m), (_, metrics)),) = _server_calls(app, (None, calls))
+    assert r["model_version"] == "2" and "is for model f" in r["error"]
+    assert m["version"] == "2" and "cannot apply" in m["last_error"]["message"]
+    assert any("still serving 2" in ln and "3.delta" in ln for ln in logs)
+    assert 'sparsejax_model_deltas_total{result="refused"} 1.0' in metrics
