@@ -202,8 +202,8 @@ class PublishConfig:
     place (see `sparsejax.serving.Publisher`). Runs with dynamic tables publish full
     model dirs only. One-process runs."""
 
-    dir: str
-    """The publish folder (`DIR/<v>/` full model dirs, `DIR/<v>.delta/` deltas)."""
+    dir: str | None = None
+    """The publish folder (required) (`DIR/<v>/` full model dirs, `DIR/<v>.delta/` deltas)."""
     every_s: float = 5.0
     """Seconds between publishes (checked after each step)."""
     full_every_s: float | None = 3600.0
@@ -214,6 +214,8 @@ class PublishConfig:
     """As `sparsejax export --kernels`."""
 
     def __post_init__(self):
+        if not self.dir:
+            raise ValueError("`dir` is required: the folder to publish into, that serve reads")
         if not self.every_s > 0:
             raise ValueError(f"`every_s` must be > 0, got {self.every_s!r}")
         if self.full_every_s is not None and not self.full_every_s > 0:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -192,3 +193,17 @@ def test_a_refused_delta_keeps_the_served_version(published, tmp_path):
     assert m["version"] == "2" and "cannot apply" in m["last_error"]["message"]
     assert any("still serving 2" in ln and "3.delta" in ln for ln in logs)
     assert 'sparsejax_model_deltas_total{result="refused"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    "publish, words",
+    [
+        ("{every_s: 1}", "`dir` is required"),
+        ("{dir: x, every_s: 0}", "`every_s` must be > 0, got 0"),
+        ("{dir: x, evry_s: 1}", "unknown config key 'publish.evry_s'; did you mean 'every_s'?"),
+        ("{dir: x, quantize: int3}", "quantize"),
+    ],
+)
+def test_publish_config_errors_are_one_line(publish, words):
+    with pytest.raises(runner.ConfigError, match=re.escape(words)):
+        runner.load_config([], [*SYNTHETIC, f"publish={publish}"])
