@@ -27,7 +27,7 @@
         write a self-contained model dir for serving (tables, id maps, preprocessing);
         an unreadable newest checkpoint is refused unless --step names the one to export
     sparsejax serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]
-                    [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 2]
+                    [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 2] [--name NAME]
         serve it over HTTP: /v1/predict, /v1/retrieve, /healthz, /metrics
 
 Configs layer left to right, then the overrides, e.g.
@@ -178,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_wait_ms=args.max_wait_ms,
         max_body_bytes=args.max_body_bytes,
         poll_seconds=args.poll_seconds,
+        model_name=args.name,
     )
 
 
@@ -494,6 +495,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         type=float,
         default=2.0,
         help="how often to look for a new model version or delta (default 2; 0: never)",
+    )
+    sv.add_argument(
+        "--name",
+        default=None,
+        help="the model's name in the v2 (KServe) API, /v2/models/NAME (default: the "
+        "model path's folder name)",
     )
     sv.set_defaults(fn=_serve)
     for name, p in sub.choices.items():  # (also when a subparser parses alone: main)

@@ -15,6 +15,14 @@ Endpoints (JSON in and out; every error is `{"error": "<one line>"}`):
   POST /v1/reload    check the model path now (empty body), or switch to another model
                      path ({"path": "/models/ctr"}) -> {"reloaded": bool, "model_version": ...}
 
+The Open Inference Protocol (KServe v2, `_v2`; the model's name is `model_name`):
+
+  GET  /v2, /v2/health/live, /v2/health/ready
+  GET  /v2/models/{name}[/versions/{v}]          metadata: inputs (the raw features), output
+  GET  /v2/models/{name}[/versions/{v}]/ready
+  POST /v2/models/{name}[/versions/{v}]/infer    tensors in (JSON or the binary tensor
+                     extension), "scores" out: the numbers /v1/predict gives
+
 Status codes: 400 for a malformed body (the JSON parser's message with its line and
 column), a request the model refuses (`RequestError`: unknown feature, wrong type, ...)
 or /v1/retrieve on a binary model; 413 for a body over `max_body_bytes`; 500 for a model
@@ -53,6 +61,8 @@ from typing import Any
 import prometheus_client as prom
 from aiohttp import web
 
+from .._version import __version__
+from . import _v2 as v2
 from ._batching import BatcherClosedError, DynamicBatcher
 from ._delta import DeltaError, delta_dirs
 from ._predictor import ModelLoadError, Predictor, RequestError
@@ -61,6 +71,7 @@ __all__ = ["ModelServer", "make_app", "serve", "SERVER_KEY"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_V2_EXTENSIONS = ["binary_tensor_data"]
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
 _JSON_TYPES.update({int: "a number", float: "a number", type(None): "null"})
 
@@ -293,6 +304,7 @@ class ModelServer:
         max_wait_ms: float = 2.0,
         max_body_bytes: int = 1 << 20,
         poll_seconds: float | None = 2.0,
+        model_name: str | None = None,
         log: Callable[[str], Any] = print,
     ):
         if max_body_bytes < 1:
@@ -313,6 +325,9 @@ class ModelServer:
         self.log = log
         self.metrics = _Metrics()
         self.source = None if model_path is None else os.fspath(model_path)
+        self.model_name = model_name or (
+            os.path.basename(os.path.abspath(self.source)) if self.source else "model"
+        )
         self.model_dir: str | None = None  # the dir the served model came from
         self._signature: tuple | None = None
         self._failed: dict[str, Any] = {}  # dir -> its signature when its load failed
@@ -551,8 +566,8 @@ class ModelServer:
             response.force_close()  # do not read the rest of an oversized body
         return response
 
-    async def _body(self, request: web.Request, *, empty_ok: bool = False) -> Any:
-        """The request's JSON body; 413 over the size limit, 400 if it is not JSON."""
+    async def _raw_body(self, request: web.Request) -> bytes:
+        """The request's body; 413 over the size limit."""
         limit = self.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
@@ -570,6 +585,11 @@ class ModelServer:
                 "too_large",
                 f"request body is over the limit of {limit} bytes (serve --max-body-bytes)",
             ) from None
+        return raw
+
+    async def _body(self, request: web.Request, *, empty_ok: bool = False) -> Any:
+        """The request's JSON body; 413 over the size limit, 400 if it is not JSON."""
+        raw = await self._raw_body(request)
         if not raw.strip():
             if empty_ok:
                 return None
@@ -658,6 +678,51 @@ class ModelServer:
             headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
         )
 
+    # -- the Open Inference Protocol (KServe v2; `_v2`) -----------------------------------
+
+    def _v2_model(self, request: web.Request) -> Any:
+        """The served predictor if the request names its model (and version); else 404."""
+        name = request.match_info["name"]
+        predictor = self.predictor
+        if name != self.model_name:
+            raise _HttpError(
+                404, "not_found", f"unknown model {name!r}; this server serves {self.model_name!r}"
+            )
+        version = request.match_info.get("version")
+        if version is not None and version != str(predictor.version):
+            raise _HttpError(
+                404,
+                "not_found",
+                f"model {name!r} version {version!r} is not served; version {predictor.version} is",
+            )
+        return predictor
+
+    async def v2_server(self, request: web.Request) -> web.Response:
+        return _json({"name": "sparsejax", "version": __version__, "extensions": _V2_EXTENSIONS})
+
+    async def v2_live(self, request: web.Request) -> web.Response:
+        return _json({"live": True})
+
+    async def v2_ready(self, request: web.Request) -> web.Response:
+        return _json({"ready": True})
+
+    async def v2_model_ready(self, request: web.Request) -> web.Response:
+        self._v2_model(request)
+        return _json({"name": self.model_name, "ready": True})
+
+    async def v2_metadata(self, request: web.Request) -> web.Response:
+        return _json(v2.metadata(self._v2_model(request), self.model_name))
+
+    async def v2_infer(self, request: web.Request) -> web.Response:
+        predictor = self._v2_model(request)
+        body = await self._raw_body(request)
+        examples, answer = v2.parse_infer(body, request.headers.get(v2.HEADER_LENGTH), predictor)
+        scores, version = await self.batcher.submit_async(examples)
+        payload, headers = v2.infer_response(
+            scores, name=self.model_name, version=version, **answer
+        )
+        return web.Response(body=payload, headers=headers)
+
     async def reload(self, request: web.Request) -> web.Response:
         body = await self._body(request, empty_ok=True)
         path = None
@@ -689,6 +754,7 @@ def make_app(
     max_wait_ms: float = 2.0,
     max_body_bytes: int = 1 << 20,
     poll_seconds: float | None = 2.0,
+    model_name: str | None = None,
     log: Callable[[str], Any] = print,
 ) -> web.Application:
     """The prediction server as an aiohttp app (for `serve`, or aiohttp's test client).
@@ -705,6 +771,8 @@ def make_app(
       max_body_bytes: larger request bodies are refused with 413.
       poll_seconds: how often the model path is checked for a new version (0 or None:
         only on POST /v1/reload).
+      model_name: the model's name in the v2 API (/v2/models/{name}; default: the model
+        path's folder name).
       log: where the server's lines go (start, reloads, failures, unexpected errors).
 
     Raises:
@@ -718,6 +786,7 @@ def make_app(
         max_wait_ms=max_wait_ms,
         max_body_bytes=max_body_bytes,
         poll_seconds=poll_seconds,
+        model_name=model_name,
         log=log,
     )
     app = web.Application(client_max_size=server.max_body_bytes)
@@ -728,6 +797,13 @@ def make_app(
     app.router.add_get("/v1/model", server.route("model", server.model))
     app.router.add_get("/healthz", server.route("healthz", server.healthz))
     app.router.add_get("/metrics", server.route("metrics", server.prometheus))
+    app.router.add_get("/v2", server.route("v2", server.v2_server))
+    app.router.add_get("/v2/health/live", server.route("v2_live", server.v2_live))
+    app.router.add_get("/v2/health/ready", server.route("v2_ready", server.v2_ready))
+    for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        app.router.add_get(base, server.route("v2_metadata", server.v2_metadata))
+        app.router.add_get(f"{base}/ready", server.route("v2_model_ready", server.v2_model_ready))
+        app.router.add_post(f"{base}/infer", server.route("v2_infer", server.v2_infer))
     app.on_startup.append(server.on_startup)
     app.on_cleanup.append(server.on_cleanup)
     return app
@@ -742,6 +818,7 @@ def serve(
     max_wait_ms: float = 2.0,
     max_body_bytes: int = 1 << 20,
     poll_seconds: float | None = 2.0,
+    model_name: str | None = None,
     shutdown_timeout: float = 30.0,
     loader: Callable[[str], Any] | None = None,
     log: Callable[[str], Any] = print,
@@ -768,6 +845,7 @@ def serve(
         max_wait_ms=max_wait_ms,
         max_body_bytes=max_body_bytes,
         poll_seconds=poll_seconds,
+        model_name=model_name,
         log=log,
     )
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -814,7 +892,10 @@ async def _serve(
         f"{server.batcher.max_wait_ms:g} ms, body limit {server.max_body_bytes} bytes, "
         f"reload check {poll}"
     )
-    log(f"sparsejax serve: listening on http://{bound[0]}:{bound[1]} (Ctrl-C stops)")
+    log(
+        f"sparsejax serve: listening on http://{bound[0]}:{bound[1]} (Ctrl-C stops); "
+        f"v2 (KServe) model name {server.model_name!r}"
+    )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = [signal.SIGINT, signal.SIGTERM]
