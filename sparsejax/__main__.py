@@ -28,7 +28,9 @@
         an unreadable newest checkpoint is refused unless --step names the one to export
     sparsejax serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]
                     [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 2] [--name NAME]
-        serve it over HTTP: /v1/predict, /v1/retrieve, /healthz, /metrics
+                    [--grpc-port 8001]
+        serve it over HTTP: /v1/predict, /v1/retrieve, /healthz, /metrics, and the
+        v2 (KServe) API over HTTP (/v2/...) and gRPC (--grpc-port)
 
 Configs layer left to right, then the overrides, e.g.
     sparsejax train configs/dlrm_criteo.yaml steps=500 optimizer.dense_learning_rate=3e-4
@@ -179,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         poll_seconds=args.poll_seconds,
         model_name=args.name,
+        grpc_port=args.grpc_port,
     )
 
 
@@ -495,6 +498,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         type=float,
         default=2.0,
         help="how often to look for a new model version or delta (default 2; 0: never)",
+    )
+    sv.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the v2 (KServe) gRPC API on this port (e.g. 8001; 0: any free "
+        "port; default: no gRPC)",
     )
     sv.add_argument(
         "--name",

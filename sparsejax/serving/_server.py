@@ -354,6 +354,7 @@ class ModelServer:
         self._retrieve_pool = concurrent.futures.ThreadPoolExecutor(1, "sparsejax-retrieve")
         self._reload_lock: asyncio.Lock | None = None
         self._poll_task: asyncio.Task | None = None
+        self._grpc: Any = None  # the v2 gRPC server (start_grpc)
 
     @property
     def predictor(self) -> Any:
@@ -512,8 +513,19 @@ class ModelServer:
         if self.poll_seconds is not None and self.source is not None:
             self._poll_task = asyncio.create_task(self._poll())
 
+    async def start_grpc(self, host: str, port: int) -> int:
+        """Serve the v2 gRPC API (`_v2_grpc`) on host:port too (0: any free port);
+        returns the bound port. It stops with the app (`on_cleanup`)."""
+        from . import _v2_grpc
+
+        self._grpc, bound = await _v2_grpc.start(self, host, port)
+        return bound
+
     async def on_cleanup(self, app: web.Application) -> None:
-        """After the last handler: stop polling, drain the batcher, stop the threads."""
+        """After the last handler: stop gRPC and polling, drain the batcher, stop the
+        threads."""
+        if self._grpc is not None:
+            await self._grpc.stop(grace=5.0)
         if self._poll_task is not None:
             self._poll_task.cancel()
             try:
@@ -819,6 +831,7 @@ def serve(
     max_body_bytes: int = 1 << 20,
     poll_seconds: float | None = 2.0,
     model_name: str | None = None,
+    grpc_port: int | None = None,
     shutdown_timeout: float = 30.0,
     loader: Callable[[str], Any] | None = None,
     log: Callable[[str], Any] = print,
@@ -828,7 +841,8 @@ def serve(
     Loads (and warms up) the model, listens on host:port (port 0: any free port; the
     line "listening on http://HOST:PORT" says which), and on a signal stops accepting
     connections, lets requests in flight finish (up to `shutdown_timeout` seconds) and
-    returns 0. Returns 2 if it cannot listen. The other arguments are `make_app`'s.
+    returns 0. Returns 2 if it cannot listen. With `grpc_port`, the v2 gRPC API listens
+    there too (0: any free port). The other arguments are `make_app`'s.
     The event loop is uvloop's where it is installed (it is a dependency of
     orbax-checkpoint; SPARSEJAX_SERVE_UVLOOP=0 uses asyncio's own). The objects alive
     after the model's load are moved out of the garbage collector's reach
@@ -849,7 +863,7 @@ def serve(
         log=log,
     )
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_serve(app, host, port, shutdown_timeout, log))
+        return runner.run(_serve(app, host, port, grpc_port, shutdown_timeout, log))
 
 
 def _loop_factory() -> Callable | None:
@@ -865,7 +879,12 @@ def _loop_factory() -> Callable | None:
 
 
 async def _serve(
-    app: web.Application, host: str, port: int, shutdown_timeout: float, log: Callable
+    app: web.Application,
+    host: str,
+    port: int,
+    grpc_port: int | None,
+    shutdown_timeout: float,
+    log: Callable,
 ) -> int:
     server = app[SERVER_KEY]
     if os.environ.get("SPARSEJAX_SERVE_GC_FREEZE", "1") != "0":
@@ -884,6 +903,15 @@ async def _serve(
         await runner.cleanup()
         return 2
     bound = runner.addresses[0]
+    grpc_line = ""
+    if grpc_port is not None:
+        try:
+            grpc_bound = await server.start_grpc(host, grpc_port)
+        except (OSError, RuntimeError) as e:
+            log(f"sparsejax serve: cannot listen for gRPC on {host}:{grpc_port}: {e}")
+            await runner.cleanup()
+            return 2
+        grpc_line = f", v2 gRPC on {host}:{grpc_bound}"
     predictor = server.predictor
     poll = f"every {server.poll_seconds:g} s" if server.poll_seconds else "on /v1/reload only"
     log(
@@ -893,8 +921,8 @@ async def _serve(
         f"reload check {poll}"
     )
     log(
-        f"sparsejax serve: listening on http://{bound[0]}:{bound[1]} (Ctrl-C stops); "
-        f"v2 (KServe) model name {server.model_name!r}"
+        f"sparsejax serve: listening on http://{bound[0]}:{bound[1]}{grpc_line} (Ctrl-C "
+        f"stops); v2 (KServe) model name {server.model_name!r}"
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

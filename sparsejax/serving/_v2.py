@@ -163,8 +163,8 @@ def _values(t: Mapping, binary: memoryview, at: int, want: str) -> tuple[list, i
 
 
 def parse_infer(body: bytes, header_length: str | None, predictor: Any) -> tuple[list, dict]:
-    """A v2 infer request body -> (examples for the predictor, how to answer: {"id",
-    "binary"})."""
+    """A v2 infer request body (REST) -> (examples for the predictor, how to answer:
+    {"id", "binary"})."""
     if header_length is not None:
         try:
             n = int(header_length)
@@ -180,10 +180,16 @@ def parse_infer(body: bytes, header_length: str | None, predictor: Any) -> tuple
         request = json.loads(body[:n])
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"malformed JSON in the inference request: {e}") from None
+    return parse_request(request, memoryview(body)[n:], predictor)
+
+
+def parse_request(request: Any, binary: memoryview, predictor: Any) -> tuple[list, dict]:
+    """A v2 infer request (the JSON header's object; `binary`, the tensor bytes after
+    it) -> (examples, {"id", "binary"}); REST and gRPC requests both come here."""
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
         raise RequestError("expected a JSON object with an 'inputs' array")
     declared = {i["name"]: i["datatype"] for i in inputs(predictor)}
-    binary, at = memoryview(body)[n:], 0
+    at = 0
     columns: dict[str, list] = {}
     examples = None
     for t in request["inputs"]:

@@ -61,7 +61,7 @@ def model_dir(tmp_path_factory):
 
 @contextlib.contextmanager
 def _live(app):
-    """`app` served on a free local port from a thread: yields "host:port"."""
+    """`app` served on a free local port from a thread: yields ("host:port", its loop)."""
     loop = asyncio.new_event_loop()
     site_runner = web.AppRunner(app)
     loop.run_until_complete(site_runner.setup())
@@ -71,7 +71,7 @@ def _live(app):
     thread.start()
     try:
         host, port = site_runner.addresses[0][:2]
-        yield f"{host}:{port}"
+        yield f"{host}:{port}", loop
     finally:
         asyncio.run_coroutine_threadsafe(site_runner.cleanup(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
@@ -81,7 +81,7 @@ def _live(app):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with _live(make_app(model_dir, poll_seconds=0, log=lambda _: None)) as url:
+    with _live(make_app(model_dir, poll_seconds=0, log=lambda _: None)) as (url, _):
         yield url
 
 
