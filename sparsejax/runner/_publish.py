@@ -52,6 +52,7 @@ class PublishHook(Hook):
                 source={"run_dir": os.path.abspath(cfg.run_dir)},
                 quantize=p.quantize,
                 kernels=p.kernels,
+                buckets=p.buckets,
                 overwrite=True,
                 publish=publish,
                 **common,

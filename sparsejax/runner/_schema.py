@@ -212,8 +212,12 @@ class PublishConfig:
     """Table storage of the published model (as `sparsejax export --quantize`)."""
     kernels: Literal["xla", "native"] = "xla"
     """As `sparsejax export --kernels`."""
+    buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
+    """The padded batch sizes the server compiles (as `sparsejax export --buckets`)."""
 
     def __post_init__(self):
+        if not self.buckets or min(self.buckets) < 1:
+            raise ValueError(f"`buckets` must be batch sizes >= 1, got {list(self.buckets)}")
         if not self.dir:
             raise ValueError("`dir` is required: the folder to publish into, that serve reads")
         if not self.every_s > 0:

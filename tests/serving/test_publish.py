@@ -42,7 +42,8 @@ def _published_run(tmp, quantize):
             f"out_dir={tmp / 'runs'}",
             f"name=run_{quantize}",
             *SYNTHETIC,
-            f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, quantize: {quantize}}}",
+            f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, quantize: {quantize},"
+            " buckets: [1, 8]}",
         ],
     )
     lines = []
