@@ -99,117 +99,187 @@ async def _client(port: int, body: bytes, rate: float, connections: int, until) 
 
 
 def _versions(pub: str) -> dict[int, dict]:
-    """Per published version: created (s), kind, rows carried, table rows."""
+    """Per published version: created (s), kind, table rows it carries, bytes."""
+    full = json.load(open(os.path.join(pub, "1", "model.json")))
+    table_args = {k for k, e in full["arguments"].items() if "pieces" in e}
     out = {}
     for name in os.listdir(pub):
         path = os.path.join(pub, name)
         if name.isdigit():
-            m = json.load(open(os.path.join(path, "model.json")))
-            rows = sum(t["rows"] for t in m["tables"].values())
             out[int(name)] = {
                 "kind": "full",
                 "created": os.path.getmtime(os.path.join(path, "model.json")),
-                "table_rows": rows,
             }
         elif name.endswith(".delta"):
             m = json.load(open(os.path.join(path, "delta.json")))
-            carried = sum(p["rows"]["shape"][0] for p in m["arguments"].values() if "rows" in p)
-            whole = sum(1 for p in m["arguments"].values() if "whole" in p)
+            args = m["arguments"]
+            carried = sum(
+                (p.get("rows") or p["whole"])["shape"][0]
+                for k, p in args.items()
+                if k in table_args
+            )
+            size = sum(e["bytes"] for p in args.values() for e in p.values())
             out[m["version"]] = {"kind": "delta", "created": m["created"], "rows": carried,
-                                 "whole_arguments": whole}  # fmt: skip
+                                 "bytes": size}  # fmt: skip
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--every-s", type=float, default=5.0, help="publish.every_s")
-    p.add_argument("--poll-s", type=float, default=2.0, help="serve --poll-seconds")
-    p.add_argument("--rate", type=float, default=200.0, help="requests a second")
-    p.add_argument("--connections", type=int, default=8)
-    p.add_argument("--window", type=float, default=1.0)
-    p.add_argument("--train-args", nargs="*", default=[], help="more `key=value` overrides")
-    p.add_argument("--out", help="write the results here (JSON)")
-    args = p.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="sparsejax_fresh_")
-    pub = os.path.join(tmp, "pub")
-    log = open(os.path.join(tmp, "log.txt"), "w")
-    train = subprocess.Popen(
-        [sys.executable, "-m", "sparsejax", "train", f"out_dir={tmp}/runs", f"steps={args.steps}",
-         "progress=false", "log_every=1000000", "eval_every=null",
-         f"publish={{dir: {pub}, every_s: {args.every_s}}}", *args.train_args],
+def _table_rows(pub: str) -> int:
+    m = json.load(open(os.path.join(pub, "1", "model.json")))
+    return sum(e["shape"][0] for e in m["arguments"].values() if "pieces" in e)
+
+
+def _train(tmp: str, name: str, steps: int, every_s: float, extra: list, log) -> tuple:
+    pub = os.path.join(tmp, f"pub_{name}")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparsejax", "train", f"out_dir={tmp}/runs", f"name={name}",
+         f"steps={steps}", "progress=false", "log_every=1000000", "eval_every=null",
+         f"publish={{dir: {pub}, every_s: {every_s}}}", *extra],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
-    server = None
+    return proc, pub
+
+
+def _serve_and_load(pub, args, log, until, during=None) -> tuple[list, dict]:
+    """A server on `pub` under the open-loop client until `until()`; `during(port)`
+    runs in a thread meanwhile. Returns the records and {version: first seen}."""
+    import threading
+
+    server, port = _start_server(pub, args.poll_s, log)
     try:
-        _wait_for(os.path.join(pub, "1", "model.json"), train, 600)
-        server, port = _start_server(pub, args.poll_s, log)
         example = json.load(open(os.path.join(pub, "1", "example_request.json")))["examples"][0]
         body = json.dumps({"examples": [example]}).encode()
-        end = [None]
-
-        def until():  # training done, then one more poll and publish's worth
-            if train.poll() is None:
-                return False
-            end[0] = end[0] or time.time()
-            return time.time() - end[0] > args.poll_s + 3
-
+        if during is not None:
+            threading.Thread(target=during, daemon=True).start()
         records = asyncio.run(_client(port, body, args.rate, args.connections, until))
     finally:
-        if train.poll() is None:
-            train.terminate()
-        if server is not None:
-            server.terminate()
-            server.wait(30)
-        log.close()
-    versions = _versions(pub)
-    rows = versions[min(versions)]["table_rows"]
-    first_seen = {}
+        server.terminate()
+        server.wait(30)
+    first_seen: dict[int, float] = {}
     for t, lat, v in sorted(records):
-        v = int(v)
-        if v not in first_seen:
-            first_seen[v] = t + lat
-    table = []
-    for v, info in sorted(versions.items()):
-        seen = next((first_seen[u] for u in sorted(first_seen) if u >= v), None)
-        fresh = None if seen is None else seen - info["created"]
-        table.append({"version": v, **info, "freshness_s": fresh})
+        first_seen.setdefault(int(v), t + lat)
+    return records, first_seen
+
+
+def _latency(records, first_seen, window) -> tuple[np.ndarray, np.ndarray]:
+    """Latencies (ms) of the requests sent within `window` s of a version's first
+    answer (after the first version) and of the others."""
     t = np.asarray([r[0] for r in records])
     lat = np.asarray([r[1] for r in records]) * 1000
     near = np.zeros(t.shape, bool)
     for v, s in first_seen.items():
         if v != min(first_seen):
-            near |= (t >= s - args.window) & (t <= s + args.window)
-    steady, applying = lat[~near], lat[near]
+            near |= (t >= s - window) & (t <= s + window)
+    return lat[~near], lat[near]
 
-    def pct(a, q):
-        return float(np.percentile(a, q)) if a.size else float("nan")
 
-    print(f"\nFreshness: {args.steps} training steps, publish every {args.every_s:g} s, serve "
-          f"--poll-seconds {args.poll_s:g}, {args.rate:g} requests/s open loop over "
-          f"{args.connections} connections; {rows:,} table rows\n")  # fmt: skip
-    print("| version | kind | rows carried (% of the table) | freshness s |")
-    print("|---|---|---|---|")
-    for r in table:
-        carried = (
-            "full" if r["kind"] == "full" else f"{r['rows']:,} ({100 * r['rows'] / rows:.1f}%)"
+def _pct(a, q):
+    return float(np.percentile(a, q)) if a.size else float("nan")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3000, help="training steps of the live run")
+    p.add_argument("--every-s", type=float, default=5.0, help="its publish.every_s")
+    p.add_argument("--poll-s", type=float, default=2.0, help="serve --poll-seconds")
+    p.add_argument("--rate", type=float, default=200.0, help="requests a second")
+    p.add_argument("--connections", type=int, default=8)
+    p.add_argument("--window", type=float, default=1.0)
+    p.add_argument("--deltas", type=int, default=8, help="deltas applied in part (b)")
+    p.add_argument("--gap-s", type=float, default=3.0, help="seconds between them")
+    p.add_argument("--train-args", nargs="*", default=[], help="more `key=value` overrides")
+    p.add_argument("--out", help="write the results here (JSON)")
+    args = p.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="sparsejax_fresh_")
+    log = open(os.path.join(tmp, "log.txt"), "w")
+    results = {}
+    try:
+        # (a) live: training publishes while the server follows
+        train, pub = _train(tmp, "live", args.steps, args.every_s, args.train_args, log)
+        try:
+            _wait_for(os.path.join(pub, "1", "model.json"), train, 600)
+            end = [None]
+
+            def until():  # training done, then one more publish and poll
+                if train.poll() is None:
+                    return False
+                end[0] = end[0] or time.time()
+                return time.time() - end[0] > args.poll_s + 3
+
+            records, seen = _serve_and_load(pub, args, log, until)
+        finally:
+            if train.poll() is None:
+                train.terminate()
+        versions, rows = _versions(pub), _table_rows(pub)
+        print(f"\n(a) live: {args.steps} training steps publishing every {args.every_s:g} s, "
+              f"serve --poll-seconds {args.poll_s:g}, {args.rate:g} requests/s open loop; "
+              f"{rows:,} table rows\n")  # fmt: skip
+        print("| version | kind | table rows carried | MiB | freshness s |\n|---|---|---|---|---|")
+        live = []
+        for v, info in sorted(versions.items()):
+            at = next((seen[u] for u in sorted(seen) if u >= v), None)
+            fresh = None if at is None else at - info["created"]
+            live.append({"version": v, **info, "freshness_s": fresh})
+            carried = (
+                ""
+                if info["kind"] == "full"
+                else (f"{info['rows']:,} ({100 * info['rows'] / rows:.1f}%)")
+            )
+            mib = "" if info["kind"] == "full" else f"{info['bytes'] / 2**20:.1f}"
+            shown = "not seen" if fresh is None else f"{fresh:.2f}"
+            print(f"| {v} | {info['kind']} | {carried} | {mib} | {shown} |")
+        steady, applying = _latency(records, seen, args.window)
+        print(
+            f"\nlatency with training on the same cores: p99 {_pct(steady, 99):.1f} ms "
+            f"steady, {_pct(applying, 99):.1f} ms within {args.window:g} s of a new version"
         )
-        fresh = "not seen" if r["freshness_s"] is None else f"{r['freshness_s']:.2f}"
-        print(f"| {r['version']} | {r['kind']} | {carried} | {fresh} |")
-    print("\n| requests | p50 ms | p99 ms |\n|---|---|---|")
-    print(f"| steady ({steady.size:,}) | {pct(steady, 50):.2f} | {pct(steady, 99):.2f} |")
-    print(f"| within {args.window:g} s of a version change ({applying.size:,}) | "
-          f"{pct(applying, 50):.2f} | {pct(applying, 99):.2f} |")  # fmt: skip
-    deltas = [r for r in table if r["kind"] == "delta"]
-    worst = max((r["freshness_s"] or float("inf") for r in deltas), default=float("nan"))
-    ratio = pct(applying, 99) / pct(steady, 99)
-    print(f"\nchecks: every delta served within 10 s: worst {worst:.2f} s -> "
-          f"{'ok' if worst <= 10 else 'FAIL'}; p99 while applying / steady p99 = {ratio:.2f} "
-          f"-> {'ok' if ratio <= 2 else 'FAIL'}")  # fmt: skip
+        deltas = [r for r in live if r["kind"] == "delta"]
+        worst = max((r["freshness_s"] or float("inf") for r in deltas), default=float("nan"))
+        results["live"] = {"versions": live, "worst_freshness_s": worst}
+        # (b) controlled: one-step deltas applied every --gap-s, no training beside
+        train, pub_b = _train(tmp, "steps", args.deltas + 1, 1e-9, args.train_args, log)
+        if train.wait() != 0:
+            raise SystemExit("the run for part (b) failed; see " + log.name)
+        stage = os.path.join(tmp, "stage")
+        os.makedirs(stage)
+        shutil.copytree(os.path.join(pub_b, "1"), os.path.join(stage, "1"))
+        moved: dict[int, float] = {}
+
+        def feed():
+            time.sleep(2 * args.gap_s)
+            for v in range(2, args.deltas + 2):
+                shutil.copytree(os.path.join(pub_b, f"{v}.delta"), os.path.join(stage, "tmp"))
+                os.rename(os.path.join(stage, "tmp"), os.path.join(stage, f"{v}.delta"))
+                moved[v] = time.time()
+                time.sleep(args.gap_s)
+
+        t_end = time.time() + (args.deltas + 3) * args.gap_s
+        records, seen = _serve_and_load(stage, args, log, lambda: time.time() > t_end, feed)
+        versions, rows = _versions(pub_b), _table_rows(pub_b)
+        steady, applying = _latency(records, seen, args.window)
+        sizes = [100 * versions[v]["rows"] / rows for v in moved]
+        lags = [seen[v] - moved[v] for v in moved if v in seen]
+        ratio = _pct(applying, 99) / _pct(steady, 99)
+        print(f"\n(b) {len(moved)} one-step deltas ({min(sizes):.1f}-{max(sizes):.1f}% of the "
+              f"table rows, {np.mean([versions[v]['bytes'] for v in moved]) / 2**20:.1f} MiB "
+              f"each) put into the served folder every {args.gap_s:g} s, no training beside; "
+              f"served {min(lags):.2f}-{max(lags):.2f} s after they appeared\n")  # fmt: skip
+        print("| requests | p50 ms | p99 ms |\n|---|---|---|")
+        print(f"| steady ({steady.size:,}) | {_pct(steady, 50):.2f} | {_pct(steady, 99):.2f} |")
+        print(f"| within {args.window:g} s of a delta swapped in ({applying.size:,}) | "
+              f"{_pct(applying, 50):.2f} | {_pct(applying, 99):.2f} |")  # fmt: skip
+        results["applying"] = {"delta_rows_pct": sizes, "served_after_s": lags,
+                               "steady_p99_ms": _pct(steady, 99),
+                               "applying_p99_ms": _pct(applying, 99)}  # fmt: skip
+        fresh_ok, p99_ok = "ok" if worst <= 10 else "FAIL", "ok" if ratio <= 2 else "FAIL"
+        print(f"\nchecks: every delta of the live run served within 10 s of its publish: "
+              f"worst {worst:.2f} s -> {fresh_ok}; p99 while a delta is applied / steady "
+              f"p99 = {ratio:.2f} -> {p99_ok}")  # fmt: skip
+    finally:
+        log.close()
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"versions": table, "steady_p99_ms": pct(steady, 99),
-                       "applying_p99_ms": pct(applying, 99)}, fh, indent=1)  # fmt: skip
+            json.dump(results, fh, indent=1)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._version import __version__
 from ..data import BatchPacker, Examples
-from ..embedding import FeatureSpec, TableSpec
+from ..embedding import FeatureSpec, TableSpec, aligned_empty
 from ..ops import cpu_ffi_available
 from ._delta import DeltaError, patched, read_delta
 from ._export import _pad_batch, _scores, batch_arrays
@@ -52,15 +52,23 @@ def _native_kernels_ok(m: Mapping, model_dir: str) -> None:
         )
 
 
-def _on_device(a: np.ndarray) -> jax.Array:
+def _on_device(a: np.ndarray, like: jax.Array | None = None) -> jax.Array:
     """`a` on the default device; on CPU sharing `a`'s memory when it is 64-byte aligned
-    (a table argument read piece by piece is), so a table is held once, not twice."""
+    (a table argument read piece by piece is), so a table is held once, not twice. With
+    `like` (the leaf `a` replaces), placed as `like` was (committed or not), so the
+    compiled computations take it without compiling again."""
+    if like is not None and not like.committed:
+        return jax.device_put(a)
+    if like is not None and a.ctypes.data % 64:
+        aligned = aligned_empty(a.shape, a.dtype)
+        aligned[...] = a
+        a = aligned
     if jax.default_backend() == "cpu" and a.size and a.ctypes.data % 64 == 0:
         try:
             return jnp.from_dlpack(a)
         except (BufferError, TypeError, ValueError, RuntimeError):  # e.g. bfloat16
             pass
-    return jax.device_put(a)
+    return jax.device_put(a) if like is None else jax.device_put(a, like.sharding)
 
 
 class Predictor:
@@ -164,7 +172,7 @@ class Predictor:
         new = patched(path, m, served)
         leaves = list(self._leaves)
         for k, a in new.items():
-            leaves[at[k]] = _on_device(a)
+            leaves[at[k]] = _on_device(a, like=self._leaves[at[k]])
         out = copy.copy(self)
         out._leaves = leaves
         out.version = str(m["version"])

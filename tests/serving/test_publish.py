@@ -81,6 +81,9 @@ def test_deltas_applied_in_order_score_as_the_final_export(published):
     # the deltas moved the model, and the first predictor was left as it was
     assert np.abs(first.predict(rows) - final.predict(rows)).max() > 1e-6
     assert first.version == "1"
+    # each new leaf is placed as the one it replaces: the compiled calls take it as it is
+    second = first.with_delta(str(pub / "2.delta"))
+    assert [x.committed for x in second._leaves] == [x.committed for x in first._leaves]
 
 
 def test_a_delta_carries_only_the_rows_training_changed(published):
@@ -208,3 +211,21 @@ def test_a_refused_delta_keeps_the_served_version(published, tmp_path):
 def test_publish_config_errors_are_one_line(publish, words):
     with pytest.raises(runner.ConfigError, match=re.escape(words)):
         runner.load_config([], [*SYNTHETIC, f"publish={publish}"])
+
+
+def test_a_replacing_leaf_is_placed_as_the_leaf_it_replaces():
+    import jax
+
+    from sparsejax.embedding import aligned_empty
+    from sparsejax.serving._predictor import _on_device
+
+    aligned = aligned_empty((64, 8), np.float32)
+    aligned[...] = 1.0
+    unaligned = np.frombuffer(bytes(4 + 64 * 8 * 4), np.uint8)[4:].view(np.float32).reshape(64, 8)
+    committed = jax.device_put(aligned, jax.devices()[0])
+    uncommitted = jax.device_put(aligned)
+    assert committed.committed and not uncommitted.committed
+    for a in (aligned, unaligned):
+        assert _on_device(a, like=committed).committed
+        assert not _on_device(a, like=uncommitted).committed
+        np.testing.assert_array_equal(np.asarray(_on_device(a, like=committed)), a)
