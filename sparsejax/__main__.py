@@ -28,7 +28,7 @@
         an unreadable newest checkpoint is refused unless --step names the one to export
     sparsejax serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-batch N]
                     [--max-wait-ms 2] [--max-body-bytes N] [--poll-seconds 2] [--name NAME]
-                    [--grpc-port 8001]
+                    [--grpc-port 8001] [--workers N|auto]
         serve it over HTTP: /v1/predict, /v1/retrieve, /healthz, /metrics, and the
         v2 (KServe) API over HTTP (/v2/...) and gRPC (--grpc-port)
 
@@ -162,6 +162,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers_arg(text: str) -> str:
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"expected a number >= 1 or auto, got {text!r}")
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from .serving import serve
@@ -172,6 +178,29 @@ def _serve(args: argparse.Namespace) -> int:
             f"sparsejax serve needs the [serve] extra ({e.name} is missing): "
             f"pip install 'sparsejax[serve]'"
         ) from None
+    workers = (os.cpu_count() or 1) if args.workers == "auto" else int(args.workers)
+    if workers > 1:
+        from .serving._workers import serve_workers
+
+        rest = ["--max-wait-ms", str(args.max_wait_ms), "--max-body-bytes",
+                str(args.max_body_bytes), "--poll-seconds", str(args.poll_seconds)]  # fmt: skip
+        for flag, value in (
+            ("--max-batch", args.max_batch),
+            ("--name", args.name),
+            ("--grpc-port", args.grpc_port),
+        ):
+            if value is not None:
+                rest += [flag, str(value)]
+        return serve_workers(
+            args.model_dir, workers, host=args.host, port=args.port, worker_args=rest
+        )
+    log = print
+    worker = os.environ.get("SPARSEJAX_SERVE_WORKER")
+    if worker is not None:
+
+        def log(line: str) -> None:
+            print(f"[worker {worker}] {line}", flush=True)
+
     return serve(
         args.model_dir,
         host=args.host,
@@ -182,6 +211,8 @@ def _serve(args: argparse.Namespace) -> int:
         poll_seconds=args.poll_seconds,
         model_name=args.name,
         grpc_port=args.grpc_port,
+        reuse_port=args.reuse_port,
+        log=log,
     )
 
 
@@ -499,6 +530,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         default=2.0,
         help="how often to look for a new model version or delta (default 2; 0: never)",
     )
+    sv.add_argument(
+        "--workers",
+        default="1",
+        type=_workers_arg,
+        help="server processes on the one port, sharing the tables (SO_REUSEPORT; a "
+        "worker that dies is restarted); auto: one per core (default 1)",
+    )
+    sv.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     sv.add_argument(
         "--grpc-port",
         type=int,

@@ -147,11 +147,23 @@ def read_delta(path: str) -> dict:
 
 
 def patched(
-    path: str, manifest: Mapping, served: Mapping[str, Callable[[], np.ndarray]]
+    path: str,
+    manifest: Mapping,
+    served: Mapping[str, Callable[[], np.ndarray]],
+    make: Callable | None = None,
 ) -> dict[str, np.ndarray]:
     """The served arguments a delta changes, as new arrays (copies of the served ones,
     patched; the served ones are left as they are). `served` gives each argument's
-    current host value by key. Every array is checked before anything is patched."""
+    current host value by key. Every array is checked before anything is patched.
+    `make(key, shape, dtype, fill)` returns a new array filled by `fill(array)` (default:
+    page-aligned memory of this process; `serve --workers`: shared by the workers)."""
+    if make is None:
+
+        def make(key, shape, dtype, fill):
+            out = aligned_empty(shape, dtype)
+            fill(out)
+            return out
+
     out = {}
     for key, parts in manifest["arguments"].items():
         if key not in served:
@@ -183,10 +195,12 @@ def patched(
             raise DeltaError(
                 f"delta {path}: argument {key} values are {values.dtype}, the model's {old.dtype}"
             )
-        new = aligned_empty(old.shape, old.dtype)
-        new[...] = old
-        new[rows] = values
-        out[key] = new
+
+        def fill(new, old=old, rows=rows, values=values):
+            new[...] = old
+            new[rows] = values
+
+        out[key] = make(key, old.shape, old.dtype, fill)
     return out
 
 

@@ -154,17 +154,21 @@ def _read_piece_into(
         raise _piece_error(model_dir, entry, "is corrupt (crc32 mismatch)")
 
 
-def read_argument(model_dir: str, entry: Mapping, rows: np.ndarray | None = None) -> np.ndarray:
+def read_argument(
+    model_dir: str, entry: Mapping, rows: np.ndarray | None = None, out: np.ndarray | None = None
+) -> np.ndarray:
     """One exported argument: a whole-array file (format 1, dense parameters) or a table
     argument read piece by piece into one preallocated array (no piece held twice); a
     missing or truncated piece names the table, its rows and the file, and rows no piece
     covers are named too. With `rows` (sorted), a table argument's other rows are left
-    unread (zeros, taking no memory: for a computation that reads only `rows`)."""
+    unread (zeros, taking no memory: for a computation that reads only `rows`). With
+    `out` (of the argument's shape and dtype), a table argument is read into it."""
     if "pieces" not in entry:
         return read_array(model_dir, entry)
     shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
     _check_coverage(model_dir, entry, shape[0])
-    out = aligned_empty(shape, dtype) if rows is None else _sparse_zeros(shape, dtype)
+    if out is None:
+        out = aligned_empty(shape, dtype) if rows is None else _sparse_zeros(shape, dtype)
     for piece in entry["pieces"]:
         r0, r1 = piece["rows"]
         mine = None

@@ -30,6 +30,7 @@ from ._delta import DeltaError, patched, read_delta
 from ._export import _pad_batch, _scores, batch_arrays
 from ._format import EXAMPLE_REQUEST, ModelLoadError, read_argument, read_array, read_manifest
 from ._preprocess import Preprocessor, RequestError, mapping_from_entry
+from ._shared import SharedArrays
 
 __all__ = ["ModelLoadError", "Predictor", "RequestError"]
 
@@ -110,9 +111,10 @@ class Predictor:
             {f.name: f.max_ids for f in self.features if not f.is_sequence},
             max_examples=max_examples,
         )
+        self._shared = SharedArrays.from_env()  # a worker of `serve --workers`
         self._leaves = []
-        for e in m["arguments"].values():  # one host array at a time, read in place
-            self._leaves.append(_on_device(read_argument(model_dir, e)))
+        for key, e in m["arguments"].items():  # one host array at a time, read in place
+            self._leaves.append(_on_device(self._argument(model_dir, key, e)))
         publish = m.get("publish") or {}
         self.model_id = publish.get("model_id")
         self.created = os.path.getmtime(os.path.join(model_dir, "model.json"))
@@ -142,6 +144,17 @@ class Predictor:
             with open(path) as fh:
                 self.example_request = json.load(fh)
 
+    def _argument(self, model_dir: str, key: str, e: Mapping) -> np.ndarray:
+        """One exported argument; a table argument of a worker of `serve --workers`
+        from the workers' shared memory (made by the first worker that reads it)."""
+        if self._shared is None or "pieces" not in e:
+            return read_argument(model_dir, e)
+        crcs = ",".join(str(p["crc32"]) for p in e["pieces"])
+        name = f"{os.path.abspath(model_dir)}|{key}|{crcs}"
+        return self._shared.get(
+            name, tuple(e["shape"]), e["dtype"], lambda out: read_argument(model_dir, e, out=out)
+        )
+
     @classmethod
     def load(cls, model_dir: str, *, warmup: bool = True, max_examples: int = 4096) -> Predictor:
         """Load and check a model dir (a `ModelLoadError` names what is wrong); with
@@ -169,7 +182,14 @@ class Predictor:
         keys = list(self.manifest["arguments"])
         at = {k: i for i, k in enumerate(keys)}
         served = {k: (lambda i=i: np.asarray(self._leaves[i])) for k, i in at.items()}
-        new = patched(path, m, served)
+        make = None
+        if self._shared is not None:  # made once, in the workers' shared memory
+
+            def make(key, shape, dtype, fill):
+                name = f"{os.path.abspath(path)}|{key}"
+                return self._shared.get(name, shape, dtype, fill)
+
+        new = patched(path, m, served, make)
         leaves = list(self._leaves)
         for k, a in new.items():
             leaves[at[k]] = _on_device(a, like=self._leaves[at[k]])

@@ -678,6 +678,7 @@ class ModelServer:
                 "max_wait_ms": self.batcher.max_wait_ms,
                 "pending": self.batcher.pending,
                 "uptime_s": round(time.time() - self.started, 3),
+                "pid": os.getpid(),
             }
         )
 
@@ -832,6 +833,7 @@ def serve(
     poll_seconds: float | None = 2.0,
     model_name: str | None = None,
     grpc_port: int | None = None,
+    reuse_port: bool = False,
     shutdown_timeout: float = 30.0,
     loader: Callable[[str], Any] | None = None,
     log: Callable[[str], Any] = print,
@@ -842,7 +844,8 @@ def serve(
     line "listening on http://HOST:PORT" says which), and on a signal stops accepting
     connections, lets requests in flight finish (up to `shutdown_timeout` seconds) and
     returns 0. Returns 2 if it cannot listen. With `grpc_port`, the v2 gRPC API listens
-    there too (0: any free port). The other arguments are `make_app`'s.
+    there too (0: any free port). `reuse_port`: bind with SO_REUSEPORT (the workers of
+    `serve --workers`, `_workers`). The other arguments are `make_app`'s.
     The event loop is uvloop's where it is installed (it is a dependency of
     orbax-checkpoint; SPARSEJAX_SERVE_UVLOOP=0 uses asyncio's own). The objects alive
     after the model's load are moved out of the garbage collector's reach
@@ -863,7 +866,7 @@ def serve(
         log=log,
     )
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_serve(app, host, port, grpc_port, shutdown_timeout, log))
+        return runner.run(_serve(app, host, port, grpc_port, reuse_port, shutdown_timeout, log))
 
 
 def _loop_factory() -> Callable | None:
@@ -883,6 +886,7 @@ async def _serve(
     host: str,
     port: int,
     grpc_port: int | None,
+    reuse_port: bool,
     shutdown_timeout: float,
     log: Callable,
 ) -> int:
@@ -895,7 +899,9 @@ async def _serve(
     )
     await runner.setup()
     server.attach(runner)
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    site = web.TCPSite(
+        runner, host, port, backlog=1024, reuse_address=True, reuse_port=reuse_port or None
+    )
     try:
         await site.start()
     except OSError as e:

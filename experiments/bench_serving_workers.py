@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Serving on more cores (issue 27): `sparsejax serve --workers 1` against `--workers 2`
+on one model, under `wrk` (a native load tool, so the client's CPU stays small; the
+Debian package `wrk`), closed loop with C connections each sending single-example POST
+/v1/predict requests back to back for --seconds.
+
+Per worker count and concurrency: requests/s, p50/p99 latency (wrk's), the CPU seconds
+wrk used, and the memory of the server's processes together (the sum of their PSS: a
+page shared by the workers counts once in all), against the model's table bytes.
+
+Checks (the issue's Must reach): 2 workers >= 1.5x one worker's requests/s at the best
+concurrency; their memory <= one worker's + 20% of the table bytes.
+
+    python experiments/bench_serving_workers.py MODEL_DIR --concurrency 16 64 --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def _pss_kib(pid: int) -> int:
+    """PSS of `pid` and its children (KiB)."""
+    total = 0
+    pids = [pid]
+    try:
+        kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        pids += [int(k) for k in kids]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            for line in open(f"/proc/{p}/smaps_rollup"):
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def _start(model: str, workers: int, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sparsejax", "serve", model, "--port", str(port),
+           "--workers", str(workers), "--poll-seconds", "0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline, pids = time.time() + 300, set()
+    while time.time() < deadline and len(pids) < workers:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                pids.add(json.load(r)["pid"])
+        except OSError:
+            time.sleep(0.3)
+    if len(pids) < workers:
+        proc.kill()
+        raise SystemExit(f"{workers} workers did not answer in 300 s")
+    return proc
+
+
+def _wrk(port: int, body: str, connections: int, seconds: float) -> dict:
+    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
+    script.write(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {json.dumps(body)}\n"
+    )
+    script.close()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", script.name,
+         f"http://127.0.0.1:{port}/v1/predict"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    os.unlink(script.name)
+
+    def ms(q):
+        m = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        v, unit = float(m.group(1)), m.group(2)
+        return v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
+
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+        "p50_ms": ms(50),
+        "p99_ms": ms(99),
+        "errors": int(errors.group(1)) if errors else 0,
+        "wrk_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--workers", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--port", type=int, default=8971)
+    args = p.parse_args(argv)
+    if shutil.which("wrk") is None:
+        raise SystemExit("needs wrk (the Debian package wrk)")
+    model = args.model
+    first = (
+        model
+        if os.path.exists(os.path.join(model, "model.json"))
+        else os.path.join(model, min((n for n in os.listdir(model) if n.isdigit()), key=int))
+    )
+    manifest = json.load(open(os.path.join(first, "model.json")))
+    table_bytes = manifest["memory"]["tables_bytes"]
+    body = json.dumps({"examples": json.load(open(os.path.join(first, "example_request.json")))
+                       ["examples"][:1]})  # fmt: skip
+    rows = {}
+    for w in args.workers:
+        proc = _start(model, w, args.port)
+        try:
+            _wrk(args.port, body, 4, 2)  # warm-up
+            for c in args.concurrency:
+                rows[(w, c)] = {**_wrk(args.port, body, c, args.seconds),
+                                "pss_mib": _pss_kib(proc.pid) / 1024}  # fmt: skip
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+    print(f"\n{model}: tables {table_bytes / 2**20:.1f} MiB; wrk -t1, {args.seconds:g} s a "
+          f"cell, single-example requests, {os.cpu_count()} cores\n")  # fmt: skip
+    print(
+        "| workers | connections | requests/s | vs 1 worker | p50 ms | p99 ms | errors | "
+        "wrk CPU s | server PSS MiB |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for (w, c), r in rows.items():
+        base = rows.get((1, c), r)["rps"]
+        print(f"| {w} | {c} | {r['rps']:,.0f} | {r['rps'] / base:.2f}x | {r['p50_ms']:.2f} | "
+              f"{r['p99_ms']:.2f} | {r['errors']} | {r['wrk_cpu_s']:.1f} | "
+              f"{r['pss_mib']:.0f} |")  # fmt: skip
+    if 1 in args.workers and 2 in args.workers:
+        best1 = max(rows[(1, c)]["rps"] for c in args.concurrency)
+        best2 = max(rows[(2, c)]["rps"] for c in args.concurrency)
+        mem1 = max(rows[(1, c)]["pss_mib"] for c in args.concurrency)
+        mem2 = max(rows[(2, c)]["pss_mib"] for c in args.concurrency)
+        limit = mem1 + 0.2 * table_bytes / 2**20
+        print(f"\nchecks: 2 workers / 1 worker at the best concurrency = {best2 / best1:.2f}x "
+              f"({'ok' if best2 >= 1.5 * best1 else 'FAIL'}: >= 1.5x); memory {mem2:.0f} MiB "
+              f"vs 1 worker + 20% of the tables = {limit:.0f} MiB "
+              f"({'ok' if mem2 <= limit else 'FAIL'})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""`sparsejax serve --workers N`: N server processes on one port, one copy of the tables,
+supervised.
+
+The supervisor reserves the port (a socket bound with SO_REUSEPORT, never listening),
+makes a folder in shared memory for the workers' arrays (`_shared`), and starts N
+`sparsejax serve` workers that each bind the port with SO_REUSEPORT: the kernel spreads
+the connections over them. Each worker is a whole server (batcher, reloads, deltas); a
+table argument, and a delta's patched one, is made once in the shared folder and mapped
+by every worker. A worker that dies is started again (its requests in flight are lost;
+the others keep serving); one that dies within `_STARTUP_S` of its start three times in
+a row stops the server with one line. SIGINT or SIGTERM stops the workers (each finishes
+its requests in flight) and removes the shared folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+from ._shared import ENV
+
+WORKER_ENV = "SPARSEJAX_SERVE_WORKER"
+"""The worker's index, for its log lines."""
+_STARTUP_S = 10.0
+
+
+def _why(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def serve_workers(
+    model_path: str,
+    workers: int,
+    *,
+    host: str,
+    port: int,
+    worker_args: Sequence[str],
+    log: Callable[[str], object] = print,
+) -> int:
+    """Run `workers` servers of `model_path` on host:port (0: a free port) until SIGINT
+    or SIGTERM (see the module docstring); `worker_args`: each worker's other `serve`
+    options. Returns 0 after a stop, 1 if a worker cannot start, 2 if the port is taken."""
+    hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        hold.bind((host, port))
+    except OSError as e:
+        log(f"sparsejax serve: cannot listen on {host}:{port}: {e.strerror or e}")
+        return 2
+    port = hold.getsockname()[1]
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shared = tempfile.mkdtemp(prefix="sparsejax-serve-", dir=shm)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: stop.append(s))
+
+    def start(k: int) -> tuple[subprocess.Popen, float]:
+        cmd = [sys.executable, "-m", "sparsejax", "serve", model_path, "--host", host,
+               "--port", str(port), "--reuse-port", *worker_args]  # fmt: skip
+        env = dict(os.environ, **{ENV: shared, WORKER_ENV: str(k)})
+        return subprocess.Popen(cmd, env=env), time.monotonic()
+
+    procs = {k: start(k) for k in range(workers)}
+    log(
+        f"sparsejax serve: {workers} workers on http://{host}:{port} (pids "
+        f"{', '.join(str(p.pid) for p, _ in procs.values())}); tables shared in {shared}"
+    )
+    quick_deaths = {k: 0 for k in procs}
+    status = 0
+    try:
+        while not stop:
+            time.sleep(0.2)
+            for k, (p, t0) in list(procs.items()):
+                code = p.poll()
+                if code is None or stop:
+                    continue
+                quick = time.monotonic() - t0 < _STARTUP_S
+                quick_deaths[k] = quick_deaths[k] + 1 if quick else 0
+                if quick_deaths[k] >= 3:
+                    log(
+                        f"sparsejax serve: worker {k} died within {_STARTUP_S:g} s of its "
+                        f"start 3 times ({_why(code)}); stopping"
+                    )
+                    status = 1
+                    stop.append(None)
+                    break
+                log(f"sparsejax serve: worker {k} (pid {p.pid}) died ({_why(code)}); restarting")
+                procs[k] = start(k)
+    finally:
+        for p, _ in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for p, _ in procs.values():
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        hold.close()
+        shutil.rmtree(shared, ignore_errors=True)
+    log("sparsejax serve: stopped")
+    return status

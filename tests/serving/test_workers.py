@@ -1,0 +1,121 @@
+"""`sparsejax serve --workers 2`: two server processes answer on one port with the same
+model (deltas applied), map the same table files in shared memory, a worker killed with
+SIGKILL is restarted while the other keeps answering, and SIGTERM stops them all and
+removes the shared folder."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from sparsejax import runner
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT and /proc")
+
+
+def _get(port: int, path: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data)
+    with urllib.request.urlopen(req, timeout=30) as r:  # a new connection each time
+        return json.load(r)
+
+
+def _pids_answering(port: int, want: set, timeout: float = 120.0) -> set:
+    seen, deadline = set(), time.monotonic() + timeout
+    while not want <= seen and time.monotonic() < deadline:
+        try:
+            seen.add(_get(port, "/healthz")["pid"])
+        except OSError:
+            time.sleep(0.2)
+    return seen
+
+
+def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
+    pub = tmp_path / "pub"
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "data.kind=synthetic",
+            "data.max_vocab=5000",
+            "data.batch_size=32",
+            "model.embedding_dim=8",
+            "model.options={bottom: [16, 8], top: [16, 1]}",
+            "progress=false",
+            "eval_every=null",
+            "steps=3",
+            f"publish={{dir: {pub}, every_s: 1.0e-9, buckets: [1, 8]}}",
+        ],
+    )
+    runner.train(cfg, log=lambda _: None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparsejax", "serve", str(pub), "--workers", "2", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        first = proc.stdout.readline()
+        m = re.search(r"2 workers on http://127.0.0.1:(\d+) \(pids (\d+), (\d+)\); tables "
+                      r"shared in (\S+)", first)  # fmt: skip
+        assert m, first
+        port, pids, shared = int(m.group(1)), {int(m.group(2)), int(m.group(3))}, m.group(4)
+        assert _pids_answering(port, pids) >= pids
+        example = json.loads((pub / "1" / "example_request.json").read_text())["examples"][:1]
+        deadline = time.monotonic() + 60
+        while True:  # each worker follows the publish folder's deltas on its first poll
+            answers = [_get(port, "/v1/predict", {"examples": example}) for _ in range(20)]
+            if {a["model_version"] for a in answers} == {"3"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert {a["model_version"] for a in answers} == {"3"}
+        assert len({a["scores"][0] for a in answers}) == 1
+        files = set(os.listdir(shared))
+        assert files
+        for pid in pids:  # each worker maps the shared table files
+            maps = pathlib_text(f"/proc/{pid}/maps")
+            assert any(f in maps for f in files), pid
+        victim = min(pids)
+        os.kill(victim, signal.SIGKILL)
+        # once the supervisor has reaped it (every thread gone, its socket closed), no new
+        # connection goes to it (one that came while it died was in flight on it)
+        while _exists(victim):
+            time.sleep(0.05)
+        ok = [_get(port, "/v1/predict", {"examples": example}) for _ in range(10)]
+        assert all(a["model_version"] == "3" for a in ok)  # the other one answers
+        restarted = _pids_answering(port, pids - {victim} | {-1}, timeout=15)
+        deadline = time.monotonic() + 120
+        while not (restarted - pids) and time.monotonic() < deadline:
+            restarted |= _pids_answering(port, {-1}, timeout=2)
+        assert restarted - pids, "no new worker answered"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out
+        assert f"worker 0 (pid {victim}) died (killed by SIGKILL); restarting" in out or (
+            f"worker 1 (pid {victim}) died (killed by SIGKILL); restarting" in out
+        )
+        assert not os.path.exists(shared)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _exists(pid: int) -> bool:
+    """Whether process `pid` exists (running, or dead and not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def pathlib_text(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
