@@ -55,7 +55,19 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
     )
     runner.train(cfg, log=lambda _: None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sparsejax", "serve", str(pub), "--workers", "2", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "sparsejax",
+            "serve",
+            str(pub),
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--poll-seconds",
+            "0.5",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

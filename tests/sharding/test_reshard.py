@@ -226,6 +226,10 @@ PROCS = {
 PROC_PLACEMENTS = ["tables.C1.placement=row_wise", "tables.C2.placement=table_wise"]
 
 
+# slow (three runs of 1-2 processes, ~50 s): the default run restores across device counts
+# in one process (8 -> 2 -> 1 -> 8 above, the runner's 2 -> 1) and across process counts
+# (2 -> 1 and 1 -> 2, tests/runner/test_dynamic_processes.py)
+@pytest.mark.slow
 def test_processes_2_to_1_to_2_restore_each_others_shards_and_continue_the_losses(tmp_path):
     """A run of 6 steps on 2 processes (one device each, C1 row-wise over both, C2
     table-wise: each process writes its own shards); its copy at step 2 resumed on 1
