@@ -180,7 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
         ) from None
     workers = (os.cpu_count() or 1) if args.workers == "auto" else int(args.workers)
     if workers > 1:
-        from .serving._workers import serve_workers
+        from .serving import serve_workers
 
         rest = ["--max-wait-ms", str(args.max_wait_ms), "--max-body-bytes",
                 str(args.max_body_bytes), "--poll-seconds", str(args.poll_seconds)]  # fmt: skip

@@ -32,6 +32,7 @@ from ._predictor import Predictor as Predictor
 from ._preprocess import RequestError as RequestError
 from ._store import QUANTIZE_CHOICES as QUANTIZE_CHOICES
 from ._store import InferenceTableStore as InferenceTableStore
+from ._workers import serve_workers as serve_workers
 
 _SERVER_NAMES = ("make_app", "serve", "SERVER_KEY")
 

@@ -112,6 +112,7 @@ class Predictor:
             max_examples=max_examples,
         )
         self._shared = SharedArrays.from_env()  # a worker of `serve --workers`
+        self._shared_names: dict[str, str] = {}  # argument -> its shared array's name
         self._leaves = []
         for key, e in m["arguments"].items():  # one host array at a time, read in place
             self._leaves.append(_on_device(self._argument(model_dir, key, e)))
@@ -151,6 +152,7 @@ class Predictor:
             return read_argument(model_dir, e)
         crcs = ",".join(str(p["crc32"]) for p in e["pieces"])
         name = f"{os.path.abspath(model_dir)}|{key}|{crcs}"
+        self._shared_names[key] = name
         return self._shared.get(
             name, tuple(e["shape"]), e["dtype"], lambda out: read_argument(model_dir, e, out=out)
         )
@@ -182,11 +184,12 @@ class Predictor:
         keys = list(self.manifest["arguments"])
         at = {k: i for i, k in enumerate(keys)}
         served = {k: (lambda i=i: np.asarray(self._leaves[i])) for k, i in at.items()}
-        make = None
+        make, names = None, dict(self._shared_names)
         if self._shared is not None:  # made once, in the workers' shared memory
 
             def make(key, shape, dtype, fill):
                 name = f"{os.path.abspath(path)}|{key}"
+                names[key] = name
                 return self._shared.get(name, shape, dtype, fill)
 
         new = patched(path, m, served, make)
@@ -194,12 +197,22 @@ class Predictor:
         for k, a in new.items():
             leaves[at[k]] = _on_device(a, like=self._leaves[at[k]])
         out = copy.copy(self)
-        out._leaves = leaves
+        out._leaves, out._shared_names = leaves, names
         out.version = str(m["version"])
         out.created = float(m["created"])
         out.base_version = self.base_version or self.version
         out.manifest = {**self.manifest, "source": {**self.manifest["source"], "step": m["step"]}}
         return out
+
+    def release_shared(self, successor: Predictor | None = None) -> None:
+        """Remove the shared-memory files (`serve --workers`) of this predictor's arrays
+        that `successor` does not use: the workers that map them keep their mappings,
+        and one that needs them again makes them again."""
+        if self._shared is None:
+            return
+        keep = set() if successor is None else set(successor._shared_names.values())
+        for name in set(self._shared_names.values()) - keep:
+            self._shared.forget(name)
 
     def _check_layout(self, exp, b: int, path: str) -> None:
         """The exported computation takes this version's batch layout (same leaves,

@@ -166,6 +166,13 @@ def _candidates(source: str) -> list[str]:
     return [os.path.join(source, n) for _, n in reversed(versions)]
 
 
+def _release(old: Any, new: Any) -> None:
+    """Free what the replaced predictor held in the workers' shared memory."""
+    release = getattr(old, "release_shared", None)
+    if release is not None:
+        release(new)
+
+
 def _age(predictor: Any) -> float | None:
     """Seconds since the served version was published (None: unknown)."""
     created = getattr(predictor, "created", None)
@@ -440,6 +447,7 @@ class ModelServer:
                     continue
                 self._failed.pop(d, None)
                 self.batcher.swap(predictor)
+                _release(current, predictor)
                 self.source, self.model_dir, self._signature = source, d, sig
                 self.metrics.serving(predictor)
                 self.metrics.reloads.labels("success").inc()
@@ -474,6 +482,7 @@ class ModelServer:
                 return {**self._failure(path, sig, e, current), **{"reloaded": result["reloaded"]}}
             self._failed.pop(path, None)
             self.batcher.swap(predictor)
+            _release(current, predictor)
             self.metrics.serving(predictor)
             self.metrics.deltas.labels("applied").inc()
             result = {

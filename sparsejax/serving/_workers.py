@@ -9,12 +9,15 @@ table argument, and a delta's patched one, is made once in the shared folder and
 by every worker. A worker that dies is started again (its requests in flight are lost;
 the others keep serving); one that dies within `_STARTUP_S` of its start three times in
 a row stops the server with one line. SIGINT or SIGTERM stops the workers (each finishes
-its requests in flight) and removes the shared folder.
+its requests in flight) and removes the shared folder; a supervisor killed with SIGKILL
+leaves its folder, which the next supervisor removes. A worker that moves to a newer
+version removes the older one's shared files (the others keep their mappings).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
+from .._process import pid_alive
 from ._shared import ENV
 
 WORKER_ENV = "SPARSEJAX_SERVE_WORKER"
@@ -38,6 +42,14 @@ def _why(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit status {code}"
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove the shared folders of supervisors that are gone (killed with SIGKILL)."""
+    for name in os.listdir(parent):
+        m = re.match(r"sparsejax-serve-(\d+)-", name)
+        if m and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def serve_workers(
@@ -60,8 +72,9 @@ def serve_workers(
         log(f"sparsejax serve: cannot listen on {host}:{port}: {e.strerror or e}")
         return 2
     port = hold.getsockname()[1]
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    shared = tempfile.mkdtemp(prefix="sparsejax-serve-", dir=shm)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    _remove_stale(shm)
+    shared = tempfile.mkdtemp(prefix=f"sparsejax-serve-{os.getpid()}-", dir=shm)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: stop.append(s))

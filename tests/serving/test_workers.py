@@ -54,6 +54,8 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
         ],
     )
     runner.train(cfg, log=lambda _: None)
+    stale = "/dev/shm/sparsejax-serve-999999999-left"  # a supervisor killed with SIGKILL
+    os.makedirs(stale, exist_ok=True)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -88,8 +90,14 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
             time.sleep(0.5)
         assert {a["model_version"] for a in answers} == {"3"}
         assert len({a["scores"][0] for a in answers}) == 1
-        files = set(os.listdir(shared))
-        assert files
+        assert not os.path.exists(stale)  # removed at start
+        manifest = json.loads((pub / "1" / "model.json").read_text())
+        tables = [e for e in manifest["arguments"].values() if "pieces" in e]
+        deadline = time.monotonic() + 30
+        while len(os.listdir(shared)) != len(tables) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        files = set(os.listdir(shared))  # version 3's tables only: older ones were removed
+        assert len(files) == len(tables), (files, len(tables))
         for pid in pids:  # each worker maps the shared table files
             maps = pathlib_text(f"/proc/{pid}/maps")
             assert any(f in maps for f in files), pid
