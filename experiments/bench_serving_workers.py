@@ -55,6 +55,8 @@ def _start(model: str, workers: int, port: int) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline, pids = time.time() + 300, set()
     while time.time() < deadline and len(pids) < workers:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server ({workers} workers) exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
                 pids.add(json.load(r)["pid"])
@@ -119,11 +121,12 @@ def main(argv=None) -> int:
                        ["examples"][:1]})  # fmt: skip
     rows = {}
     for w in args.workers:
-        proc = _start(model, w, args.port)
+        port = args.port + w  # another port a run: no TIME_WAIT of the run before
+        proc = _start(model, w, port)
         try:
-            _wrk(args.port, body, 4, 2)  # warm-up
+            _wrk(port, body, 4, 2)  # warm-up
             for c in args.concurrency:
-                rows[(w, c)] = {**_wrk(args.port, body, c, args.seconds),
+                rows[(w, c)] = {**_wrk(port, body, c, args.seconds),
                                 "pss_mib": _pss_kib(proc.pid) / 1024}  # fmt: skip
         finally:
             proc.send_signal(signal.SIGTERM)
