@@ -350,6 +350,10 @@ def test_process_shares_make_up_the_global_batch():
         ProcessSharePacker(whole, 0, 3)
 
 
+# slow (~45 s, two training processes then two exporting): the default run exports row
+# shards piece by piece in one process (tests/serving/test_sharded_export.py) and exports
+# a 2-process run's parts (tests/runner/test_dynamic_processes.py)
+@pytest.mark.slow
 def test_two_processes_export_their_own_row_shards_and_serve_as_one(tmp_path):
     from sparsejax.serving import Predictor
 
