@@ -229,7 +229,7 @@ class Publisher:
         self.log = log
         self.model_id = uuid.uuid4().hex
         self.version = self._newest()
-        self._full: tuple[int, float] | None = None  # (version, time) of the last full one
+        self._full_at: float | None = None  # when the last full one was published
         self._previous: dict[str, np.ndarray] | None = None
 
     def _newest(self) -> int:
@@ -241,18 +241,18 @@ class Publisher:
         """Publish the current state: `{"kind": "full" | "delta", "version", "path",
         "rows"}` (rows: per argument the rows a delta carries)."""
         full_due = (
-            self._full is None
+            self._full_at is None
             or self.arguments is None
             or (
                 self.full_every_s is not None
-                and time.monotonic() - self._full[1] >= self.full_every_s
+                and time.monotonic() - self._full_at >= self.full_every_s
             )
         )
         version = self.version + 1
         if full_due:
             out = os.path.join(self.directory, str(version))
             manifest = self.export(out, {"model_id": self.model_id, "version": version})
-            self.version, self._full = version, (version, time.monotonic())
+            self.version, self._full_at = version, time.monotonic()
             self._previous = None
             if self.arguments is not None:  # what the server reads, byte for byte
                 self._previous = {

@@ -61,7 +61,6 @@ from typing import Any
 import prometheus_client as prom
 from aiohttp import web
 
-from .._version import __version__
 from . import _v2 as v2
 from ._batching import BatcherClosedError, DynamicBatcher
 from ._delta import DeltaError, delta_dirs
@@ -71,7 +70,6 @@ __all__ = ["ModelServer", "make_app", "serve", "SERVER_KEY"]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-_V2_EXTENSIONS = ["binary_tensor_data"]
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
 _JSON_TYPES.update({int: "a number", float: "a number", type(None): "null"})
 
@@ -702,25 +700,27 @@ class ModelServer:
 
     # -- the Open Inference Protocol (KServe v2; `_v2`) -----------------------------------
 
-    def _v2_model(self, request: web.Request) -> Any:
-        """The served predictor if the request names its model (and version); else 404."""
-        name = request.match_info["name"]
+    def v2_model(self, name: str, version: str | None = None) -> Any:
+        """The served predictor if `name` (and `version`, unless empty) name it; else a
+        LookupError naming what is served (REST: 404, gRPC: NOT_FOUND)."""
         predictor = self.predictor
         if name != self.model_name:
-            raise _HttpError(
-                404, "not_found", f"unknown model {name!r}; this server serves {self.model_name!r}"
-            )
-        version = request.match_info.get("version")
-        if version is not None and version != str(predictor.version):
-            raise _HttpError(
-                404,
-                "not_found",
-                f"model {name!r} version {version!r} is not served; version {predictor.version} is",
+            raise LookupError(f"unknown model {name!r}; this server serves {self.model_name!r}")
+        if version and version != str(predictor.version):
+            raise LookupError(
+                f"model {name!r} version {version!r} is not served; version {predictor.version} is"
             )
         return predictor
 
+    def _v2_model(self, request: web.Request) -> Any:
+        """`v2_model` of the request's path; 404 if it names another model or version."""
+        try:
+            return self.v2_model(request.match_info["name"], request.match_info.get("version"))
+        except LookupError as e:
+            raise _HttpError(404, "not_found", str(e)) from None
+
     async def v2_server(self, request: web.Request) -> web.Response:
-        return _json({"name": "sparsejax", "version": __version__, "extensions": _V2_EXTENSIONS})
+        return _json(v2.server_metadata())
 
     async def v2_live(self, request: web.Request) -> web.Response:
         return _json({"live": True})

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .._version import __version__
 from ._preprocess import RequestError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -61,6 +62,11 @@ def inputs(predictor: Any) -> list[dict]:
         *({"name": n, "datatype": dense, "shape": [-1]} for n in p.dense),
         *({"name": n, "datatype": sparse, "shape": [-1]} for n in p.sparse),
     ]
+
+
+def server_metadata() -> dict:
+    """The server metadata answer (GET /v2, gRPC ServerMetadata)."""
+    return {"name": "sparsejax", "version": __version__, "extensions": ["binary_tensor_data"]}
 
 
 def metadata(predictor: Any, name: str) -> dict:

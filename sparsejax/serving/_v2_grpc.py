@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from .._version import __version__
 from . import _v2 as v2
 from ._batching import BatcherClosedError
 from ._grpc_messages import SERVICE, message
@@ -77,17 +76,7 @@ class GrpcService:
         self.server = server
 
     def _model(self, name: str, version: str) -> Any:
-        """The served predictor if `name` (and `version`, unless empty) name it; else a
-        RequestError-like NOT_FOUND message."""
-        s = self.server
-        predictor = s.predictor
-        if name != s.model_name:
-            raise LookupError(f"unknown model {name!r}; this server serves {s.model_name!r}")
-        if version and version != str(predictor.version):
-            raise LookupError(
-                f"model {name!r} version {version!r} is not served; version {predictor.version} is"
-            )
-        return predictor
+        return self.server.v2_model(name, version)
 
     async def ServerLive(self, request, context):
         return message("ServerLiveResponse")(live=True)
@@ -103,9 +92,7 @@ class GrpcService:
         return message("ModelReadyResponse")(ready=True)
 
     async def ServerMetadata(self, request, context):
-        return message("ServerMetadataResponse")(
-            name="sparsejax", version=__version__, extensions=["binary_tensor_data"]
-        )
+        return message("ServerMetadataResponse")(**v2.server_metadata())
 
     async def ModelMetadata(self, request, context):
         try:
