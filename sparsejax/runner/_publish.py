@@ -39,7 +39,7 @@ class PublishHook(Hook):
             features=data.features,
         )
 
-        def export(out: str, publish) -> dict:
+        def export(out: str, publish, key_rows) -> dict:
             return export_model(
                 out,
                 run.trainer,
@@ -55,30 +55,30 @@ class PublishHook(Hook):
                 buckets=p.buckets,
                 overwrite=True,
                 publish=publish,
+                key_rows=key_rows,
                 **common,
             )
 
-        def arguments() -> dict:
+        def arguments(key_rows) -> dict:
             return serving_arguments(
                 run.trainer,
                 self._state,
                 num_dense=data.eval_batches[0].dense.shape[1],
                 quantize=p.quantize,
+                key_rows=key_rows,
                 **common,
             )
 
-        dynamic = any(t.dynamic is not None for t in data.tables)
         if run.trainer.task == "retrieval":
             raise ConfigError("publish: retrieval models are not published yet; export them")
         self.publisher = Publisher(
             p.dir,
             export=export,
-            arguments=None if dynamic else arguments,
+            arguments=arguments,
             full_every_s=p.full_every_s,
+            headroom=p.key_headroom,
             log=log,
         )
-        if dynamic:
-            log(f"publish: {p.dir}: the run has dynamic tables, so every publish is a full one")
 
     def _publish(self, step: int, state: TrainState) -> None:
         self._state = state
@@ -86,8 +86,12 @@ class PublishHook(Hook):
         got = self.publisher.publish(step)
         self._state = None
         self._last, self._published_step = time.monotonic(), step
-        rows = got.get("rows")
+        rows, keys = got.get("rows"), got.get("keys") or {}
         changed = "" if rows is None else f", {sum(v for v in rows.values() if v != 'all'):,} rows"
+        if keys:
+            added = sum(k["added"] for k in keys.values())
+            removed = sum(k["removed"] for k in keys.values())
+            changed += f", keys +{added:,} -{removed:,} in {len(keys)} tables"
         self.log(
             f"published step {step} as {got['kind']} version {got['version']} ({got['path']}"
             f"{changed}) in {time.perf_counter() - t0:.2f} s"

@@ -199,8 +199,8 @@ class PublishConfig:
     (`publish`): a full model dir into `dir` at the first step and every `full_every_s`
     seconds, and between them a delta every `every_s` seconds: the table rows changed
     since the version before and the dense parameters, which the server applies in
-    place (see `sparsejax.serving.Publisher`). Runs with dynamic tables publish full
-    model dirs only. One-process runs."""
+    place (see `sparsejax.serving.Publisher`); a dynamic table's deltas add its new
+    keys in spare rows and remove its evicted ones. One-process runs."""
 
     dir: str | None = None
     """The publish folder (required) (`DIR/<v>/` full model dirs, `DIR/<v>.delta/` deltas)."""
@@ -214,8 +214,14 @@ class PublishConfig:
     """As `sparsejax export --kernels`."""
     buckets: tuple[int, ...] = (1, 4, 16, 64, 256)
     """The padded batch sizes the server compiles (as `sparsejax export --buckets`)."""
+    key_headroom: float = 0.25
+    """Spare rows a full version keeps for a dynamic table's new keys, as a fraction of
+    its keys (at least 1,024; at most its max_rows in all). When they run out, the next
+    publish is a full one."""
 
     def __post_init__(self):
+        if not self.key_headroom >= 0:
+            raise ValueError(f"`key_headroom` must be >= 0, got {self.key_headroom!r}")
         if not self.buckets or min(self.buckets) < 1:
             raise ValueError(f"`buckets` must be batch sizes >= 1, got {list(self.buckets)}")
         if not self.dir:

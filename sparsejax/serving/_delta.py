@@ -6,12 +6,19 @@ PUBLISH_DIR/
   <v>/                 a full model dir (`export_model`); its manifest's "publish" holds
                        the model id and the version v
   <v>.delta/           the arguments that changed from version v-1 (its "base") to v:
-    delta.json         format, model id, version, base, step, created, and per argument
+    delta.json         format, model id, version, base, step, created, per argument
                        either {"rows", "values"} (the changed rows of a table: row
                        indices and their new values, already in serving form: quantized
-                       tables carry their quantized rows) or {"whole"}
+                       tables carry their quantized rows) or {"whole"}, and per dynamic
+                       table its "keys": {"added", "rows", "removed"}
     arrays/*.npy
 ```
+
+A dynamic table is published with rows to spare (`Publisher(headroom=)`): a delta puts
+the keys training added in free rows (their values among the changed rows) and removes
+the keys it evicted, whose rows are free again; served, an evicted key reads the default
+row. When the spare rows run out, the next publish is a full one, with rows to spare
+again.
 
 A server serving version v applies `<v+1>.delta` (its base is v) in place of a reload:
 the changed arguments are copied, patched and swapped in at once, so every request sees
@@ -22,6 +29,7 @@ not fit the served model is refused (`DeltaError`) and the served version stays.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -33,6 +41,7 @@ import numpy as np
 
 from ..checkpoint import read_array
 from ..embedding import aligned_empty
+from ._export import KeyRows
 from ._format import (
     ModelLoadError,
     read_argument,
@@ -40,6 +49,7 @@ from ._format import (
     write_arrays,
     write_json,
 )
+from ._preprocess import KeyMapping
 
 DELTA = "delta.json"
 DELTA_FORMAT = "sparsejax-delta"
@@ -83,9 +93,12 @@ def write_delta(
     version: int,
     base: int,
     step: int,
+    keys: Mapping[str, Mapping[str, np.ndarray]] | None = None,
 ) -> dict:
     """Write the delta from `previous` to `current` (arguments by key, the same keys,
-    shapes and dtypes) as `out` (through `<out>.tmp-<pid>`); returns its manifest."""
+    shapes and dtypes) as `out` (through `<out>.tmp-<pid>`), with the dynamic tables'
+    key changes `keys` (`{table: {"added", "rows", "removed"}}`: int64 arrays); returns
+    its manifest."""
     if set(previous) != set(current):
         raise ValueError(f"the arguments differ: {sorted(set(previous) ^ set(current))}")
     arrays, arguments = {}, {}
@@ -105,6 +118,12 @@ def write_delta(
             arrays[f"{i}.rows"] = rows.astype(np.int64)
             arrays[f"{i}.values"] = new[rows]
             arguments[key] = {"rows": f"{i}.rows", "values": f"{i}.values"}
+    key_parts = {}
+    for j, (table, parts) in enumerate((keys or {}).items()):
+        key_parts[table] = {}
+        for part in ("added", "rows", "removed"):
+            arrays[f"keys{j}.{part}"] = np.asarray(parts[part], np.int64)
+            key_parts[table][part] = f"keys{j}.{part}"
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -120,6 +139,10 @@ def write_delta(
             "arguments": {
                 key: {part: entries[name] for part, name in parts.items()}
                 for key, parts in arguments.items()
+            },
+            "keys": {
+                table: {part: entries[name] for part, name in parts.items()}
+                for table, parts in key_parts.items()
             },
         }
         write_json(os.path.join(tmp, DELTA), manifest)
@@ -146,6 +169,32 @@ def read_delta(path: str) -> dict:
     return m
 
 
+def _array(path: str, entry: Mapping) -> np.ndarray:
+    """One of a delta's arrays, checked (a `DeltaError` if it is corrupt)."""
+    return read_array(
+        os.path.join(path, entry["file"]), dict(entry), error=DeltaError, what="delta"
+    )
+
+
+def updated_keys(
+    path: str, manifest: Mapping, served: Mapping[str, KeyMapping]
+) -> Mapping[str, KeyMapping]:
+    """The served dynamic tables' key rows with the delta's key changes made (`served`
+    itself if it makes none); a `DeltaError` names a change that does not fit."""
+    if not manifest.get("keys"):
+        return served
+    out = dict(served)
+    for table, parts in manifest["keys"].items():
+        if table not in out:
+            raise DeltaError(f"delta {path} changes the keys of {table!r}, not a dynamic table")
+        try:
+            got = {p: _array(path, e) for p, e in parts.items()}
+            out[table] = out[table].updated(got["added"], got["rows"], got["removed"])
+        except (KeyError, ValueError) as e:
+            raise DeltaError(f"delta {path}: table {table!r}: {e}") from None
+    return out
+
+
 def patched(
     path: str,
     manifest: Mapping,
@@ -168,10 +217,7 @@ def patched(
     for key, parts in manifest["arguments"].items():
         if key not in served:
             raise DeltaError(f"delta {path} changes argument {key}, which the model does not have")
-        got = {
-            p: read_array(os.path.join(path, e["file"]), dict(e), error=DeltaError, what="delta")
-            for p, e in parts.items()
-        }
+        got = {p: _array(path, e) for p, e in parts.items()}
         old = served[key]()
         if "whole" in got:
             new = got["whole"]
@@ -204,55 +250,106 @@ def patched(
     return out
 
 
+class _NoRoom(Exception):
+    """A dynamic table has more new keys than spare rows: publish a full version."""
+
+
 class Publisher:
     """Publishes a training run into `directory` for `sparsejax serve` to follow: a full
     model dir first and every `full_every_s` seconds, deltas otherwise.
 
-    `export(out, publish)` writes a full model dir (`export_model` with `publish=`);
-    `arguments()` returns the current state's serving arguments (`serving_arguments`),
-    or raises `ExportError` when deltas cannot be cut (dynamic tables: every publish is
-    then a full one). Old versions are pruned: the previous full model dir and the
+    `export(out, publish, key_rows)` writes a full model dir (`export_model` with
+    `publish=` and `key_rows=`); `arguments(key_rows)` returns the current state's
+    serving arguments (`serving_arguments` with `key_rows=`), or is None (every publish
+    is a full one). A dynamic table's full version keeps `headroom` of its keys (at
+    least `MIN_SPARE_ROWS` rows, at most the table's `max_rows` in all) free for the
+    keys that deltas add. Old versions are pruned: the previous full model dir and the
     deltas since it are kept."""
+
+    MIN_SPARE_ROWS = 1024
 
     def __init__(
         self,
         directory: str,
         *,
-        export: Callable[[str, Mapping], object],
-        arguments: Callable[[], dict[str, np.ndarray]] | None,
+        export: Callable[[str, Mapping, KeyRows], object],
+        arguments: Callable[[KeyRows], dict[str, np.ndarray]] | None,
         full_every_s: float | None = 3600.0,
+        headroom: float = 0.25,
         log: Callable[[str], object] = print,
     ):
         self.directory = os.path.abspath(directory)
         self.export, self.arguments = export, arguments
         self.full_every_s = full_every_s
+        self.headroom = headroom
         self.log = log
         self.model_id = uuid.uuid4().hex
         self.version = self._newest()
         self._full_at: float | None = None  # when the last full one was published
         self._previous: dict[str, np.ndarray] | None = None
+        self._served: dict[str, KeyMapping] = {}  # the published dynamic tables' key rows
+        self._next: dict[str, KeyMapping] = {}  # ... of the version being cut
+        self._key_changes: dict[str, dict] = {}  # ... and what changed since the last
 
     def _newest(self) -> int:
         os.makedirs(self.directory, exist_ok=True)
         fulls = [int(n) for n in os.listdir(self.directory) if n.isdigit()]
         return max([*fulls, *delta_dirs(self.directory)], default=0)
 
+    def _full_rows(self, table, keys: np.ndarray) -> KeyMapping:
+        """A full version's key rows: the keys in order, then spare rows, the default."""
+        n = keys.shape[0]
+        rows = n + max(math.ceil(n * self.headroom), self.MIN_SPARE_ROWS)
+        if table.dynamic is not None and table.dynamic.max_rows is not None:
+            rows = max(min(rows, table.dynamic.max_rows), n)
+        self._next[table.name] = got = KeyMapping(keys, rows)
+        return got
+
+    def _delta_rows(self, table, keys: np.ndarray) -> KeyMapping:
+        """A delta's key rows: the kept keys where they were, the evicted ones' rows
+        free, the new keys in the lowest free rows (`_NoRoom` if too few)."""
+        old = self._served[table.name]
+        removed = np.setdiff1d(old.keys, keys, assume_unique=True)
+        added = np.setdiff1d(keys, old.keys, assume_unique=True)
+        rows = np.arange(old.keys.shape[0]) if old.rows is None else old.rows
+        taken = np.zeros(old.default_row, bool)
+        taken[rows[~np.isin(old.keys, removed, assume_unique=True)]] = True
+        free = np.flatnonzero(~taken)[: added.shape[0]]
+        if free.shape[0] < added.shape[0]:
+            raise _NoRoom(
+                f"table {table.name!r}: {added.shape[0]:,} new keys, {free.shape[0]:,} free rows"
+            )
+        if added.size or removed.size:
+            self._key_changes[table.name] = {"added": added, "rows": free, "removed": removed}
+        self._next[table.name] = got = old.updated(added, free, removed)
+        return got
+
     def publish(self, step: int) -> dict:
         """Publish the current state: `{"kind": "full" | "delta", "version", "path",
-        "rows"}` (rows: per argument the rows a delta carries)."""
-        full_due = (
+        "rows", "keys"}` (a delta's rows: per argument the rows it carries; keys: per
+        dynamic table the keys added and removed)."""
+        version = self.version + 1
+        self._next, self._key_changes = {}, {}
+        current = None
+        if not (
             self._full_at is None
             or self.arguments is None
             or (
                 self.full_every_s is not None
                 and time.monotonic() - self._full_at >= self.full_every_s
             )
-        )
-        version = self.version + 1
-        if full_due:
+        ):
+            try:
+                current = self.arguments(self._delta_rows)
+            except _NoRoom as e:
+                self.log(f"publish: {e}: version {version} is a full one, with rows to spare")
+                self._next, self._key_changes = {}, {}
+        if current is None:
             out = os.path.join(self.directory, str(version))
-            manifest = self.export(out, {"model_id": self.model_id, "version": version})
-            self.version, self._full_at = version, time.monotonic()
+            manifest = self.export(
+                out, {"model_id": self.model_id, "version": version}, self._full_rows
+            )
+            self.version, self._full_at, self._served = version, time.monotonic(), self._next
             self._previous = None
             if self.arguments is not None:  # what the server reads, byte for byte
                 self._previous = {
@@ -260,7 +357,6 @@ class Publisher:
                 }
             self._prune()
             return {"kind": "full", "version": version, "path": out}
-        current = self.arguments()
         out = os.path.join(self.directory, f"{version}.delta")
         m = write_delta(
             out,
@@ -270,12 +366,17 @@ class Publisher:
             version=version,
             base=self.version,
             step=step,
+            keys=self._key_changes,
         )
-        self.version, self._previous = version, current
+        self.version, self._previous, self._served = version, current, self._next
         rows = {
             k: p["rows"]["shape"][0] if "rows" in p else "all" for k, p in m["arguments"].items()
         }
-        return {"kind": "delta", "version": version, "path": out, "rows": rows}
+        keys = {
+            t: {"added": c["added"].shape[0], "removed": c["removed"].shape[0]}
+            for t, c in self._key_changes.items()
+        }
+        return {"kind": "delta", "version": version, "path": out, "rows": rows, "keys": keys}
 
     def _prune(self) -> None:
         """Remove the versions older than the full one before the newest full one."""

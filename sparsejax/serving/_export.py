@@ -153,14 +153,26 @@ class _Tables:
     store's `sharded_tables`, rows maybe padded), a tiered one's fp32 rows from its host."""
 
     rows: dict[str, int]
-    keys: dict[str, np.ndarray]  # dynamic tables: sorted keys (row i), default row last
+    keys: dict[str, KeyMapping]  # dynamic tables: their keys' rows, the default row last
     layers: dict[tuple, dict[str, np.ndarray]]
 
 
-def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tables:
+KeyRows = Callable[[TableSpec, np.ndarray], KeyMapping]
+"""Where a dynamic table's keys are served: given the table and its sorted keys, their
+`KeyMapping` (its default row is the last row; the default `compact_rows`)."""
+
+
+def compact_rows(table: TableSpec, keys: np.ndarray) -> KeyMapping:
+    """Key i at row i, the default row right after them."""
+    return KeyMapping(keys, keys.shape[0])
+
+
+def _full_tables(
+    trainer, state, top: Mapping[str, TableSpec], features, key_rows: KeyRows = compact_rows
+) -> _Tables:
     """Every table by layer: static ones as their stores shard them, tiered ones from the
-    host (a dynamic table's keys unioned over the layers that read it, the default row
-    last)."""
+    host (a dynamic table's keys unioned over the layers that read it, at the rows
+    `key_rows` gives them, the default row last)."""
     top_of_feature = {f.name: f.table for f in features}
     by_layer = {}
     for path, store in trainer.layouts.items():
@@ -183,9 +195,10 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
             if t.dynamic is not None:
                 got = host_rows[layer_table_key(path, name)]["keys"]
                 keys.setdefault(mirror[(path, name)], []).append(got)
-    keys = {t: np.unique(np.concatenate(k)) for t, k in keys.items()}
+    keys = {t: key_rows(top[t], np.unique(np.concatenate(k))) for t, k in keys.items()}
     rows = {
-        name: (keys[name].shape[0] + 1 if name in keys else t.vocab_size) for name, t in top.items()
+        name: (keys[name].default_row + 1 if name in keys else t.vocab_size)
+        for name, t in top.items()
     }
     layers = {}
     for path, (store, exported) in by_layer.items():
@@ -200,10 +213,10 @@ def _full_tables(trainer, state, top: Mapping[str, TableSpec], features) -> _Tab
                 full = np.zeros((t.vocab_size, t.dim), np.float32)
                 full[got_keys] = w
             else:
-                top_keys = keys[mirror[(path, name)]]
+                served = keys[mirror[(path, name)]]
                 default = ht["default"]
-                full = np.tile(np.asarray(default, np.float32), (top_keys.shape[0] + 1, 1))
-                full[np.searchsorted(top_keys, got_keys)] = w
+                full = np.tile(np.asarray(default, np.float32), (served.default_row + 1, 1))
+                full[served(got_keys)] = w
             out[name] = full
         layers[path] = out
     return _Tables(rows, keys, layers)
@@ -314,21 +327,16 @@ def serving_arguments(
     features: Sequence[FeatureSpec],
     num_dense: int,
     quantize: str | None = None,
+    key_rows: KeyRows = compact_rows,
 ) -> dict[str, np.ndarray]:
-    """The arguments a model dir of `state` holds (`export_model` with `quantize`), in
-    memory and keyed as its manifest's "arguments": what a delta is cut from. One
-    process, static tables: a dynamic table's serving rows move as keys come and go."""
-    dynamic = [t.name for t in tables if t.dynamic is not None]
-    if dynamic:
-        raise ExportError(
-            f"tables {dynamic} are dynamic: their serving rows change with their keys, so "
-            f"they are published as full exports only"
-        )
+    """The arguments a model dir of `state` holds (`export_model` with `quantize` and
+    `key_rows`), in memory and keyed as its manifest's "arguments": what a delta is cut
+    from. One process."""
     if jax.process_count() > 1:
         raise ExportError("serving_arguments runs in one process")
     kind = storage_kind(quantize)
     features = tuple(features)
-    full = _full_tables(trainer, state, {t.name: t for t in tables}, features)
+    full = _full_tables(trainer, state, {t.name: t for t in tables}, features, key_rows)
     serving_tables = [serving_spec(t, full.rows[t.name]) for t in tables]
     model = make_model(serving_tables).clone(implementation="xla")
     packer = BatchPacker(serving_tables, features, batch_size=1, num_dense=num_dense)
@@ -354,16 +362,21 @@ def serving_arguments(
 
 
 # ---- preprocessing ------------------------------------------------------------------------
-def _mapping_entry(mapping, table: str, keys: Mapping[str, np.ndarray], arrays: dict) -> dict:
+def _mapping_entry(mapping, table: str, keys: Mapping[str, KeyMapping], arrays: dict) -> dict:
     """A feature's id mapping as a manifest entry (its arrays added to `arrays`)."""
     if table in keys:
-        arrays[f"keys/{table}"] = keys[table]
-        return {
+        served = keys[table]
+        arrays[f"keys/{table}"] = served.keys
+        entry = {
             "kind": "keys",
             "array": f"keys/{table}",
-            "default_row": int(keys[table].shape[0]),
+            "default_row": int(served.default_row),
             "raw_keys": isinstance(mapping, RawIdMapping),
         }
+        if served.rows is not None:
+            arrays[f"key_rows/{table}"] = served.rows
+            entry["rows"] = f"key_rows/{table}"
+        return entry
     if isinstance(mapping, HashMapping):
         return {"kind": "hash", "buckets": mapping.buckets}
     if isinstance(mapping, VocabMapping):
@@ -488,6 +501,7 @@ def export_model(
     kernels: str = "xla",
     overwrite: bool = False,
     publish: Mapping[str, Any] | None = None,
+    key_rows: KeyRows = compact_rows,
 ) -> dict:
     """Export a trained model as a model dir (see the module docstring).
 
@@ -511,6 +525,8 @@ def export_model(
       kernels: "xla" (portable) or "native" (this platform's custom calls).
       publish: recorded as the manifest's "publish" (`Publisher`: the model id and
         version that deltas name as their base).
+      key_rows: where each dynamic table's keys are served (`Publisher`: with rows
+        free for the keys its deltas add).
 
     Returns:
       The manifest written (also `out/model.json`), with "check": the exported model's
@@ -523,7 +539,7 @@ def export_model(
         raise ExportError("export: a retrieval model needs its item catalog (catalog=)")
     top = {t.name: t for t in tables}
     features = tuple(features)
-    full = _full_tables(trainer, state, top, features)
+    full = _full_tables(trainer, state, top, features, key_rows)
     serving_tables = [serving_spec(t, full.rows[t.name]) for t in tables]
     check_servable(serving_tables)
     keys = full.keys
@@ -782,11 +798,7 @@ def _check(trainer, state, batches, features, fn, read_args, keys, layouts) -> d
     0's; a large table read in the rows the batches look up) against the run's own
     model on the eval split's batches (a dynamic table's keys mapped to serving rows):
     max |score - score_run| (binary: probabilities) and, for binary models, both AUCs."""
-    key_maps = {
-        f.name: KeyMapping(keys[f.table], keys[f.table].shape[0])
-        for f in features
-        if f.table in keys
-    }
+    key_maps = {f.name: keys[f.table] for f in features if f.table in keys}
     temperature = getattr(trainer.model, "temperature", None)
     theirs, labels, masks, inputs = [], [], [], []
     for batch in batches:

@@ -26,10 +26,10 @@ from .._version import __version__
 from ..data import BatchPacker, Examples
 from ..embedding import FeatureSpec, TableSpec, aligned_empty
 from ..ops import cpu_ffi_available
-from ._delta import DeltaError, patched, read_delta
+from ._delta import DeltaError, patched, read_delta, updated_keys
 from ._export import _pad_batch, _scores, batch_arrays
 from ._format import EXAMPLE_REQUEST, ModelLoadError, read_argument, read_array, read_manifest
-from ._preprocess import Preprocessor, RequestError, mapping_from_entry
+from ._preprocess import KeyMapping, Preprocessor, RequestError, key_mapping, mapping_from_entry
 from ._shared import SharedArrays
 
 __all__ = ["ModelLoadError", "Predictor", "RequestError"]
@@ -98,19 +98,14 @@ class Predictor:
             b: BatchPacker(tables, self.features, batch_size=b, num_dense=m["num_dense"])
             for b in self.buckets
         }
-        arrays = {k: read_array(model_dir, e) for k, e in m["mapping_arrays"].items()}
-        maps = {t: mapping_from_entry(e, arrays) for t, e in m["mappings"].items()}
-        rows = {t.name: t.vocab_size for t in tables}
-        self.preprocessor = Preprocessor(
-            m["input"],
-            {f.name: maps[f.table] for f in self.features},
-            {
-                f.name: None if m["mappings"][f.table]["kind"] != "identity" else rows[f.table]
-                for f in self.features
-            },
-            {f.name: f.max_ids for f in self.features if not f.is_sequence},
-            max_examples=max_examples,
-        )
+        self._mapping_arrays = arrays = {
+            k: read_array(model_dir, e) for k, e in m["mapping_arrays"].items()
+        }
+        self._max_examples = max_examples
+        self._keys = {  # the dynamic tables' key rows (deltas change them)
+            t: key_mapping(e, arrays) for t, e in m["mappings"].items() if e["kind"] == "keys"
+        }
+        self.preprocessor = self._preprocessor(self._keys)
         self._shared = SharedArrays.from_env()  # a worker of `serve --workers`
         self._shared_names: dict[str, str] = {}  # argument -> its shared array's name
         self._leaves = []
@@ -144,6 +139,26 @@ class Predictor:
         if os.path.exists(path):
             with open(path) as fh:
                 self.example_request = json.load(fh)
+
+    def _preprocessor(self, keys: Mapping[str, KeyMapping]) -> Preprocessor:
+        """The request parser, with the dynamic tables' key rows `keys`."""
+        m = self.manifest
+        maps = {
+            t: mapping_from_entry(e, self._mapping_arrays, keys.get(t))
+            for t, e in m["mappings"].items()
+        }
+        return Preprocessor(
+            m["input"],
+            {f.name: maps[f.table] for f in self.features},
+            {
+                f.name: m["tables"][f.table]["rows"]
+                if m["mappings"][f.table]["kind"] == "identity"
+                else None
+                for f in self.features
+            },
+            {f.name: f.max_ids for f in self.features if not f.is_sequence},
+            max_examples=self._max_examples,
+        )
 
     def _argument(self, model_dir: str, key: str, e: Mapping) -> np.ndarray:
         """One exported argument; a table argument of a worker of `serve --workers`
@@ -192,12 +207,15 @@ class Predictor:
                 names[key] = name
                 return self._shared.get(name, shape, dtype, fill)
 
+        keys = updated_keys(path, m, self._keys)
         new = patched(path, m, served, make)
         leaves = list(self._leaves)
         for k, a in new.items():
             leaves[at[k]] = _on_device(a, like=self._leaves[at[k]])
         out = copy.copy(self)
         out._leaves, out._shared_names = leaves, names
+        if keys is not self._keys:
+            out._keys, out.preprocessor = keys, self._preprocessor(keys)
         out.version = str(m["version"])
         out.created = float(m["created"])
         out.base_version = self.base_version or self.version

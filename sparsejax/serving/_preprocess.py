@@ -50,20 +50,72 @@ class RequestError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KeyMapping:
-    """A dynamic table's raw keys -> serving rows: key `keys[i]` is row i (keys sorted);
-    any other key (unseen, or evicted before export) is `default_row`."""
+    """A dynamic table's raw keys -> serving rows: key `keys[i]` is row `rows[i]` (row i
+    where `rows` is None; keys sorted); any other key (unseen, or evicted) is
+    `default_row`. A published table leaves rows free between the keys' and the default
+    row, for the keys its deltas add (`updated`)."""
 
     keys: np.ndarray  # int64[n], sorted
     default_row: int
+    rows: np.ndarray | None = None  # int64[n]: each key's row (None: row i)
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         raw = np.asarray(raw, np.int64)
         n = self.keys.shape[0]
         if n == 0:
             return np.full(raw.shape, self.default_row, np.int64)
-        i = np.searchsorted(self.keys, raw)
-        found = self.keys[np.minimum(i, n - 1)] == raw
-        return np.where(found, i, self.default_row)
+        i = np.minimum(np.searchsorted(self.keys, raw), n - 1)
+        found = self.keys[i] == raw
+        return np.where(found, i if self.rows is None else self.rows[i], self.default_row)
+
+    def updated(self, added: np.ndarray, added_rows: np.ndarray, removed: np.ndarray):
+        """This mapping with the `removed` keys gone (their rows free) and the `added`
+        keys at `added_rows`; a `ValueError` names a key or row that does not fit (a
+        removed key it lacks, an added key it has, a row taken, out of range or given
+        twice)."""
+        keys = self.keys
+        rows = np.arange(keys.shape[0]) if self.rows is None else self.rows
+        removed = np.asarray(removed, np.int64)
+        if removed.size:
+            i = np.minimum(np.searchsorted(keys, removed), max(keys.shape[0] - 1, 0))
+            have = keys[i] == removed if keys.size else np.zeros(removed.shape, bool)
+            if not have.all():
+                raise ValueError(f"removes key {int(removed[~have][0])}, which is not served")
+            keep = np.ones(keys.shape[0], bool)
+            keep[i] = False
+            keys, rows = keys[keep], rows[keep]
+        added = np.asarray(added, np.int64)
+        added_rows = np.asarray(added_rows, np.int64)
+        if added.ndim != 1 or added_rows.shape != added.shape:
+            raise ValueError(f"adds {added.shape} keys at {added_rows.shape} rows")
+        if not added.size:
+            return KeyMapping(keys, self.default_row, rows)
+        bad = (added_rows < 0) | (added_rows >= self.default_row)
+        if bad.any():
+            raise ValueError(
+                f"adds key {int(added[bad][0])} at row {int(added_rows[bad][0])}, outside "
+                f"rows 0..{self.default_row - 1}"
+            )
+        taken = np.zeros(self.default_row, bool)
+        taken[rows] = True
+        twice = taken[added_rows]
+        by_row = np.argsort(added_rows, kind="stable")
+        twice[by_row[1:][added_rows[by_row][1:] == added_rows[by_row][:-1]]] = True
+        if twice.any():
+            raise ValueError(
+                f"adds key {int(added[twice][0])} at row {int(added_rows[twice][0])}, "
+                f"which another key has"
+            )
+        order = np.argsort(added, kind="stable")
+        added, added_rows = added[order], added_rows[order]
+        at = np.searchsorted(keys, added)
+        dup = keys[np.minimum(at, keys.shape[0] - 1)] == added if keys.size else at < 0
+        dup[1:] |= added[1:] == added[:-1]
+        if dup.any():
+            raise ValueError(f"adds key {int(added[dup][0])}, which is served already")
+        return KeyMapping(
+            np.insert(keys, at, added), self.default_row, np.insert(rows, at, added_rows)
+        )
 
 
 def _chain(*maps):
@@ -79,15 +131,26 @@ def _chain(*maps):
     return mapped
 
 
-def mapping_from_entry(entry: Mapping, arrays: Mapping[str, np.ndarray]):
-    """The id mapping a manifest entry describes (see `_export.mapping_entry`)."""
+def key_mapping(entry: Mapping, arrays: Mapping[str, np.ndarray]) -> KeyMapping:
+    """A dynamic table's `KeyMapping` from its manifest entry (kind "keys")."""
+    rows = entry.get("rows")
+    return KeyMapping(
+        arrays[entry["array"]], int(entry["default_row"]), None if rows is None else arrays[rows]
+    )
+
+
+def mapping_from_entry(
+    entry: Mapping, arrays: Mapping[str, np.ndarray], keys: KeyMapping | None = None
+):
+    """The id mapping a manifest entry describes (see `_export.mapping_entry`); a
+    dynamic table's with `keys` in place of the entry's own (after deltas)."""
     kind = entry["kind"]
     if kind == "hash":
         m = HashMapping(buckets=int(entry["buckets"]))
     elif kind == "vocab":
         m = VocabMapping(values=arrays[entry["array"]])
     elif kind == "keys":
-        m = KeyMapping(arrays[entry["array"]], int(entry["default_row"]))
+        m = keys or key_mapping(entry, arrays)
     elif kind == "identity":
         m = None
     else:
@@ -253,6 +316,8 @@ class Preprocessor:
         sparse = {}
         for name in self.sparse:
             rows, lengths = self.rows[name], np.zeros(n, np.int64)
+            if rows is None:  # a dynamic table's keys, or ids its mapping takes
+                rows = 1 << 63
             values = []
             for i, ex in enumerate(examples):
                 v = ex.get(name)

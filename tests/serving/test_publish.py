@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sparsejax import runner
 from sparsejax.runner import export_run
-from sparsejax.serving import DeltaError, Predictor, make_app
+from sparsejax.serving import DeltaError, Predictor, Publisher, make_app
 from sparsejax.serving._delta import DELTA, delta_dirs
 
 SYNTHETIC = [
@@ -229,3 +229,89 @@ def test_a_replacing_leaf_is_placed_as_the_leaf_it_replaces():
         assert _on_device(a, like=committed).committed
         assert not _on_device(a, like=uncommitted).committed
         np.testing.assert_array_equal(np.asarray(_on_device(a, like=committed)), a)
+
+
+# ---- dynamic tables: new keys in spare rows, evicted keys removed ----------------------
+@pytest.fixture(scope="module")
+def published_dynamic(tmp_path_factory):
+    """An int8 run whose tables are dynamic and evict keys unseen for 2 steps, publishing
+    every step with few spare rows (they run out: a full version mid-run)."""
+    tmp = tmp_path_factory.mktemp("publish_dynamic")
+    pub = tmp / "pub"
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp / 'runs'}",
+            "name=dyn",
+            *SYNTHETIC,
+            "steps=8",
+            "tables={'*': {dynamic: true, cache_rows: 256, eviction: {ttl_steps: 2,"
+            " every_steps: 2}}}",
+            f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, quantize: int8,"
+            " buckets: [1, 8], key_headroom: 0.05}",
+        ],
+    )
+    lines = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Publisher, "MIN_SPARE_ROWS", 40)
+        runner.train(cfg, log=lines.append)
+    final = str(tmp / "final")
+    export_run(str(tmp / "runs" / "dyn"), final, quantize="int8", log=lambda _: None)
+    return pub, lines, Predictor.load(final, warmup=False)
+
+
+def test_dynamic_tables_publish_new_and_evicted_keys_as_deltas(published_dynamic):
+    pub, lines, final = published_dynamic
+    # the spare rows ran out once at least: that publish was a full one, with spare again
+    assert any("is a full one, with rows to spare" in ln for ln in lines)
+    fulls = sorted(int(n) for n in os.listdir(pub) if n.isdigit())
+    assert len(fulls) >= 2 and fulls[-1] < 8, lines
+    p = Predictor.load(str(pub / str(fulls[-1])), warmup=False)
+    spare = {
+        t: e["default_row"] - p._keys[t].keys.shape[0] for t, e in p.manifest["mappings"].items()
+    }
+    assert all(n >= 40 for n in spare.values())
+    added = removed = 0
+    evicted = {}
+    deltas = delta_dirs(str(pub))
+    for v in sorted(v for v in deltas if v > fulls[-1]):
+        m = json.loads(pathlib.Path(deltas[v], DELTA).read_text())
+        for t, parts in m["keys"].items():
+            added += parts["added"]["shape"][0]
+            removed += parts["removed"]["shape"][0]
+            gone = np.load(os.path.join(deltas[v], parts["removed"]["file"]))
+            evicted.setdefault(t, set()).update(int(k) for k in gone)
+        p = p.with_delta(deltas[v])
+    assert p.version == "8" and added > 0 and removed > 0
+    # the keys served are the final export's (evicted ones gone), each at a row of its own
+    for t, km in p._keys.items():
+        np.testing.assert_array_equal(km.keys, final._keys[t].keys)
+        at = np.arange(km.keys.shape[0]) if km.rows is None else km.rows
+        assert np.unique(at).shape == at.shape and at.max(initial=0) < km.default_row
+    rows = final.example_request["examples"]
+    # an evicted key and a key never seen read the default row, as in the final export
+    t = next(t for t, ks in evicted.items() if ks - set(p._keys[t].keys.tolist()))
+    gone = next(iter(evicted[t] - set(p._keys[t].keys.tolist())))
+    rows = [*rows, {**rows[0], t: gone}, {**rows[1], t: 10**12}]
+    # int8 both sides: the same quantized rows, at other row numbers
+    np.testing.assert_allclose(p.predict(rows), final.predict(rows), rtol=0, atol=1e-6)
+
+
+def test_key_changes_that_do_not_fit_are_refused_naming_the_key():
+    from sparsejax.serving._preprocess import KeyMapping
+
+    km = KeyMapping(np.array([3, 7, 9]), 6, np.array([2, 0, 1]))
+    got = km.updated(np.array([8, 1]), np.array([3, 5]), np.array([7]))
+    np.testing.assert_array_equal(got.keys, [1, 3, 8, 9])
+    np.testing.assert_array_equal(got(np.array([1, 3, 7, 8, 9, 4])), [5, 2, 6, 3, 1, 6])
+    np.testing.assert_array_equal(km(np.array([7])), [0])  # the old mapping is kept
+    for args, words in [
+        (([], [], [4]), "removes key 4, which is not served"),
+        (([5], [6], []), "adds key 5 at row 6, outside rows 0..5"),
+        (([5], [2], []), "adds key 5 at row 2, which another key has"),
+        (([5, 6], [4, 4], []), "at row 4, which another key has"),
+        (([9], [4], []), "adds key 9, which is served already"),
+        (([5, 5], [4, 3], []), "adds key 5, which is served already"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            km.updated(*(np.array(a, np.int64) for a in args))
