@@ -192,7 +192,12 @@ def _serve(args: argparse.Namespace) -> int:
             if value is not None:
                 rest += [flag, str(value)]
         return serve_workers(
-            args.model_dir, workers, host=args.host, port=args.port, worker_args=rest
+            args.model_dir,
+            workers,
+            host=args.host,
+            port=args.port,
+            worker_args=rest,
+            run_worker=main,
         )
     log = print
     worker = os.environ.get("SPARSEJAX_SERVE_WORKER")

@@ -2,29 +2,33 @@
 supervised.
 
 The supervisor reserves the port (a socket bound with SO_REUSEPORT, never listening),
-makes a folder in shared memory for the workers' arrays (`_shared`), and starts N
+makes a folder in shared memory for the workers' arrays (`_shared`), and forks N
 `sparsejax serve` workers that each bind the port with SO_REUSEPORT: the kernel spreads
-the connections over them. Each worker is a whole server (batcher, reloads, deltas); a
-table argument, and a delta's patched one, is made once in the shared folder and mapped
-by every worker. A worker that dies is started again (its requests in flight are lost;
-the others keep serving); one that dies within `_STARTUP_S` of its start three times in
-a row stops the server with one line. SIGINT or SIGTERM stops the workers (each finishes
-its requests in flight) and removes the shared folder; a supervisor killed with SIGKILL
-leaves its folder, which the next supervisor removes. A worker that moves to a newer
-version removes the older one's shared files (the others keep their mappings).
+the connections over them. The supervisor has imported the server's code but started no
+JAX backend, and its objects are frozen out of the garbage collector before it forks, so
+the workers share those pages instead of each importing its own. Each worker is a whole
+server (batcher, reloads, deltas); a table argument, and a delta's patched one, is made
+once in the shared folder and mapped by every worker. A worker that dies is started again
+(its requests in flight are lost; the others keep serving); one that dies within
+`_STARTUP_S` of its start three times in a row stops the server with one line. SIGINT or
+SIGTERM stops the workers (each finishes its requests in flight) and removes the shared
+folder; a supervisor killed with SIGKILL leaves its folder, which the next supervisor
+removes. A worker that moves to a newer version removes the older one's shared files
+(the others keep their mappings).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 from .._process import pid_alive
@@ -59,11 +63,14 @@ def serve_workers(
     host: str,
     port: int,
     worker_args: Sequence[str],
+    run_worker: Callable[[list[str]], int],
     log: Callable[[str], object] = print,
 ) -> int:
     """Run `workers` servers of `model_path` on host:port (0: a free port) until SIGINT
-    or SIGTERM (see the module docstring); `worker_args`: each worker's other `serve`
-    options. Returns 0 after a stop, 1 if a worker cannot start, 2 if the port is taken."""
+    or SIGTERM (see the module docstring): each is a forked process that calls
+    `run_worker` (the command line's main) with its `sparsejax serve` arguments, of
+    which `worker_args` are the options. Returns 0 after a stop, 1 if a worker cannot
+    start, 2 if the port is taken."""
     hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
@@ -79,24 +86,53 @@ def serve_workers(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: stop.append(s))
 
-    def start(k: int) -> tuple[subprocess.Popen, float]:
-        cmd = [sys.executable, "-m", "sparsejax", "serve", model_path, "--host", host,
-               "--port", str(port), "--reuse-port", *worker_args]  # fmt: skip
-        env = dict(os.environ, **{ENV: shared, WORKER_ENV: str(k)})
-        return subprocess.Popen(cmd, env=env), time.monotonic()
+    argv = ["serve", model_path, "--host", host, "--port", str(port), "--reuse-port",
+            *worker_args]  # fmt: skip
+    gc.freeze()  # the objects so far stay untouched: their pages stay shared after a fork
+
+    def start(k: int) -> tuple[int, float]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            return pid, time.monotonic()
+        code = 1  # the worker: a whole server, until SIGTERM
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            hold.close()
+            os.environ.update({ENV: shared, WORKER_ENV: str(k)})
+            code = run_worker(list(argv))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001 - the worker's end: say why, then exit
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def exited(pid: int, block: bool = False) -> int | None:
+        """The worker's exit code (negative: killed by that signal; 0 if it was reaped
+        before), None if it runs."""
+        try:
+            got, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        return None if got == 0 else os.waitstatus_to_exitcode(status)
 
     procs = {k: start(k) for k in range(workers)}
     log(
         f"sparsejax serve: {workers} workers on http://{host}:{port} (pids "
-        f"{', '.join(str(p.pid) for p, _ in procs.values())}); tables shared in {shared}"
+        f"{', '.join(str(pid) for pid, _ in procs.values())}); tables shared in {shared}"
     )
     quick_deaths = {k: 0 for k in procs}
     status = 0
     try:
         while not stop:
             time.sleep(0.2)
-            for k, (p, t0) in list(procs.items()):
-                code = p.poll()
+            for k, (pid, t0) in list(procs.items()):
+                code = exited(pid)
                 if code is None or stop:
                     continue
                 quick = time.monotonic() - t0 < _STARTUP_S
@@ -108,20 +144,21 @@ def serve_workers(
                     )
                     status = 1
                     stop.append(None)
+                    procs.pop(k)
                     break
-                log(f"sparsejax serve: worker {k} (pid {p.pid}) died ({_why(code)}); restarting")
+                log(f"sparsejax serve: worker {k} (pid {pid}) died ({_why(code)}); restarting")
                 procs[k] = start(k)
     finally:
-        for p, _ in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        running = {pid for pid, _ in procs.values() if exited(pid) is None}
+        for pid in running:
+            os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 60
-        for p, _ in procs.values():
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        while running and time.monotonic() < deadline:
+            running = {pid for pid in running if exited(pid) is None}
+            time.sleep(0.05)
+        for pid in running:
+            os.kill(pid, signal.SIGKILL)
+            exited(pid, block=True)
         hold.close()
         shutil.rmtree(shared, ignore_errors=True)
     log("sparsejax serve: stopped")
