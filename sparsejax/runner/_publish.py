@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from ..serving import Preprocessing, Publisher, export_model, serving_arguments
 from ..train import Hook, TrainState
@@ -23,10 +24,13 @@ class PublishHook(Hook):
     def __init__(self, run, log: Callable[[str], object] = print):
         cfg, data = run.cfg, run.data
         p = cfg.publish
-        if jax.process_count() > 1:
+        host = [t.name for t in data.tables if t.is_tiered]
+        if jax.process_count() > 1 and host:
             raise ConfigError(
-                f"publish: a run of {jax.process_count()} processes cannot publish yet; "
-                f"export its checkpoints (`sparsejax export`) into the serving folder instead"
+                f"publish: tables {host[:3]}{'...' if len(host) > 3 else ''} are kept on each "
+                f"process's host (tiered or dynamic), and a run of {jax.process_count()} "
+                f"processes cannot publish them yet; train in one process, or export the "
+                f"checkpoints (`sparsejax export`) into the serving folder"
             )
         self.every_s, self.log = p.every_s, log
         self._state: TrainState | None = None
@@ -98,7 +102,12 @@ class PublishHook(Hook):
         )
 
     def after_step(self, step: int, state: TrainState, metrics) -> None:
-        if self._last is None or time.monotonic() - self._last >= self.every_s:
+        due = self._last is None or time.monotonic() - self._last >= self.every_s
+        if jax.process_count() > 1:  # all processes publish together, when process 0 says
+            from jax.experimental import multihost_utils
+
+            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        if due:
             self._publish(step, state)
 
     def on_end(self, step: int, state: TrainState) -> None:

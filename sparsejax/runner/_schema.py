@@ -200,7 +200,8 @@ class PublishConfig:
     seconds, and between them a delta every `every_s` seconds: the table rows changed
     since the version before and the dense parameters, which the server applies in
     place (see `sparsejax.serving.Publisher`); a dynamic table's deltas add its new
-    keys in spare rows and remove its evicted ones. One-process runs."""
+    keys in spare rows and remove its evicted ones. In a run of several processes, each
+    writes the rows it holds (not tiered or dynamic tables yet)."""
 
     dir: str | None = None
     """The publish folder (required) (`DIR/<v>/` full model dirs, `DIR/<v>.delta/` deltas)."""

@@ -37,15 +37,17 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
+import jax
 import numpy as np
 
 from ..checkpoint import read_array
 from ..embedding import aligned_empty
-from ._export import KeyRows
+from ._export import KeyRows, _allgather_json, _barrier
 from ._format import (
     ModelLoadError,
     read_argument,
     read_json_manifest,
+    read_own_pieces,
     write_arrays,
     write_json,
 )
@@ -84,10 +86,38 @@ def changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.any(a != b, axis=1))
 
 
+Argument = np.ndarray | list[tuple[int, np.ndarray]]
+"""An argument's value: the whole array, or (a process of several) the rows it holds of a
+table argument, as `[(first row, rows)]`."""
+
+
+def _cut(key: str, old: Argument, new: Argument, name: str, arrays: dict) -> dict | None:
+    """The delta of one argument: `{"whole": name}` or `{"pieces": [{"rows", "values"}]}`
+    (names of the arrays added to `arrays`), None if it did not change."""
+    whole = isinstance(new, np.ndarray)
+    olds = [(0, old)] if isinstance(old, np.ndarray) else old
+    news = [(0, new)] if whole else new
+    if [(r, a.shape, a.dtype) for r, a in olds] != [(r, a.shape, a.dtype) for r, a in news]:
+        got = lambda blocks: [(r, f"{a.dtype}{list(a.shape)}") for r, a in blocks]  # noqa: E731
+        raise ValueError(f"argument {key}: {got(olds)} became {got(news)}")
+    pieces = []
+    for (r0, a), (_, b) in zip(olds, news, strict=True):
+        rows = changed_rows(a, b)
+        if not rows.size:
+            continue
+        if whole and (b.ndim == 0 or 2 * rows.size > b.shape[0]):
+            arrays[f"{name}.whole"] = b
+            return {"whole": f"{name}.whole"}
+        arrays[f"{name}.{r0}.rows"] = (rows + r0).astype(np.int64)
+        arrays[f"{name}.{r0}.values"] = b[rows]
+        pieces.append({"rows": f"{name}.{r0}.rows", "values": f"{name}.{r0}.values"})
+    return {"pieces": pieces} if pieces else None
+
+
 def write_delta(
     out: str,
-    previous: Mapping[str, np.ndarray],
-    current: Mapping[str, np.ndarray],
+    previous: Mapping[str, Argument],
+    current: Mapping[str, Argument],
     *,
     model_id: str,
     version: int,
@@ -98,36 +128,43 @@ def write_delta(
     """Write the delta from `previous` to `current` (arguments by key, the same keys,
     shapes and dtypes) as `out` (through `<out>.tmp-<pid>`), with the dynamic tables'
     key changes `keys` (`{table: {"added", "rows", "removed"}}`: int64 arrays); returns
-    its manifest."""
+    its manifest. In a run of several processes, a collective: each writes the rows it
+    holds (`serving_arguments`), process 0 the manifest."""
     if set(previous) != set(current):
         raise ValueError(f"the arguments differ: {sorted(set(previous) ^ set(current))}")
-    arrays, arguments = {}, {}
+    me = jax.process_index()
+    arrays: dict[str, np.ndarray] = {}
+    arguments = {}
     for i, (key, new) in enumerate(current.items()):
-        old = previous[key]
-        if old.shape != new.shape or old.dtype != new.dtype:
-            raise ValueError(
-                f"argument {key}: {old.dtype}{list(old.shape)} became {new.dtype}{list(new.shape)}"
-            )
-        rows = changed_rows(old, new)
-        if not rows.size:
-            continue
-        if new.ndim == 0 or 2 * rows.size > new.shape[0]:
-            arrays[f"{i}.whole"] = new
-            arguments[key] = {"whole": f"{i}.whole"}
-        else:
-            arrays[f"{i}.rows"] = rows.astype(np.int64)
-            arrays[f"{i}.values"] = new[rows]
-            arguments[key] = {"rows": f"{i}.rows", "values": f"{i}.values"}
+        got = _cut(key, previous[key], new, f"p{me}.{i}", arrays)
+        if got is not None:
+            arguments[key] = got
     key_parts = {}
     for j, (table, parts) in enumerate((keys or {}).items()):
         key_parts[table] = {}
         for part in ("added", "rows", "removed"):
             arrays[f"keys{j}.{part}"] = np.asarray(parts[part], np.int64)
             key_parts[table][part] = f"keys{j}.{part}"
-    tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = f"{out}.tmp-{_allgather_json(os.getpid())[0]}"  # process 0's pid
+    if me == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier("delta folder")
     try:
         entries = write_arrays(os.path.join(tmp, "arrays"), arrays)
+
+        def entry(x):  # the names in `x` as their entries
+            if isinstance(x, str):
+                return entries[x]
+            if isinstance(x, list):
+                return [entry(v) for v in x]
+            return {k: entry(v) for k, v in x.items()}
+
+        merged: dict[str, dict] = {}
+        for theirs in _allgather_json(entry(arguments)):
+            for key, parts in theirs.items():
+                have = merged.setdefault(key, parts)
+                if have is not parts:
+                    have["pieces"] += parts["pieces"]
         manifest = {
             "format": DELTA_FORMAT,
             "format_version": DELTA_VERSION,
@@ -136,18 +173,14 @@ def write_delta(
             "base": int(base),
             "step": int(step),
             "created": time.time(),
-            "arguments": {
-                key: {part: entries[name] for part, name in parts.items()}
-                for key, parts in arguments.items()
-            },
-            "keys": {
-                table: {part: entries[name] for part, name in parts.items()}
-                for table, parts in key_parts.items()
-            },
+            "arguments": merged,
+            "keys": entry(key_parts),
         }
-        write_json(os.path.join(tmp, DELTA), manifest)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        if me == 0:
+            write_json(os.path.join(tmp, DELTA), manifest)
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
+        _barrier("delta renamed")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -217,10 +250,9 @@ def patched(
     for key, parts in manifest["arguments"].items():
         if key not in served:
             raise DeltaError(f"delta {path} changes argument {key}, which the model does not have")
-        got = {p: _array(path, e) for p, e in parts.items()}
         old = served[key]()
-        if "whole" in got:
-            new = got["whole"]
+        if "whole" in parts:
+            new = _array(path, parts["whole"])
             if new.shape != old.shape or new.dtype != old.dtype:
                 raise DeltaError(
                     f"delta {path}: argument {key} is {new.dtype}{list(new.shape)}, the model's "
@@ -228,25 +260,43 @@ def patched(
                 )
             out[key] = new
             continue
-        rows, values = got.get("rows"), got.get("values")
-        if rows is None or values is None:
-            raise DeltaError(f"delta {path}: argument {key} has neither whole nor rows+values")
-        bad = (rows < 0) | (rows >= old.shape[0])
-        if rows.ndim != 1 or values.shape != (rows.shape[0], *old.shape[1:]) or bad.any():
-            raise DeltaError(
-                f"delta {path}: argument {key}: {rows.shape[0]} rows of {values.dtype}"
-                f"{list(values.shape[1:])} do not fit {old.dtype}{list(old.shape)}"
-            )
-        if values.dtype != old.dtype:
-            raise DeltaError(
-                f"delta {path}: argument {key} values are {values.dtype}, the model's {old.dtype}"
-            )
+        if not isinstance(parts.get("pieces"), list):
+            raise DeltaError(f"delta {path}: argument {key} has neither whole nor pieces")
+        pieces = []
+        for piece in parts["pieces"]:
+            rows, values = _array(path, piece["rows"]), _array(path, piece["values"])
+            bad = (rows < 0) | (rows >= old.shape[0])
+            if rows.ndim != 1 or values.shape != (rows.shape[0], *old.shape[1:]) or bad.any():
+                raise DeltaError(
+                    f"delta {path}: argument {key}: {rows.shape[0]} rows of {values.dtype}"
+                    f"{list(values.shape[1:])} do not fit {old.dtype}{list(old.shape)}"
+                )
+            if values.dtype != old.dtype:
+                raise DeltaError(
+                    f"delta {path}: argument {key} values are {values.dtype}, the model's "
+                    f"{old.dtype}"
+                )
+            pieces.append((rows, values))
 
-        def fill(new, old=old, rows=rows, values=values):
+        def fill(new, old=old, pieces=pieces):
             new[...] = old
-            new[rows] = values
+            for rows, values in pieces:
+                new[rows] = values
 
         out[key] = make(key, old.shape, old.dtype, fill)
+    return out
+
+
+def _own_arguments(model_dir: str, manifest: Mapping) -> dict[str, Argument]:
+    """A model dir's arguments as `serving_arguments` gives them: whole in one process;
+    in several, each process's own pieces of the tables, and process 0 the rest."""
+    me, many = jax.process_index(), jax.process_count() > 1
+    out = {}
+    for k, e in manifest["arguments"].items():
+        if many and "pieces" in e:
+            out[k] = read_own_pieces(model_dir, e, me)
+        elif me == 0 or not many:
+            out[k] = read_argument(model_dir, e)
     return out
 
 
@@ -283,7 +333,8 @@ class Publisher:
         self.full_every_s = full_every_s
         self.headroom = headroom
         self.log = log
-        self.model_id = uuid.uuid4().hex
+        # a run of several processes: process 0's id, and its decisions (`publish`)
+        self.model_id = _allgather_json(uuid.uuid4().hex)[0]
         self.version = self._newest()
         self._full_at: float | None = None  # when the last full one was published
         self._previous: dict[str, np.ndarray] | None = None
@@ -331,14 +382,15 @@ class Publisher:
         version = self.version + 1
         self._next, self._key_changes = {}, {}
         current = None
-        if not (
+        full_due = (
             self._full_at is None
             or self.arguments is None
             or (
                 self.full_every_s is not None
                 and time.monotonic() - self._full_at >= self.full_every_s
             )
-        ):
+        )
+        if not _allgather_json(full_due)[0]:
             try:
                 current = self.arguments(self._delta_rows)
             except _NoRoom as e:
@@ -352,10 +404,10 @@ class Publisher:
             self.version, self._full_at, self._served = version, time.monotonic(), self._next
             self._previous = None
             if self.arguments is not None:  # what the server reads, byte for byte
-                self._previous = {
-                    k: read_argument(out, e) for k, e in manifest["arguments"].items()
-                }
-            self._prune()
+                self._previous = _own_arguments(out, manifest)
+            if jax.process_index() == 0:
+                self._prune()
+            _barrier("pruned")
             return {"kind": "full", "version": version, "path": out}
         out = os.path.join(self.directory, f"{version}.delta")
         m = write_delta(
@@ -370,7 +422,8 @@ class Publisher:
         )
         self.version, self._previous, self._served = version, current, self._next
         rows = {
-            k: p["rows"]["shape"][0] if "rows" in p else "all" for k, p in m["arguments"].items()
+            k: sum(q["rows"]["shape"][0] for q in p["pieces"]) if "pieces" in p else "all"
+            for k, p in m["arguments"].items()
         }
         keys = {
             t: {"added": c["added"].shape[0], "removed": c["removed"].shape[0]}

@@ -328,12 +328,21 @@ def serving_arguments(
     num_dense: int,
     quantize: str | None = None,
     key_rows: KeyRows = compact_rows,
-) -> dict[str, np.ndarray]:
+) -> dict[str, np.ndarray | list[tuple[int, np.ndarray]]]:
     """The arguments a model dir of `state` holds (`export_model` with `quantize` and
     `key_rows`), in memory and keyed as its manifest's "arguments": what a delta is cut
-    from. One process."""
-    if jax.process_count() > 1:
-        raise ExportError("serving_arguments runs in one process")
+    from. In a run of several processes (a collective: all call it), each gets the rows
+    it holds of each table argument, as `[(first row, rows)]` in the pieces an export
+    writes, and process 0 the dense parameters too; tiered and dynamic tables need one
+    process (each process holds its own keys)."""
+    procs = jax.process_count()
+    if procs > 1:
+        host = [t.name for t in tables if t.is_tiered]
+        if host:
+            raise ExportError(
+                f"tables {host} are kept on each process's host (tiered or dynamic): a run of "
+                f"{procs} processes cannot cut deltas of them yet"
+            )
     kind = storage_kind(quantize)
     features = tuple(features)
     full = _full_tables(trainer, state, {t.name: t for t in tables}, features, key_rows)
@@ -343,8 +352,11 @@ def serving_arguments(
     with tables_stored_by(InferenceTableStore.factory(kind, "xla")):
         layouts, _ = trace_layouts(model, _pad_batch(packer))
     markers = _markers(layouts)
-    values: dict[tuple, np.ndarray] = {}
+    values: dict[tuple, np.ndarray | list] = {}
     for path, sname, k, _, (r0, r1), offset, a in _table_blocks(layouts, full, kind, {}):
+        if procs > 1:
+            values.setdefault((path, sname, k), []).append((offset + r0, a))
+            continue
         arr = values.get((path, sname, k))
         if arr is None:
             m = markers[path][sname][k]
@@ -353,12 +365,13 @@ def serving_arguments(
     flat, _ = jax.tree_util.tree_flatten_with_path(
         (jax.device_get(state.params), tables_from_layers(layouts, markers))
     )
-    return {
-        jax.tree_util.keystr(p): values[(a.path, a.stack, a.kind)]
-        if isinstance(a, _Arg)
-        else np.asarray(a)
-        for p, a in flat
-    }
+    out = {}
+    for p, a in flat:
+        if isinstance(a, _Arg):
+            out[jax.tree_util.keystr(p)] = values.get((a.path, a.stack, a.kind), [])
+        elif jax.process_index() == 0:  # the dense parameters: the same on every process
+            out[jax.tree_util.keystr(p)] = np.asarray(a)
+    return out
 
 
 # ---- preprocessing ------------------------------------------------------------------------

@@ -178,6 +178,19 @@ def read_argument(
     return out
 
 
+def read_own_pieces(model_dir: str, entry: Mapping, process: int) -> list[tuple[int, np.ndarray]]:
+    """The pieces of a table argument that `process` wrote, as `[(first row, rows)]`."""
+    dtype = np.dtype(entry["dtype"])
+    out = []
+    for piece in entry["pieces"]:
+        if piece.get("process", 0) == process:
+            r0, r1 = piece["rows"]
+            rows = aligned_empty((r1 - r0, *entry["shape"][1:]), dtype)
+            _read_piece_into(model_dir, piece, rows)
+            out.append((r0, rows))
+    return out
+
+
 def _sparse_zeros(shape: tuple, dtype) -> np.ndarray:
     """Zeros (page-aligned) whose memory is taken only in the pages written: an
     anonymous map. numpy asks for 2 MiB huge pages for a large array, so rows written

@@ -91,7 +91,11 @@ def test_a_delta_carries_only_the_rows_training_changed(published):
     m = json.loads(pathlib.Path(pub, "3.delta", DELTA).read_text())
     assert m["base"] == 2 and m["version"] == 3 and m["step"] == 3
     table_rows = {k: e["shape"][0] for k, e in final.manifest["arguments"].items() if "pieces" in e}
-    carried = {k: e["rows"]["shape"][0] for k, e in m["arguments"].items() if "rows" in e}
+    carried = {
+        k: sum(q["rows"]["shape"][0] for q in e["pieces"])
+        for k, e in m["arguments"].items()
+        if "pieces" in e
+    }
     assert carried and set(carried) <= set(table_rows)
     # one batch of 32 examples touches a few hundred of the 5000-row tables' rows
     for k, n in carried.items():
@@ -315,3 +319,56 @@ def test_key_changes_that_do_not_fit_are_refused_naming_the_key():
     ]:
         with pytest.raises(ValueError, match=re.escape(words)):
             km.updated(*(np.array(a, np.int64) for a in args))
+
+
+# ---- a run of two processes ------------------------------------------------------------
+def test_two_processes_publish_the_rows_each_holds(tmp_path):
+    """`launch -n 2` with C1 split row-wise over the processes: both write the rows they
+    hold into each delta, process 0 the manifest; the deltas, followed, score as the run's
+    final checkpoint exported in one process."""
+    from _cli import run_sparsejax
+
+    pub = tmp_path / "pub"
+    out = run_sparsejax(
+        "launch",
+        "-n",
+        "2",
+        f"out_dir={tmp_path / 'runs'}",
+        "name=two",
+        *SYNTHETIC,
+        "steps=4",
+        "tables.C1.placement=row_wise",
+        f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1, 8]}}",
+    )
+    assert "published step 4 as delta version 4" in out
+    assert sorted(os.listdir(pub)) == ["1", "2.delta", "3.delta", "4.delta"]
+    writers = {
+        f.name.split(".")[0] for v in (2, 3, 4) for f in (pub / f"{v}.delta" / "arrays").iterdir()
+    }
+    assert writers == {"p0", "p1"}
+    final = str(tmp_path / "final")
+    export_run(str(tmp_path / "runs" / "two"), final, log=lambda _: None)
+    final = Predictor.load(final, warmup=False)
+    rows = final.example_request["examples"]
+    first = Predictor.load(str(pub / "1"), warmup=False)
+    assert np.abs(first.predict(rows) - final.predict(rows)).max() > 1e-6
+    np.testing.assert_allclose(_follow(pub).predict(rows), final.predict(rows), rtol=0, atol=1e-6)
+
+
+def test_two_processes_refuse_to_publish_tables_kept_on_their_hosts(tmp_path):
+    import subprocess
+    import sys
+
+    from _cli import ROOT
+
+    got = subprocess.run(
+        [sys.executable, "-m", "sparsejax", "launch", "-n", "2", f"out_dir={tmp_path}",
+         *SYNTHETIC, "tables.C1={dynamic: true, cache_rows: 64}",
+         f"publish={{dir: {tmp_path / 'pub'}}}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert got.returncode != 0
+    assert (
+        "tables ['C1'] are kept on each process's host (tiered or dynamic)"
+        in got.stdout + got.stderr
+    )
