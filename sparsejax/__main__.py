@@ -184,11 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         rest = ["--max-wait-ms", str(args.max_wait_ms), "--max-body-bytes",
                 str(args.max_body_bytes), "--poll-seconds", str(args.poll_seconds)]  # fmt: skip
-        for flag, value in (
-            ("--max-batch", args.max_batch),
-            ("--name", args.name),
-            ("--grpc-port", args.grpc_port),
-        ):
+        for flag, value in (("--max-batch", args.max_batch), ("--name", args.name)):
             if value is not None:
                 rest += [flag, str(value)]
         return serve_workers(
@@ -198,6 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             worker_args=rest,
             run_worker=main,
+            grpc_port=args.grpc_port,
         )
     log = print
     worker = os.environ.get("SPARSEJAX_SERVE_WORKER")

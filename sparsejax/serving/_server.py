@@ -291,6 +291,36 @@ class _Metrics:
             self.version_created.set(created)
 
 
+class InFlight:
+    """Calls in flight (`enter`/`leave`) and the most at once over the last one to two
+    `window_s` (`recent_peak`): the senders of a protocol whose clients keep several
+    calls in flight on one connection."""
+
+    def __init__(self, window_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self._clock = window_s, clock
+        self.now = 0
+        self._peaks = [0, 0]  # this window's, the one before's
+        self._since = clock()
+
+    def _roll(self) -> None:
+        t = self._clock()
+        if t - self._since >= self.window_s:
+            before = self._peaks[0] if t - self._since < 2 * self.window_s else 0
+            self._peaks, self._since = [self.now, before], t
+
+    def enter(self) -> None:
+        self._roll()
+        self.now += 1
+        self._peaks[0] = max(self._peaks[0], self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+    def recent_peak(self) -> int:
+        self._roll()
+        return max(self._peaks)
+
+
 class ModelServer:
     """The state behind the HTTP app: the model path, the batcher, metrics and reloads.
 
@@ -341,6 +371,7 @@ class ModelServer:
         self.last_error: dict | None = None  # the last refused load or delta (/v1/model)
         self.started = time.time()
         self.connections: Callable[[], int] | None = None  # open connections (`attach`)
+        self.grpc_calls = InFlight()  # v2 gRPC calls (`_v2_grpc`)
         if predictor is None:
             if self.source is None:
                 raise ValueError("give a model path or a predictor")
@@ -380,8 +411,12 @@ class ModelServer:
         return os.path.isfile(os.path.join(self.model_dir, "model.json"))
 
     def _senders(self) -> int:
+        """How many requests could join a batch: one per open HTTP connection, and the
+        most gRPC calls in flight at once lately (HTTP/2 carries many a connection)."""
         connections = self.connections
-        return sys.maxsize if connections is None else connections()
+        if connections is None:
+            return sys.maxsize
+        return connections() + self.grpc_calls.recent_peak()
 
     def _load_first(self) -> Any:
         dirs = _candidates(self.source)

@@ -110,6 +110,7 @@ class GrpcService:
 
     async def ModelInfer(self, request, context):
         s = self.server
+        s.grpc_calls.enter()  # a batch may wait for the calls in flight (`_senders`)
         try:
             predictor = self._model(request.model_name, request.model_version)
             rest, binary = _as_rest(request)
@@ -121,6 +122,8 @@ class GrpcService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e).splitlines()[0])
         except BatcherClosedError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            s.grpc_calls.leave()
         scores = np.asarray(scores, "<f4")
         out = message("ModelInferResponse")(
             model_name=s.model_name, model_version=str(version), id=request.id

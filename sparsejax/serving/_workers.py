@@ -64,21 +64,31 @@ def serve_workers(
     port: int,
     worker_args: Sequence[str],
     run_worker: Callable[[list[str]], int],
+    grpc_port: int | None = None,
     log: Callable[[str], object] = print,
 ) -> int:
     """Run `workers` servers of `model_path` on host:port (0: a free port) until SIGINT
     or SIGTERM (see the module docstring): each is a forked process that calls
     `run_worker` (the command line's main) with its `sparsejax serve` arguments, of
-    which `worker_args` are the options. Returns 0 after a stop, 1 if a worker cannot
+    which `worker_args` are the options; with `grpc_port` (0: a free one), the v2 gRPC
+    API on one port too. Returns 0 after a stop, 1 if a worker cannot
     start, 2 if the port is taken."""
-    hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        hold.bind((host, port))
-    except OSError as e:
-        log(f"sparsejax serve: cannot listen on {host}:{port}: {e.strerror or e}")
-        return 2
-    port = hold.getsockname()[1]
+    holds = []
+    for what, want in (("", port), ("gRPC ", grpc_port)):
+        if want is None:
+            continue
+        hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            hold.bind((host, want))
+        except OSError as e:
+            log(f"sparsejax serve: cannot listen for {what}on {host}:{want}: {e.strerror or e}")
+            for h in holds:
+                h.close()
+            return 2
+        holds.append(hold)
+    port = holds[0].getsockname()[1]
+    grpc = [] if grpc_port is None else ["--grpc-port", str(holds[1].getsockname()[1])]
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     _remove_stale(shm)
     shared = tempfile.mkdtemp(prefix=f"sparsejax-serve-{os.getpid()}-", dir=shm)
@@ -87,7 +97,7 @@ def serve_workers(
         signal.signal(sig, lambda s, f: stop.append(s))
 
     argv = ["serve", model_path, "--host", host, "--port", str(port), "--reuse-port",
-            *worker_args]  # fmt: skip
+            *grpc, *worker_args]  # fmt: skip
     gc.freeze()  # the objects so far stay untouched: their pages stay shared after a fork
 
     def start(k: int) -> tuple[int, float]:
@@ -100,7 +110,8 @@ def serve_workers(
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
-            hold.close()
+            for h in holds:
+                h.close()
             os.environ.update({ENV: shared, WORKER_ENV: str(k)})
             code = run_worker(list(argv))
         except SystemExit as e:
@@ -123,7 +134,8 @@ def serve_workers(
 
     procs = {k: start(k) for k in range(workers)}
     log(
-        f"sparsejax serve: {workers} workers on http://{host}:{port} (pids "
+        f"sparsejax serve: {workers} workers on http://{host}:{port}"
+        f"{'' if not grpc else f', v2 gRPC on {host}:{grpc[1]}'} (pids "
         f"{', '.join(str(pid) for pid, _ in procs.values())}); tables shared in {shared}"
     )
     quick_deaths = {k: 0 for k in procs}
@@ -159,7 +171,8 @@ def serve_workers(
         for pid in running:
             os.kill(pid, signal.SIGKILL)
             exited(pid, block=True)
-        hold.close()
+        for h in holds:
+            h.close()
         shutil.rmtree(shared, ignore_errors=True)
     log("sparsejax serve: stopped")
     return status

@@ -109,3 +109,24 @@ def test_compiled_proto_is_up_to_date(tmp_path):
         "sparsejax/serving/_grpc_messages.py is out of date: put the new proto's serialized "
         "FileDescriptorProto in _DESCRIPTOR"
     )
+
+
+def test_a_batch_waits_for_as_many_grpc_calls_as_were_lately_in_flight():
+    """gRPC clients keep several calls in flight on one connection: the batcher's count
+    of senders is the most calls in flight at once over the last second or two."""
+    from sparsejax.serving import _server
+
+    now = [100.0]
+    calls = _server.InFlight(window_s=1.0, clock=lambda: now[0])
+    for _ in range(3):
+        calls.enter()
+    calls.leave()
+    assert calls.now == 2 and calls.recent_peak() == 3
+    for _ in range(2):
+        calls.leave()
+    now[0] += 1.5  # the next window: the one before still counts
+    assert calls.recent_peak() == 3
+    now[0] += 1.0
+    assert calls.recent_peak() == 0  # two windows with no call
+    calls.enter()
+    assert calls.recent_peak() == 1

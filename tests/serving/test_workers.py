@@ -1,7 +1,7 @@
 """`sparsejax serve --workers 2`: two server processes answer on one port with the same
 model (deltas applied), map the same table files in shared memory, a worker killed with
 SIGKILL is restarted while the other keeps answering, and SIGTERM stops them all and
-removes the shared folder."""
+removes the shared folder; their v2 gRPC API shares one port too."""
 
 import json
 import os
@@ -16,6 +16,7 @@ import pytest
 
 from sparsejax import runner
 
+grpcclient = pytest.importorskip("tritonclient.grpc")
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT and /proc")
 
 
@@ -69,6 +70,8 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
             "0",
             "--poll-seconds",
             "0.5",
+            "--grpc-port",
+            "0",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -76,11 +79,15 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
     )
     try:
         first = proc.stdout.readline()
-        m = re.search(r"2 workers on http://127.0.0.1:(\d+) \(pids (\d+), (\d+)\); tables "
-                      r"shared in (\S+)", first)  # fmt: skip
+        m = re.search(r"2 workers on http://127.0.0.1:(\d+), v2 gRPC on 127.0.0.1:(\d+) "
+                      r"\(pids (\d+), (\d+)\); tables shared in (\S+)", first)  # fmt: skip
         assert m, first
-        port, pids, shared = int(m.group(1)), {int(m.group(2)), int(m.group(3))}, m.group(4)
+        port, grpc_port = int(m.group(1)), int(m.group(2))
+        pids, shared = {int(m.group(3)), int(m.group(4))}, m.group(5)
         assert _pids_answering(port, pids) >= pids
+        # one gRPC port for both workers too (the supervisor picked the free one)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        assert all(grpc.is_model_ready("pub") for _ in range(8))
         example = json.loads((pub / "1" / "example_request.json").read_text())["examples"][:1]
         deadline = time.monotonic() + 60
         while True:  # each worker follows the publish folder's deltas on its first poll
