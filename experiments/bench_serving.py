@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Serving (issue 12): throughput and latency through the HTTP server, with and without
-dynamic batching, per model dir (e.g. fp32 vs int8 tables), and the Python predictor's
-own throughput.
+"""Serving (issues 12 and 27): throughput and latency through the HTTP and gRPC server,
+with and without dynamic batching, on 1 and 2 server processes, in closed and open loop,
+per model dir (e.g. fp32 vs int8 tables), and the Python predictor's own throughput.
 
-For each model dir (--model [LABEL=]DIR, e.g. fp32=models/fp32 int8=models/int8):
+For each model dir (--model [LABEL=]DIR, e.g. fp32=models/fp32 int8=models/int8),
+--loadgen python (the default) measures (a) and (b), --loadgen native (c):
 
 (a) predictor: `Predictor.load(DIR)` in this process; `predict(examples)` on batches of
     --predictor-batches raw examples (default 1, 32, 256: parse + pad + model, raw
@@ -42,6 +43,58 @@ predictor section; --examples gives the bodies).
 
     python experiments/bench_serving.py --model fp32=/tmp/m_fp32 int8=/tmp/m_int8 \\
         --concurrency 1 4 16 64 --seconds 5 --out serving.json
+
+(c) native load tools (issue 27), so that the load generator takes little of the 2
+    cores the server runs on (a Python client competes with the server for them):
+    `wrk` (Debian package wrk) and `h2load` (nghttp2-client); the gRPC request is built
+    with tritonclient's protobuf messages. Helpers in experiments/_load_tools.py.
+    Servers: per --workers N (default 1 2) one `sparsejax serve DIR --workers N
+    --grpc-port P --name bench` with dynamic batching (--max-wait-ms, --max-batch as in
+    (b)). N = 1 is the single process (no supervisor); N >= 2 a supervisor and N
+    worker processes on one port (SO_REUSEPORT; P is picked free beforehand, as every
+    worker binds it). Paths (--paths, default all), single-example requests, the
+    model's first example (example_request.json, or --examples):
+      v1    POST /v1/predict, {"examples": [example]};
+      v2    POST /v2/models/bench/infer (KServe v2 REST: JSON tensors, a JSON answer);
+      grpc  inference.GRPCInferenceService/ModelInfer (KServe v2 gRPC over h2c, the
+            tensors as raw_input_contents, as Triton's client sends them).
+    One request on each path first checks that they get the same score. Then per path,
+    after a --warmup-seconds closed loop:
+      closed loop (the peak): at each --peak-connections C (default 64), REST: `wrk -t1
+            -cC` for --seconds (rounded up to whole seconds, wrk's unit); gRPC: `h2load
+            -cC -m1`, each of C connections one request in flight, a request count
+            that fills about --seconds. The path's peak is its highest (median)
+            throughput among the C.
+      open loop: at each --open-loop-fractions f (default 0.5 0.8 0.95) of the peak,
+            h2load sends at the fixed rate f * peak: clients of --client-rps requests/s
+            each (default 50, one request per 20 ms; h2load's rate timer ticks at most
+            every 10 ms), their connections made over one interval so their requests
+            do not arrive together. REST is HTTP/1.1 (`--h1`), one request in flight a
+            connection: an answer slower than 20 ms delays that client's next request,
+            never one under the 10 ms line. gRPC has up to 64 in flight a connection.
+            The first 0.5 s is not counted; p50/p99 are over the requests sent in the
+            next --seconds, the achieved rate is the good answers that arrive in them;
+            a loop that achieves < 97% of its rate fell behind (marked *; its latency,
+            from the send, is then a lower bound).
+    Errors: non-200 answers and failed streams; for gRPC also the errors h2load cannot
+    see (an HTTP 200 with the gRPC status in its trailers): a good answer is one DATA
+    frame of known length, an error none, so good answers = h2load's DATA bytes / that
+    length. CPU seconds over each cell: the load tool's (getrusage of the children this
+    process reaps) and the server's (the sum over its processes: the supervisor and its
+    workers, from /proc; none if a worker was restarted meanwhile). --load-reps R runs
+    each cell R times, interleaved (all paths and cells once, then again), and the
+    table gives the medians, the p99 range and ratios from the same run: 2 workers / 1
+    worker throughput at the same C, p99 / 10 ms. Checks: the paths' scores agree; per
+    worker count and path, single-example p99 < 10 ms at 80% of the peak (no errors,
+    not behind; the Must reach); 2 workers >= 1.5x one worker's peak per path; the
+    load tool's CPU <= --max-tool-cpu (default 15%) of the machine's cores in every
+    cell (its share of the server's CPU is printed beside).
+
+    apt-get install wrk nghttp2-client
+    python experiments/bench_serving.py --model DIR --loadgen native --seconds 3 \\
+        --load-reps 3 --out serving_native.json                   # 1 and 2 workers
+    python experiments/bench_serving.py --model DIR --loadgen native --workers 1 \\
+        --paths v1 --open-loop-fractions 0.8                      # one process, v1 only
 """
 
 from __future__ import annotations
@@ -49,6 +102,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -63,6 +117,7 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however it is loaded
+import _load_tools as lt  # noqa: E402
 from _machine import cpu_name, load_average, mem_available  # noqa: E402
 
 MODES = {
@@ -232,6 +287,17 @@ def http_get(url: str, path: str, timeout: float = 10.0) -> tuple[int, str]:
         return e.code, e.read().decode(errors="replace")
 
 
+def http_post(url: str, path: str, body: bytes, timeout: float = 30.0) -> tuple[int, str]:
+    request = urllib.request.Request(
+        url.rstrip("/") + path, data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
 def batch_counters(url: str) -> tuple[float, float]:
     """(examples, model calls) so far, from the server's /metrics."""
     status, text = http_get(url, "/metrics")
@@ -265,11 +331,15 @@ class ServerProcess:
     """`python -m sparsejax serve MODEL_DIR --port 0 ...` in a subprocess; `url` once it
     listens and answers /healthz. Stopped with SIGTERM (then killed) on exit."""
 
-    def __init__(self, model_dir: str, args: list[str], *, timeout: float = 300.0):
+    def __init__(
+        self, model_dir: str, args: list[str], *, timeout: float = 300.0, workers: int = 1
+    ):
         cmd = [sys.executable, "-m", "sparsejax", "serve", model_dir, "--port", "0"]
         cmd += ["--poll-seconds", "0", *args]
         self.cmd = cmd
         self.timeout = timeout
+        self.workers = workers  # `args` has --workers N: wait until N processes answer
+        self.pids: set[int] = set()
         self.lines: list[str] = []
         self.url: str | None = None
         self.proc: subprocess.Popen | None = None
@@ -283,7 +353,7 @@ class ServerProcess:
         def read():
             for line in self.proc.stdout:
                 self.lines.append(line.rstrip("\n"))
-                m = re.search(r"listening on (http://\S+)", line)
+                m = re.search(r"listening on (http://[^\s,]+)", line)
                 if m and self.url is None:
                     self.url = m.group(1)
                     found.set()
@@ -295,10 +365,19 @@ class ServerProcess:
             self.__exit__(None, None, None)
             tail = "\n".join(self.lines[-15:])
             raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}):\n{tail}")
-        deadline = time.monotonic() + 30
-        while http_get(self.url, "/healthz")[0] != 200:
+        # The other workers may still be loading: they get the start-up timeout too.
+        deadline = time.monotonic() + 30 + (self.timeout if self.workers > 1 else 0)
+        while True:  # each call a new connection: SO_REUSEPORT spreads them over workers
+            status, text = http_get(self.url, "/healthz")
+            if status == 200:
+                self.pids.add(json.loads(text)["pid"])
+                if len(self.pids) >= self.workers:
+                    break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.url}/healthz never answered 200")
+                self.__exit__(None, None, None)
+                raise RuntimeError(
+                    f"{self.url}/healthz: {len(self.pids)} of {self.workers} processes answered 200"
+                )
             time.sleep(0.1)
         return self
 
@@ -346,6 +425,312 @@ def predictor_throughput(
             "reps": reps,
         }
     return out
+
+
+# -- native load tools: paths, workers, closed and open loop (--loadgen native) -----------
+
+PATHS = ("v1", "v2", "grpc")
+V2_NAME = "bench"  # the model's name in the v2 APIs (serve --name)
+P99_LINE_MS = 10.0  # the Must reach: single-example p99 < 10 ms at 80% of the peak rate
+AT_FRACTION = 0.8
+OPEN_SKIP_S = 0.5  # an open-loop run's first half second (connecting) is not counted
+OPEN_MIN_CLIENTS = 8  # connections of an open loop at least (spread over the workers)
+BEHIND = 0.97  # an open loop that achieves less than this share of its rate fell behind
+
+
+def _targets(server: ServerProcess, grpc_port: int, example: dict, paths) -> tuple[dict, dict]:
+    """Per path, what the load tools send: {"url", "body", "grpc", "answer_bytes"} (the
+    length of a good gRPC answer, to count gRPC errors), and the score one request on
+    each path got (they must agree)."""
+    url = server.url
+    status, text = http_get(url, f"/v2/models/{V2_NAME}")
+    if status != 200:
+        raise RuntimeError(f"GET /v2/models/{V2_NAME}: {status} {text[:300]}")
+    inputs = json.loads(text)["inputs"]
+    grpc_url = f"http://{_host_port(url)[0]}:{grpc_port}{lt.GRPC_METHOD}"
+    targets = {
+        "v1": {"url": url + "/v1/predict", "body": lt.v1_body(example), "grpc": False},
+        "v2": {
+            "url": url + f"/v2/models/{V2_NAME}/infer",
+            "body": lt.v2_body(example, inputs),
+            "grpc": False,
+        },
+        "grpc": {"url": grpc_url, "grpc": True},
+    }
+    scores = {}
+    for path in paths:
+        t = targets[path]
+        if path == "grpc":
+            message = lt.grpc_request(example, inputs, V2_NAME)
+            answer = lt.grpc_call(f"{_host_port(url)[0]}:{grpc_port}", message)
+            t["body"], t["answer_bytes"] = lt.grpc_frame(message), len(lt.grpc_frame(answer))
+            scores[path] = lt.grpc_scores(answer)[0]
+            continue
+        status, text = http_post(t["url"], "", t["body"])
+        if status != 200:
+            raise RuntimeError(f"POST {t['url']}: {status} {text[:300]}")
+        answer = json.loads(text)
+        scores[path] = answer["scores"][0] if path == "v1" else answer["outputs"][0]["data"][0]
+        t["answer_bytes"] = None
+    return targets, scores
+
+
+def _native_cell(target: dict, cpu: lt.TreeCpu, args, *, connections=None, rate=None,
+                 estimate=500.0, seconds=None) -> dict:  # fmt: skip
+    """One run of a load tool on one path: closed loop over `connections` (REST: wrk;
+    gRPC: h2load, about `estimate` requests/s), or open loop at `rate` (h2load)."""
+    seconds = args.seconds if seconds is None else seconds
+    cpu.start()
+    if rate is not None:
+        r = lt.h2load(
+            target["url"],
+            target["body"],
+            grpc=target["grpc"],
+            clients=OPEN_MIN_CLIENTS,
+            requests=math.ceil(rate * (OPEN_SKIP_S + seconds)),
+            rate=rate,
+            client_rps=args.client_rps,
+            skip_seconds=OPEN_SKIP_S,
+            seconds=seconds,
+            grpc_answer_bytes=target["answer_bytes"],
+            timeout=3 * (OPEN_SKIP_S + seconds) + 30,
+        )
+        r["behind"] = bool(r["throughput"] < BEHIND * rate)
+    elif target["grpc"]:
+        r = lt.h2load(
+            target["url"],
+            target["body"],
+            grpc=True,
+            clients=connections,
+            requests=max(4 * connections, round(estimate * seconds)),
+            grpc_answer_bytes=target["answer_bytes"],
+            timeout=10 * seconds + 30,
+        )
+    else:
+        r = lt.wrk(target["url"], target["body"], connections=connections, seconds=seconds)
+    r["server_cpu_s"] = cpu.stop()
+    r["tool_cores"] = round(r["tool_cpu_s"] / max(r["wall_s"], 1e-9), 3)  # busy cores
+    r["connections"] = connections if rate is None else r["clients"]
+    return r
+
+
+def _median(reps: list[dict]) -> dict:
+    """The repetitions of a cell and their medians (errors: the sum)."""
+
+    def med(key):
+        values = [r[key] for r in reps if r.get(key) is not None]
+        return statistics.median(values) if values and len(values) == len(reps) else None
+
+    p99 = [r["p99_ms"] for r in reps if r["p99_ms"] is not None]
+    out = {k: med(k) for k in ("throughput", "p50_ms", "p99_ms", "tool_cpu_s", "tool_cores",
+                               "server_cpu_s", "seconds", "connections")}  # fmt: skip
+    out.update(
+        p99_ms_min=min(p99, default=None),
+        p99_ms_max=max(p99, default=None),
+        errors=sum(r["errors"] for r in reps),
+        tool=reps[0]["tool"],
+        reps=reps,
+    )
+    if "offered" in reps[0]:
+        out["offered"] = reps[0]["offered"]
+        out["behind"] = bool(out["throughput"] < BEHIND * out["offered"])
+    return out
+
+
+def _cell_line(path: str, what: str, r: dict) -> str:
+    cpu = r["server_cpu_s"]
+    offered = f"offered {r['offered']:8,.0f}  " if "offered" in r else ""
+    late = "  BEHIND" if r.get("behind") else ""
+    return (
+        f"    {path:<4} {what:<14} {offered}{r['throughput']:8,.0f} req/s  p50 "
+        f"{r['p50_ms'] or float('nan'):7.2f} ms  p99 {r['p99_ms'] or float('nan'):7.2f} ms  "
+        f"errors {r['errors']}  cpu {r['tool']} {r['tool_cpu_s']:.2f} s server "
+        f"{float('nan') if cpu is None else cpu:.2f} s{late}"
+    )
+
+
+def native_load(model_dir: str, label: str, examples: list[dict], args) -> dict:
+    """Per worker count: a server (`serve --workers N --grpc-port P`, dynamic batching),
+    then per path the peak (closed loop) and the open loop at fractions of it."""
+    lt.need("wrk", "h2load")
+    out: dict = {"example": examples[0], "workers": {}}
+    for w in args.workers:
+        grpc_port = lt.free_port()
+        flags = ["--workers", str(w), "--grpc-port", str(grpc_port), "--name", V2_NAME,
+                 *MODES["dynamic"](args)]  # fmt: skip
+        with ServerProcess(model_dir, flags, timeout=args.startup_timeout, workers=w) as server:
+            print(
+                f"[{label}] {w} worker(s): {server.url}, gRPC port {grpc_port}, pids "
+                f"{sorted(server.pids)} ({' '.join(server.cmd[3:])})",
+                flush=True,
+            )
+            out["workers"][str(w)] = _native_server(server, grpc_port, examples[0], args)
+    return out
+
+
+def _native_server(server: ServerProcess, grpc_port: int, example: dict, args) -> dict:
+    targets, scores = _targets(server, grpc_port, example, args.paths)
+    print(f"    one request a path, score: {scores}", flush=True)
+    cpu = lt.TreeCpu(server.proc.pid)
+    top = max(args.peak_connections)
+    estimate = {}
+    for path in args.paths:  # warm-up; for gRPC, how many requests fill --seconds
+        r = _native_cell(targets[path], cpu, args, connections=top,
+                         seconds=args.warmup_seconds)  # fmt: skip
+        estimate[path] = max(r["throughput"], 100.0)
+    closed = {p: {c: [] for c in args.peak_connections} for p in args.paths}
+    for _ in range(args.load_reps):  # repetitions interleaved: drift spreads over all
+        for path in args.paths:
+            for c in args.peak_connections:
+                r = _native_cell(targets[path], cpu, args, connections=c,
+                                 estimate=estimate[path])  # fmt: skip
+                estimate[path] = max(r["throughput"], 100.0)
+                closed[path][c].append(r)
+                print(_cell_line(path, f"closed C={c}", r), flush=True)
+    result: dict = {"pids": sorted(server.pids), "scores": scores, "paths": {}}
+    for path in args.paths:
+        cells = {str(c): _median(reps) for c, reps in closed[path].items()}
+        peak_c = max(cells, key=lambda c: cells[c]["throughput"])
+        result["paths"][path] = {
+            "closed": cells,
+            "peak": {"throughput": cells[peak_c]["throughput"], "connections": int(peak_c)},
+            "open": {},
+        }
+    opened = {p: {f: [] for f in args.open_loop_fractions} for p in args.paths}
+    for _ in range(args.load_reps):
+        for path in args.paths:
+            peak = result["paths"][path]["peak"]["throughput"]
+            for f in args.open_loop_fractions:
+                r = _native_cell(targets[path], cpu, args, rate=f * peak)
+                opened[path][f].append(r)
+                print(_cell_line(path, f"open {f:.0%}", r), flush=True)
+    for path in args.paths:
+        result["paths"][path]["open"] = {
+            f"{f:g}": _median(reps) for f, reps in opened[path].items()
+        }
+    return result
+
+
+def _native_checks(results: dict, args) -> list[dict]:
+    checks = []
+    for label, entry in results["models"].items():
+        native = entry.get("native")
+        if not native:
+            continue
+        for w, server in native["workers"].items():
+            scores = list(server["scores"].values())
+            checks.append(
+                {
+                    "label": label,
+                    "ok": max(scores) - min(scores) <= 1e-5,
+                    "what": f"{w} worker(s): one request on each path gets the same score "
+                    f"({', '.join(f'{p} {v:.6f}' for p, v in server['scores'].items())})",
+                }
+            )
+            for path, cells in server["paths"].items():
+                at = cells["open"].get(f"{AT_FRACTION:g}")
+                if at is None:
+                    continue
+                peak = cells["peak"]
+                ok = (
+                    at["p99_ms"] is not None
+                    and at["p99_ms"] < P99_LINE_MS
+                    and not at["errors"]
+                    and not at["behind"]
+                )
+                checks.append(
+                    {
+                        "label": label,
+                        "ok": ok,
+                        "what": f"{w} worker(s), {path}: single-example p99 "
+                        f"{at['p99_ms'] or float('nan'):.2f} ms at {AT_FRACTION:.0%} of peak "
+                        f"(offered {at['offered']:,.0f}, achieved {at['throughput']:,.0f} "
+                        f"req/s; peak {peak['throughput']:,.0f} at C={peak['connections']}; "
+                        f"{at['errors']} errors) (< {P99_LINE_MS:g} ms)",
+                    }
+                )
+        by_w = native["workers"]
+        if "1" in by_w and "2" in by_w:
+            for path in by_w["1"]["paths"]:
+                one = by_w["1"]["paths"][path]["peak"]["throughput"]
+                two = by_w["2"]["paths"].get(path, {}).get("peak", {}).get("throughput")
+                if two is None:
+                    continue
+                checks.append(
+                    {
+                        "label": label,
+                        "ok": two >= 1.5 * one,
+                        "what": f"{path}: 2 workers / 1 worker peak throughput "
+                        f"{two:,.0f} / {one:,.0f} = {two / max(one, 1e-9):.2f}x (>= 1.5)",
+                    }
+                )
+        cores = os.cpu_count() or 1
+        share = [
+            (r["tool_cores"] / cores, w, path, r)
+            for w, server in native["workers"].items()
+            for path, cells in server["paths"].items()
+            for r in [*cells["closed"].values(), *cells["open"].values()]
+            if r["tool_cores"] is not None
+        ]
+        if share:
+            worst, w, path, r = max(share, key=lambda x: x[0])
+            server = r["server_cpu_s"]
+            vs = f", {r['tool_cpu_s'] / server:.0%} of the server's" if server else ""
+            checks.append(
+                {
+                    "label": label,
+                    "ok": worst <= args.max_tool_cpu,
+                    "what": f"load tool CPU at most {worst:.1%} of the machine's {cores} cores "
+                    f"in any cell ({w} worker(s) {path}, {r['tool']}: {r['tool_cores']:.2f} "
+                    f"cores{vs}) (<= {args.max_tool_cpu:.0%})",
+                }
+            )
+    return checks
+
+
+def _native_table(results: dict) -> None:
+    cores = os.cpu_count() or 1
+    head = (
+        f"{'model':<8} {'w':>2} {'path':<4} {'load':<11} {'tool':<6} {'offered':>8} "
+        f"{'req/s':>8} {'vs 1w':>6} {'p50 ms':>7} {'p99 ms':>7} {'p99 range':>13} "
+        f"{'/10ms':>6} {'err':>4} {'tool s':>6} {'tool %':>6} {'server s':>8}"
+    )
+    print()
+    print(head)
+    print("-" * len(head))
+    for label, entry in results["models"].items():
+        native = entry.get("native")
+        if not native:
+            continue
+        for w, server in native["workers"].items():
+            for path, cells in server["paths"].items():
+                base = native["workers"].get("1", {}).get("paths", {}).get(path)
+                rows = [(f"closed C={c}", r, base and base["closed"].get(c))
+                        for c, r in cells["closed"].items()]  # fmt: skip
+                rows += [(f"open {float(f):.0%}", r, None) for f, r in cells["open"].items()]
+                for what, r, b in rows:
+                    vs = f"{r['throughput'] / b['throughput']:5.2f}x" if b else f"{'':>6}"
+                    offered = f"{r['offered']:8,.0f}" if "offered" in r else f"{'':>8}"
+                    p99 = r["p99_ms"] or float("nan")
+                    spread = (
+                        f"{r['p99_ms_min']:.1f}-{r['p99_ms_max']:.1f}" if r["p99_ms_min"] else "-"
+                    )
+                    cpu = float("nan") if r["server_cpu_s"] is None else r["server_cpu_s"]
+                    print(
+                        f"{label:<8} {w:>2} {path:<4} {what:<11} {r['tool']:<6} {offered} "
+                        f"{r['throughput']:8,.0f}{'*' if r.get('behind') else ' '}{vs} "
+                        f"{r['p50_ms'] or float('nan'):7.2f} {p99:7.2f} {spread:>13} "
+                        f"{p99 / P99_LINE_MS:6.2f} {r['errors']:4d} {r['tool_cpu_s']:6.2f} "
+                        f"{r['tool_cores'] / cores:6.1%} {cpu:8.2f}"
+                    )
+    print(
+        "\nmedians over the repetitions; p99 range: their lowest and highest; /10ms: p99 "
+        "against the 10 ms line; * an open loop that fell behind its rate (its latency is "
+        "from the send, so a lower bound); tool s and server s: CPU seconds of the load "
+        "tool and of the server's processes over the cell; tool %: the tool's share of the "
+        f"machine's {cores} cores"
+    )
+    print()
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -400,11 +785,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--out", help="write the results here (JSON)")
     p.add_argument("--strict", action="store_true", help="exit 1 if a check fails")
+    n = p.add_argument_group("native load tools (--loadgen native; see the docstring's (c))")
+    n.add_argument(
+        "--loadgen",
+        choices=["python", "native"],
+        default="python",
+        help="python: (a) and (b), this process's asyncio client; native: (c), wrk and "
+        "h2load against 1 and 2 workers, every path, closed and open loop",
+    )
+    n.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    n.add_argument("--workers", nargs="+", type=int, default=[1, 2], help="serve --workers")
+    n.add_argument(
+        "--peak-connections",
+        nargs="+",
+        type=int,
+        default=[64],
+        help="closed-loop connections; the peak is the highest throughput among them",
+    )
+    n.add_argument(
+        "--open-loop-fractions",
+        nargs="+",
+        type=float,
+        default=[0.5, 0.8, 0.95],
+        help="open-loop arrival rates, as fractions of the path's peak",
+    )
+    n.add_argument("--load-reps", type=int, default=1, help="repetitions of each cell (median)")
+    n.add_argument(
+        "--client-rps",
+        type=float,
+        default=50.0,
+        help="open loop: each h2load client's rate (the offered rate / this many clients)",
+    )
+    n.add_argument(
+        "--max-tool-cpu",
+        type=float,
+        default=0.15,
+        help="a check: the load tool's CPU at most this share of the machine's cores",
+    )
     args = p.parse_args(argv)
     if not args.model and not args.url:
         p.error("give --model DIR ... or --url LABEL=URL ...")
     if args.url and not args.examples:
         p.error("--url needs --examples")
+    if args.loadgen == "native" and (args.url or args.malformed):
+        p.error("--loadgen native starts its own servers (--model) and sends good requests")
     return args
 
 
@@ -469,6 +893,7 @@ def _bodies(examples: list[dict], malformed: float = 0.0) -> tuple[list[bytes], 
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     args = parse_args(argv)
     results: dict = {
         "machine": {
@@ -485,12 +910,21 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     extra = _examples(args.examples) if args.examples else None
+    if args.loadgen == "native":
+        _estimate(args)
+    for label, model_dir in _labelled(args.model) if args.loadgen == "native" else []:
+        examples = extra or _examples(os.path.join(model_dir, "example_request.json"))
+        results["models"][label] = {
+            "dir": model_dir,
+            "server": {},
+            "native": native_load(model_dir, label, examples, args),
+        }
     for label, url in _labelled(args.url):
         print(f"[{label}] {url}", flush=True)
         bodies, expect = _bodies(extra, args.malformed)
         cells = {str(c): _cell(url, bodies, expect, args, c, None) for c in args.concurrency}
         results["models"][label] = {"url": url, "server": {"given": cells}}
-    for label, model_dir in _labelled(args.model):
+    for label, model_dir in _labelled(args.model) if args.loadgen == "python" else []:
         entry: dict = {"dir": model_dir, "server": {}}
         results["models"][label] = entry
         examples = extra
@@ -525,8 +959,16 @@ def main(argv: list[str] | None = None) -> int:
                     for c in args.concurrency
                 }
     results["machine"]["load_average_end"] = load_average()
-    results["checks"] = checks = _checks(results, args)
-    _table(results, args)
+    results["checks"] = checks = _checks(results, args) + _native_checks(results, args)
+    if args.loadgen == "native":
+        _native_table(results)
+        print(
+            f"load average: {results['machine']['load_average_start']} at the start, "
+            f"{results['machine']['load_average_end']} at the end; "
+            f"{time.monotonic() - started:.0f} s in all\n"
+        )
+    else:
+        _table(results, args)
     for c in checks:
         print(f"{'PASS' if c['ok'] else 'FAIL'}  {c['label']}: {c['what']}")
     if args.out:
@@ -534,6 +976,21 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, f, indent=1)
         print(f"wrote {args.out}")
     return 1 if args.strict and not all(c["ok"] for c in checks) else 0
+
+
+def _estimate(args) -> None:
+    """Print how long the native run's load takes (server start-ups not included)."""
+    per_cell = args.seconds + 0.3  # the tool's start and its log
+    cells = len(args.paths) * args.load_reps * len(args.peak_connections) * per_cell
+    cells += (
+        len(args.paths) * args.load_reps * len(args.open_loop_fractions) * (per_cell + OPEN_SKIP_S)
+    )
+    cells += len(args.paths) * (args.warmup_seconds + 0.3)
+    total = cells * len(args.workers) * max(len(args.model), 1)
+    print(
+        f"native load: about {total:.0f} s of load ({len(args.workers)} server start-ups besides)",
+        flush=True,
+    )
 
 
 def _checks(results: dict, args) -> list[dict]:
