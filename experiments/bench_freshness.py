@@ -98,9 +98,27 @@ async def _client(port: int, body: bytes, rate: float, connections: int, until) 
     return out
 
 
+def _first_full(pub: str) -> str:
+    """The oldest full version left (the publisher prunes those before the last two)."""
+    return str(min(int(n) for n in os.listdir(pub) if n.isdigit()))
+
+
+def _files(x):
+    """The array entries (a "file" each) anywhere in a delta's manifest."""
+    if isinstance(x, dict):
+        if "file" in x:
+            yield x
+        else:
+            for v in x.values():
+                yield from _files(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _files(v)
+
+
 def _versions(pub: str) -> dict[int, dict]:
     """Per published version: created (s), kind, table rows it carries, bytes."""
-    full = json.load(open(os.path.join(pub, "1", "model.json")))
+    full = json.load(open(os.path.join(pub, _first_full(pub), "model.json")))
     table_args = {k for k, e in full["arguments"].items() if "pieces" in e}
     out = {}
     for name in os.listdir(pub):
@@ -114,18 +132,19 @@ def _versions(pub: str) -> dict[int, dict]:
             m = json.load(open(os.path.join(path, "delta.json")))
             args = m["arguments"]
             carried = sum(
-                (p.get("rows") or p["whole"])["shape"][0]
+                sum(q["rows"]["shape"][0] for q in p["pieces"]) if "pieces" in p
+                else p["whole"]["shape"][0]
                 for k, p in args.items()
                 if k in table_args
-            )
-            size = sum(e["bytes"] for p in args.values() for e in p.values())
+            )  # fmt: skip
+            size = sum(e["bytes"] for e in _files(m))
             out[m["version"]] = {"kind": "delta", "created": m["created"], "rows": carried,
                                  "bytes": size}  # fmt: skip
     return out
 
 
 def _table_rows(pub: str) -> int:
-    m = json.load(open(os.path.join(pub, "1", "model.json")))
+    m = json.load(open(os.path.join(pub, _first_full(pub), "model.json")))
     return sum(e["shape"][0] for e in m["arguments"].values() if "pieces" in e)
 
 

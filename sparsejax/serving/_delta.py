@@ -97,9 +97,12 @@ def _cut(key: str, old: Argument, new: Argument, name: str, arrays: dict) -> dic
     whole = isinstance(new, np.ndarray)
     olds = [(0, old)] if isinstance(old, np.ndarray) else old
     news = [(0, new)] if whole else new
-    if [(r, a.shape, a.dtype) for r, a in olds] != [(r, a.shape, a.dtype) for r, a in news]:
-        got = lambda blocks: [(r, f"{a.dtype}{list(a.shape)}") for r, a in blocks]  # noqa: E731
-        raise ValueError(f"argument {key}: {got(olds)} became {got(news)}")
+
+    def layout(blocks):
+        return [(r, f"{a.dtype}{list(a.shape)}") for r, a in blocks]
+
+    if layout(olds) != layout(news):
+        raise ValueError(f"argument {key}: {layout(olds)} became {layout(news)}")
     pieces = []
     for (r0, a), (_, b) in zip(olds, news, strict=True):
         rows = changed_rows(a, b)

@@ -355,20 +355,23 @@ def test_two_processes_publish_the_rows_each_holds(tmp_path):
     np.testing.assert_allclose(_follow(pub).predict(rows), final.predict(rows), rtol=0, atol=1e-6)
 
 
-def test_two_processes_refuse_to_publish_tables_kept_on_their_hosts(tmp_path):
-    import subprocess
-    import sys
+def test_several_processes_refuse_to_publish_tables_kept_on_their_hosts(monkeypatch):
+    import types
 
-    from _cli import ROOT
+    import jax
 
-    got = subprocess.run(
-        [sys.executable, "-m", "sparsejax", "launch", "-n", "2", f"out_dir={tmp_path}",
-         *SYNTHETIC, "tables.C1={dynamic: true, cache_rows: 64}",
-         f"publish={{dir: {tmp_path / 'pub'}}}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
-    assert got.returncode != 0
-    assert (
-        "tables ['C1'] are kept on each process's host (tiered or dynamic)"
-        in got.stdout + got.stderr
-    )
+    from sparsejax.embedding import TableSpec
+    from sparsejax.embedding._spec import DynamicVocab, HostCache
+    from sparsejax.runner._publish import PublishHook
+
+    cfg = runner.load_config([], [*SYNTHETIC, "publish={dir: x}"])
+    tables = [
+        TableSpec(name="C1", dim=8, dynamic=DynamicVocab(), cache=HostCache(rows=8)),
+        TableSpec(name="C2", vocab_size=10, dim=8),
+    ]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    run = types.SimpleNamespace(cfg=cfg, data=types.SimpleNamespace(tables=tables))
+    with pytest.raises(runner.ConfigError) as e:
+        PublishHook(run)
+    assert "tables ['C1'] are kept on each process's host (tiered or dynamic)" in str(e.value)
+    assert "a run of 2 processes cannot publish them yet" in str(e.value)
