@@ -100,7 +100,7 @@ async def _client(port: int, body: bytes, rate: float, connections: int, until) 
 
 def _first_full(pub: str) -> str:
     """The oldest full version left (the publisher prunes those before the last two)."""
-    return str(min(int(n) for n in os.listdir(pub) if n.isdigit()))
+    return str(_fulls(pub)[0])
 
 
 def _files(x):
@@ -143,8 +143,15 @@ def _versions(pub: str) -> dict[int, dict]:
     return out
 
 
-def _table_rows(pub: str) -> int:
-    m = json.load(open(os.path.join(pub, _first_full(pub), "model.json")))
+def _fulls(pub: str) -> list[int]:
+    return sorted(int(n) for n in os.listdir(pub) if n.isdigit())
+
+
+def _table_rows(pub: str, version: int) -> int:
+    """The table rows of the full version a delta `version` applies to (a dynamic
+    table's rows grow with each full version)."""
+    full = max(f for f in _fulls(pub) if f <= version)
+    m = json.load(open(os.path.join(pub, str(full), "model.json")))
     return sum(e["shape"][0] for e in m["arguments"].values() if "pieces" in e)
 
 
@@ -166,7 +173,8 @@ def _serve_and_load(pub, args, log, until, during=None) -> tuple[list, dict]:
 
     server, port = _start_server(pub, args.poll_s, log)
     try:
-        example = json.load(open(os.path.join(pub, "1", "example_request.json")))["examples"][0]
+        first = _first_full(pub)
+        example = json.load(open(os.path.join(pub, first, "example_request.json")))["examples"][0]
         body = json.dumps({"examples": [example]}).encode()
         if during is not None:
             threading.Thread(target=during, daemon=True).start()
@@ -229,16 +237,17 @@ def main(argv=None) -> int:
         finally:
             if train.poll() is None:
                 train.terminate()
-        versions, rows = _versions(pub), _table_rows(pub)
+        versions = _versions(pub)
         print(f"\n(a) live: {args.steps} training steps publishing every {args.every_s:g} s, "
               f"serve --poll-seconds {args.poll_s:g}, {args.rate:g} requests/s open loop; "
-              f"{rows:,} table rows\n")  # fmt: skip
+              f"{_table_rows(pub, max(versions)):,} table rows at the end\n")  # fmt: skip
         print("| version | kind | table rows carried | MiB | freshness s |\n|---|---|---|---|---|")
         live = []
         for v, info in sorted(versions.items()):
             at = next((seen[u] for u in sorted(seen) if u >= v), None)
             fresh = None if at is None else at - info["created"]
             live.append({"version": v, **info, "freshness_s": fresh})
+            rows = _table_rows(pub, v)
             carried = (
                 ""
                 if info["kind"] == "full"
@@ -261,12 +270,13 @@ def main(argv=None) -> int:
             raise SystemExit("the run for part (b) failed; see " + log.name)
         stage = os.path.join(tmp, "stage")
         os.makedirs(stage)
-        shutil.copytree(os.path.join(pub_b, "1"), os.path.join(stage, "1"))
+        base = _fulls(pub_b)[-1]  # dynamic tables: new keys may have needed full versions
+        shutil.copytree(os.path.join(pub_b, str(base)), os.path.join(stage, str(base)))
         moved: dict[int, float] = {}
 
         def feed():
             time.sleep(2 * args.gap_s)
-            for v in range(2, args.deltas + 2):
+            for v in range(base + 1, args.deltas + 2):
                 shutil.copytree(os.path.join(pub_b, f"{v}.delta"), os.path.join(stage, "tmp"))
                 os.rename(os.path.join(stage, "tmp"), os.path.join(stage, f"{v}.delta"))
                 moved[v] = time.time()
@@ -274,9 +284,9 @@ def main(argv=None) -> int:
 
         t_end = time.time() + (args.deltas + 3) * args.gap_s
         records, seen = _serve_and_load(stage, args, log, lambda: time.time() > t_end, feed)
-        versions, rows = _versions(pub_b), _table_rows(pub_b)
+        versions = _versions(pub_b)
         steady, applying = _latency(records, seen, args.window)
-        sizes = [100 * versions[v]["rows"] / rows for v in moved]
+        sizes = [100 * versions[v]["rows"] / _table_rows(pub_b, v) for v in moved]
         lags = [seen[v] - moved[v] for v in moved if v in seen]
         ratio = _pct(applying, 99) / _pct(steady, 99)
         print(f"\n(b) {len(moved)} one-step deltas ({min(sizes):.1f}-{max(sizes):.1f}% of the "
