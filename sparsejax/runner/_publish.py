@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable
 
 import jax
-import numpy as np
 
 from ..serving import Preprocessing, Publisher, export_model, serving_arguments
+from ..sharding import broadcast_text
 from ..train import Hook, TrainState
 from ._config import ConfigError
 from ._export import _input_spec, example_rows
@@ -19,7 +19,9 @@ from ._model import configured_model
 
 class PublishHook(Hook):
     """Publishes after the first step, then every `publish.every_s` seconds, and at the
-    end of training; one line a publish."""
+    end of training; one line a publish. In a run of several processes, all publish at
+    the same step: at each publish, process 0 names the step of the next one from its
+    step rate (no collective between publishes)."""
 
     def __init__(self, run, log: Callable[[str], object] = print):
         cfg, data = run.cfg, run.data
@@ -36,6 +38,8 @@ class PublishHook(Hook):
         self._state: TrainState | None = None
         self._last: float | None = None
         self._published_step: int | None = None
+        self._next_step: int | None = None  # several processes: the next publish's step
+        self._rate_from: tuple[float, int] | None = None  # (time, step) of the last publish
         spec = _input_spec(cfg, data)
         common = dict(
             make_model=lambda tables: configured_model(cfg, tables, data.features),
@@ -102,13 +106,24 @@ class PublishHook(Hook):
         )
 
     def after_step(self, step: int, state: TrainState, metrics) -> None:
-        due = self._last is None or time.monotonic() - self._last >= self.every_s
-        if jax.process_count() > 1:  # all processes publish together, when process 0 says
-            from jax.experimental import multihost_utils
-
-            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        if jax.process_count() > 1:
+            due = self._next_step is None or step >= self._next_step
+        else:
+            due = self._last is None or time.monotonic() - self._last >= self.every_s
         if due:
             self._publish(step, state)
+            if jax.process_count() > 1:
+                self._next_step = self._agree_next_step(step)
+
+    def _agree_next_step(self, step: int) -> int:
+        """The step of the next publish, process 0's: `every_s` at its step rate since
+        the publish before (the next step after the first, which measures it)."""
+        now, ahead = time.monotonic(), 1
+        if self._rate_from is not None and step > self._rate_from[1]:
+            per_step = (now - self._rate_from[0]) / (step - self._rate_from[1])
+            ahead = max(1, round(self.every_s / max(per_step, 1e-9)))
+        self._rate_from = (now, step)
+        return int(broadcast_text(str(step + ahead)))
 
     def on_end(self, step: int, state: TrainState) -> None:
         if self._published_step != step:

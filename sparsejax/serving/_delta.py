@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from ..checkpoint import read_array
-from ..embedding import aligned_empty
+from ..embedding import MAX_STACK_ROWS, aligned_empty
 from ._export import KeyRows, _allgather_json, _barrier
 from ._format import (
     ModelLoadError,
@@ -55,7 +55,7 @@ from ._preprocess import KeyMapping
 
 DELTA = "delta.json"
 DELTA_FORMAT = "sparsejax-delta"
-DELTA_VERSION = 1
+DELTA_VERSION = 2  # 2: table rows in pieces (of several processes), dynamic keys
 _DELTA_DIR = re.compile(r"^(\d+)\.delta$")
 
 
@@ -136,23 +136,23 @@ def write_delta(
     if set(previous) != set(current):
         raise ValueError(f"the arguments differ: {sorted(set(previous) ^ set(current))}")
     me = jax.process_index()
-    arrays: dict[str, np.ndarray] = {}
-    arguments = {}
-    for i, (key, new) in enumerate(current.items()):
-        got = _cut(key, previous[key], new, f"p{me}.{i}", arrays)
-        if got is not None:
-            arguments[key] = got
-    key_parts = {}
-    for j, (table, parts) in enumerate((keys or {}).items()):
-        key_parts[table] = {}
-        for part in ("added", "rows", "removed"):
-            arrays[f"keys{j}.{part}"] = np.asarray(parts[part], np.int64)
-            key_parts[table][part] = f"keys{j}.{part}"
     tmp = f"{out}.tmp-{_allgather_json(os.getpid())[0]}"  # process 0's pid
     if me == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier("delta folder")
-    try:
+    arguments, error = {}, None
+    try:  # this process's rows; every process goes on to the collectives, even on an error
+        arrays: dict[str, np.ndarray] = {}
+        for i, (key, new) in enumerate(current.items()):
+            got = _cut(key, previous[key], new, f"p{me}.{i}", arrays)
+            if got is not None:
+                arguments[key] = got
+        key_parts = {}
+        for j, (table, parts) in enumerate((keys or {}).items()):
+            key_parts[table] = {}
+            for part in ("added", "rows", "removed"):
+                arrays[f"p{me}.keys{j}.{part}"] = np.asarray(parts[part], np.int64)
+                key_parts[table][part] = f"p{me}.keys{j}.{part}"
         entries = write_arrays(os.path.join(tmp, "arrays"), arrays)
 
         def entry(x):  # the names in `x` as their entries
@@ -162,8 +162,15 @@ def write_delta(
                 return [entry(v) for v in x]
             return {k: entry(v) for k, v in x.items()}
 
+        arguments, key_parts = entry(arguments), entry(key_parts)
+    except Exception as e:  # noqa: BLE001 - reported on every process below
+        error = f"process {me}: {type(e).__name__}: {e}"
+    errors = [e for e in _allgather_json(error) if e is not None]
+    try:
+        if errors:
+            raise RuntimeError(f"delta {out} not written: {errors[0]}")
         merged: dict[str, dict] = {}
-        for theirs in _allgather_json(entry(arguments)):
+        for theirs in _allgather_json(arguments):
             for key, parts in theirs.items():
                 have = merged.setdefault(key, parts)
                 if have is not parts:
@@ -177,7 +184,7 @@ def write_delta(
             "step": int(step),
             "created": time.time(),
             "arguments": merged,
-            "keys": entry(key_parts),
+            "keys": key_parts,
         }
         if me == 0:
             write_json(os.path.join(tmp, DELTA), manifest)
@@ -185,7 +192,8 @@ def write_delta(
             os.replace(tmp, out)
         _barrier("delta renamed")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if me == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
 
@@ -338,7 +346,7 @@ class Publisher:
         self.log = log
         # a run of several processes: process 0's id, and its decisions (`publish`)
         self.model_id = _allgather_json(uuid.uuid4().hex)[0]
-        self.version = self._newest()
+        self.version = _allgather_json(self._newest())[0]
         self._full_at: float | None = None  # when the last full one was published
         self._previous: dict[str, np.ndarray] | None = None
         self._served: dict[str, KeyMapping] = {}  # the published dynamic tables' key rows
@@ -355,7 +363,8 @@ class Publisher:
         n = keys.shape[0]
         rows = n + max(math.ceil(n * self.headroom), self.MIN_SPARE_ROWS)
         if table.dynamic is not None and table.dynamic.max_rows is not None:
-            rows = max(min(rows, table.dynamic.max_rows), n)
+            rows = min(rows, table.dynamic.max_rows)
+        rows = max(min(rows, MAX_STACK_ROWS - 1), n)  # spare rows never make it unservable
         self._next[table.name] = got = KeyMapping(keys, rows)
         return got
 

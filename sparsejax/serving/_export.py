@@ -214,8 +214,10 @@ def _full_tables(
                 full[got_keys] = w
             else:
                 served = keys[mirror[(path, name)]]
-                default = ht["default"]
-                full = np.tile(np.asarray(default, np.float32), (served.default_row + 1, 1))
+                # free rows (a publish's spare ones) are zeros: no key reads them, and a
+                # trainable default row changing would change them all in every delta
+                full = np.zeros((served.default_row + 1, t.dim), np.float32)
+                full[served.default_row] = np.asarray(ht["default"], np.float32)
                 full[served(got_keys)] = w
             out[name] = full
         layers[path] = out

@@ -54,6 +54,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -301,6 +302,7 @@ class InFlight:
         self.now = 0
         self._peaks = [0, 0]  # this window's, the one before's
         self._since = clock()
+        self._lock = threading.Lock()  # the event loop enters, the batcher reads
 
     def _roll(self) -> None:
         t = self._clock()
@@ -309,16 +311,19 @@ class InFlight:
             self._peaks, self._since = [self.now, before], t
 
     def enter(self) -> None:
-        self._roll()
-        self.now += 1
-        self._peaks[0] = max(self._peaks[0], self.now)
+        with self._lock:
+            self._roll()
+            self.now += 1
+            self._peaks[0] = max(self._peaks[0], self.now)
 
     def leave(self) -> None:
-        self.now -= 1
+        with self._lock:
+            self.now -= 1
 
     def recent_peak(self) -> int:
-        self._roll()
-        return max(self._peaks)
+        with self._lock:
+            self._roll()
+            return max(self._peaks)
 
 
 class ModelServer:

@@ -100,28 +100,35 @@ def serve_workers(
             *grpc, *worker_args]  # fmt: skip
     gc.freeze()  # the objects so far stay untouched: their pages stay shared after a fork
 
+    stops = {signal.SIGINT, signal.SIGTERM}
+
     def start(k: int) -> tuple[int, float]:
         sys.stdout.flush()
         sys.stderr.flush()
+        # a stop signal that comes while forking waits for the handlers each side sets
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         pid = os.fork()
         if pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
             return pid, time.monotonic()
-        code = 1  # the worker: a whole server, until SIGTERM
+        code = 1  # the worker: a whole server, until the supervisor's SIGTERM
         try:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor, which drains us
+            for sig in stops:
                 signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
             for h in holds:
                 h.close()
             os.environ.update({ENV: shared, WORKER_ENV: str(k)})
             code = run_worker(list(argv))
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
+            code = 0 if e.code is None else e.code
         except BaseException:  # noqa: BLE001 - the worker's end: say why, then exit
             traceback.print_exc()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(code)
+            os._exit(code if isinstance(code, int) else 1)
 
     def exited(pid: int, block: bool = False) -> int | None:
         """The worker's exit code (negative: killed by that signal; 0 if it was reaped
