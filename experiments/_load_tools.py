@@ -9,8 +9,10 @@ the tool, the only child reaped meanwhile).
 
 h2load's open loop: `--rps R` per client, clients * R the offered rate. h2load's rate
 timer fires at most every 10 ms, so each client is kept at <= `client_rps` (default 50)
-requests/s: one request per tick. The clients' connections are made over one interval
-(1 / R, `-r/--rate-period`), so their ticks are spread instead of arriving together.
+requests/s: one request per tick. One h2load's clients send in step (measured: 200
+clients of one h2load at 10/s each waited 18.7 ms at the least, the burst's length), so
+the clients are split over h2load processes of `CLIENTS_A_TOOL` clients each, started
+evenly over a client's interval 1 / R: at most that many requests arrive together.
 Over HTTP/1.1 a client has one request in flight at a time: a request that takes longer
 than 1 / R delays that client's next one (latency is from the send; the achieved rate
 then falls below the offered one, which the caller flags). Over h2c a client has up
@@ -42,6 +44,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 GRPC_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+CLIENTS_A_TOOL = 4  # open loop: the clients of one h2load, which send in step
 GRPC_HEADERS = ("content-type: application/grpc", "te: trailers")
 JSON_HEADERS = ("content-type: application/json",)
 _SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else None  # h2load's logs: tmpfs
@@ -208,6 +211,37 @@ def _run(cmd: list[str], timeout: float) -> tuple[str, float, float]:
     return out, round(cpu, 3), wall
 
 
+def _run_staggered(
+    cmds: list[list[str]], gap_s: float, timeout: float
+) -> tuple[list, float, float]:
+    """Run `cmds` side by side, each started `gap_s` after the one before: (their
+    outputs, the tools' CPU seconds together, wall seconds)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    procs = []
+    for i, cmd in enumerate(cmds):
+        if i:
+            time.sleep(gap_s)
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outs = []
+    for cmd, proc in zip(cmds, procs, strict=True):
+        try:
+            out, _ = proc.communicate(timeout=max(timeout - (time.perf_counter() - t0), 1.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            out += f"\n(killed after {timeout:.0f} s)"
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-2000:]}")
+        outs.append(out)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return outs, round(cpu, 3), wall
+
+
 def _ms(value: str, unit: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
@@ -294,27 +328,42 @@ def h2load(
     throughput below `rate`, over h2c too, where sending never waits.
     `grpc_answer_bytes`: the length of a good answer's DATA (the framed response), to
     count gRPC errors."""
-    opts = ["-t1"]
+    opts, groups, gap_s = ["-t1"], 1, 0.0
     if rate is not None:
         clients = max(clients, math.ceil(rate / client_rps))
-        interval_ms = 1000.0 * clients / rate  # of each client
-        opts += ["--rps", f"{rate / clients:.6f}", "--rate-period", "1ms",
-                 "-r", str(max(1, math.ceil(clients / interval_ms)))]  # fmt: skip
+        # an h2load's --rps clients send together: groups of CLIENTS_A_TOOL clients, one
+        # h2load each, started evenly over a client's interval, spread the arrivals
+        groups = max(1, math.ceil(clients / CLIENTS_A_TOOL))
+        clients = groups * math.ceil(clients / groups)
+        gap_s = clients / rate / groups
+        opts += ["--rps", f"{rate / clients:.6f}"]
     requests = max(requests, clients)
-    opts += ["-c", str(clients), "-n", str(requests)]
+    opts += ["-c", str(clients // groups), "-n", str(math.ceil(requests / groups))]
     if grpc:
         opts += ["-m", str(max_streams if rate is not None else 1)]
         opts += [x for h in GRPC_HEADERS for x in ("-H", h)]
     else:
         opts += ["--h1", *(x for h in JSON_HEADERS for x in ("-H", h))]
     with tempfile.TemporaryDirectory(dir=_SCRATCH) as tmp:
-        data, log = os.path.join(tmp, "body"), os.path.join(tmp, "log")
+        data = os.path.join(tmp, "body")
         with open(data, "wb") as f:
             f.write(body)
-        out, cpu, wall = _run(["h2load", *opts, "-d", data, "--log-file", log, url], timeout)
-        with open(log) as f:  # start (us since the epoch), status (-1: failed), us
-            rows = np.array(f.read().split(), dtype=np.int64).reshape(-1, 3)
-    counts = _h2load_counts(out)
+        logs = [os.path.join(tmp, f"log{g}") for g in range(groups)]
+        cmds = [["h2load", *opts, "-d", data, "--log-file", log, url] for log in logs]
+        outs, cpu, wall = _run_staggered(cmds, gap_s, timeout)
+        rows = []
+        for log in logs:
+            with open(log) as f:  # start (us since the epoch), status (-1: failed), us
+                rows.append(np.array(f.read().split(), dtype=np.int64).reshape(-1, 3))
+        rows = np.concatenate(rows)
+    per_tool = [_h2load_counts(out) for out in outs]
+    counts = {
+        k: None if any(c[k] is None for c in per_tool) else sum(c[k] for c in per_tool)
+        for k in per_tool[0]
+        if k != "finished_s"
+    }
+    counts["finished_s"] = max((c["finished_s"] or 0.0) for c in per_tool)
+    counts["tools"] = groups
     http_ok = rows[:, 1] == 200
     errors = int((~http_ok).sum()) + counts["total"] - len(rows)  # never answered too
     good_share, grpc_errors = 1.0, None
