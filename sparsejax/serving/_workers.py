@@ -12,9 +12,10 @@ once in the shared folder and mapped by every worker. A worker that dies is star
 (its requests in flight are lost; the others keep serving); one that dies within
 `_STARTUP_S` of its start three times in a row stops the server with one line. SIGINT or
 SIGTERM stops the workers (each finishes its requests in flight) and removes the shared
-folder; a supervisor killed with SIGKILL leaves its folder, which the next supervisor
-removes. A worker that moves to a newer version removes the older one's shared files
-(the others keep their mappings).
+folder; a supervisor killed with SIGKILL takes its workers with it (the kernel sends
+them SIGTERM) and leaves its folder, which the next supervisor removes. A worker that
+moves to a newer version removes the older one's shared files (the others keep their
+mappings).
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ def _why(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit status {code}"
+
+
+def _term_when_parent_dies(parent: int) -> None:
+    """Have the kernel send this process SIGTERM when its parent dies (Linux), so the
+    workers of a supervisor killed with SIGKILL stop too (finishing their requests)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: such workers outlive it, as before
+        return
+    if os.getppid() != parent:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _remove_stale(parent: str) -> None:
@@ -101,6 +115,7 @@ def serve_workers(
     gc.freeze()  # the objects so far stay untouched: their pages stay shared after a fork
 
     stops = {signal.SIGINT, signal.SIGTERM}
+    supervisor = os.getpid()
 
     def start(k: int) -> tuple[int, float]:
         sys.stdout.flush()
@@ -114,6 +129,7 @@ def serve_workers(
         code = 1  # the worker: a whole server, until the supervisor's SIGTERM
         try:
             os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor, which drains us
+            _term_when_parent_dies(supervisor)
             for sig in stops:
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
