@@ -196,8 +196,7 @@ class Predictor:
             raise DeltaError(
                 f"delta {path} applies to version {m['base']}, this is version {self.version}"
             )
-        keys = list(self.manifest["arguments"])
-        at = {k: i for i, k in enumerate(keys)}
+        at = {k: i for i, k in enumerate(self.manifest["arguments"])}
         served = {k: (lambda i=i: np.asarray(self._leaves[i])) for k, i in at.items()}
         make, names = None, dict(self._shared_names)
         if self._shared is not None:  # made once, in the workers' shared memory
