@@ -7,9 +7,9 @@ Debian package `wrk`), closed loop with C connections each sending single-exampl
 All the servers run at once; the cells go rep by rep, interleaved (--reps, default 3),
 and the table gives the median repetition. Per worker count and concurrency:
 requests/s, p50/p99 latency (wrk's), the CPU seconds wrk used, and the memory of the
-server's processes together (the sum of their PSS: a page shared by the workers counts
-once in all; the shared-memory folder of the tables counted whole, also its pages no
-worker has touched), against the model's table bytes.
+server's processes together (the physical pages they hold, a page shared by the workers
+once; the shared-memory folder of the tables counted whole, also its pages no worker has
+touched; `_memory_kib`), against the model's table bytes.
 
 Checks (the issue's Must reach): 2 workers >= 1.5x one worker's requests/s at the best
 concurrency; their memory <= one worker's + 20% of the table bytes.
@@ -26,6 +26,7 @@ import re
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -33,34 +34,52 @@ import time
 import urllib.request
 
 
-def _memory_kib(pid: int) -> int:
-    """The memory of `pid` and its children (KiB): their PSS (a page shared by several
-    counts once in all), less their share of shared memory, plus the whole of the
-    shared-memory folder of a `--workers` supervisor (the tables: each page once, also
-    the pages no worker has touched yet, which PSS leaves out)."""
-    total = 0
+def _memory_kib(pid: int) -> tuple[int, str]:
+    """The memory of `pid` and its children (KiB) and how it was counted: the physical
+    pages they have resident, each page once however many of them map it (from
+    /proc/PID/pagemap; needs root), or where the page frames cannot be read, the sum of
+    their PSS. Either way the tables' shared-memory folder of a `--workers` supervisor is
+    counted whole (also the pages no worker has touched yet) and its mappings not again.
+
+    PSS splits a page among all the processes that map it, also those of another server
+    running beside this one (a library's pages): the servers' sums then shift with how
+    many processes each has. The union of page frames is what this server holds."""
     pids = [pid]
     try:
-        kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
-        pids += [int(k) for k in kids]
+        pids += [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
     except OSError:
         pass
+    folders = [os.path.join("/dev/shm", n) for n in
+               (os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ())
+               if n.startswith(f"sparsejax-serve-{pid}-")]  # fmt: skip
+    total = sum(os.stat(os.path.join(d, f)).st_blocks * 512 // 1024
+                for d in folders for f in os.listdir(d))  # fmt: skip
+    frames: set[int] = set()
+    pss = 0
+    page = os.sysconf("SC_PAGE_SIZE")
     for p in pids:
         try:
+            with open(f"/proc/{p}/maps") as maps, open(f"/proc/{p}/pagemap", "rb") as pagemap:
+                for line in maps:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and any(d in fields[5] for d in folders):
+                        continue  # the tables: counted whole above
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    pagemap.seek(lo // page * 8)
+                    data = pagemap.read((hi - lo) // page * 8)
+                    for (entry,) in struct.iter_unpack("Q", data):
+                        if entry >> 63:  # present: bits 0-54 are the page frame
+                            frames.add(entry & ((1 << 55) - 1))
             for line in open(f"/proc/{p}/smaps_rollup"):
                 if line.startswith("Pss:"):
-                    total += int(line.split()[1])
+                    pss += int(line.split()[1])
                 elif line.startswith("Pss_Shmem:"):
-                    total -= int(line.split()[1])
+                    pss -= int(line.split()[1])
         except OSError:
             pass
-    shm = "/dev/shm"
-    for name in os.listdir(shm) if os.path.isdir(shm) else ():
-        if name.startswith(f"sparsejax-serve-{pid}-"):
-            folder = os.path.join(shm, name)
-            for f in os.listdir(folder):
-                total += os.stat(os.path.join(folder, f)).st_blocks * 512 // 1024
-    return total
+    if frames and 0 not in frames:  # without root, every frame reads as 0
+        return total + len(frames) * page // 1024, "pages"
+    return total + pss, "PSS"
 
 
 def _start(model: str, workers: int, port: int) -> subprocess.Popen:
@@ -152,15 +171,17 @@ def main(argv=None) -> int:
         for (w, c), runs in cells.items():
             runs.sort(key=lambda r: r["rps"])
             mid = runs[len(runs) // 2]  # the median repetition's figures
+            kib, counted = _memory_kib(servers[w][0].pid)
             rows[(w, c)] = {**mid, "rps_all": [r["rps"] for r in runs],
-                            "memory_mib": _memory_kib(servers[w][0].pid) / 1024}  # fmt: skip
+                            "memory_mib": kib / 1024, "counted": counted}  # fmt: skip
     finally:
         for proc, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(120)
     print(f"\n{model}: tables {table_bytes / 2**20:.1f} MiB; wrk -t1, {args.seconds:g} s a "
-          f"cell, single-example requests, {os.cpu_count()} cores\n")  # fmt: skip
+          f"cell, single-example requests, {os.cpu_count()} cores; memory: "
+          f"{next(iter(rows.values()))['counted']}\n")  # fmt: skip
     print(
         "| workers | connections | requests/s (median) | all reps | vs 1 worker | p50 ms | "
         "p99 ms | errors | wrk CPU s | server memory MiB |\n" + "|---" * 10 + "|"
