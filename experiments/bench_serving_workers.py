@@ -6,7 +6,8 @@ Debian package `wrk`), closed loop with C connections each sending single-exampl
 
 All the servers run at once; the cells go rep by rep, interleaved (--reps, default 3),
 and the table gives the median repetition. Per worker count and concurrency:
-requests/s, p50/p99 latency (wrk's), the CPU seconds wrk used, and the memory of the
+requests/s, p50/p99 latency (wrk's), the CPU seconds wrk used, the cores the server's
+processes used (CPU seconds per second), and the memory of the
 server's processes together (the physical pages they hold, a page shared by the workers
 once; the shared-memory folder of the tables counted whole, also its pages no worker has
 touched; `_memory_kib`), against the model's table bytes.
@@ -34,11 +35,11 @@ import time
 import urllib.request
 
 
-def _memory_kib(pid: int) -> tuple[int, str]:
-    """The memory of `pid` and its children (KiB) and how it was counted: the physical
-    pages they have resident, each page once however many of them map it (from
-    /proc/PID/pagemap; needs root), or where the page frames cannot be read, the sum of
-    their PSS. Either way the tables' shared-memory folder of a `--workers` supervisor is
+def _memory_kib(pid: int) -> tuple[int | None, int]:
+    """The memory of `pid` and its children (KiB), counted two ways: the physical pages
+    they have resident, each page once however many of them map it (from
+    /proc/PID/pagemap; None where the page frames cannot be read: it needs root), and
+    the sum of their PSS. Either way the tables' shared-memory folder of a `--workers` supervisor is
     counted whole (also the pages no worker has touched yet) and its mappings not again.
 
     PSS splits a page among all the processes that map it, also those of another server
@@ -77,9 +78,26 @@ def _memory_kib(pid: int) -> tuple[int, str]:
                     pss -= int(line.split()[1])
         except OSError:
             pass
-    if frames and 0 not in frames:  # without root, every frame reads as 0
-        return total + len(frames) * page // 1024, "pages"
-    return total + pss, "PSS"
+    readable = frames and 0 not in frames  # without root, every frame reads as 0
+    return (total + len(frames) * page // 1024 if readable else None), total + pss
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of `pid` and its children so far."""
+    ticks = 0
+    pids = [pid]
+    try:
+        pids += [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            ticks += sum(
+                int(x) for x in open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[11:13]
+            )
+        except OSError:
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _start(model: str, workers: int, port: int) -> subprocess.Popen:
@@ -166,32 +184,38 @@ def main(argv=None) -> int:
             order = args.workers if rep % 2 == 0 else args.workers[::-1]
             for w in order:
                 for c in args.concurrency:
-                    cells.setdefault((w, c), []).append(_wrk(servers[w][1], body, c, args.seconds))
+                    before = _cpu_s(servers[w][0].pid)
+                    run = _wrk(servers[w][1], body, c, args.seconds)
+                    run["cores"] = (_cpu_s(servers[w][0].pid) - before) / args.seconds
+                    cells.setdefault((w, c), []).append(run)
         rows = {}
         for (w, c), runs in cells.items():
             runs.sort(key=lambda r: r["rps"])
             mid = runs[len(runs) // 2]  # the median repetition's figures
-            kib, counted = _memory_kib(servers[w][0].pid)
+            pages, pss = _memory_kib(servers[w][0].pid)
             rows[(w, c)] = {**mid, "rps_all": [r["rps"] for r in runs],
-                            "memory_mib": kib / 1024, "counted": counted}  # fmt: skip
+                            "memory_mib": (pss if pages is None else pages) / 1024,
+                            "pss_mib": pss / 1024}  # fmt: skip
     finally:
         for proc, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(120)
     print(f"\n{model}: tables {table_bytes / 2**20:.1f} MiB; wrk -t1, {args.seconds:g} s a "
-          f"cell, single-example requests, {os.cpu_count()} cores; memory: "
-          f"{next(iter(rows.values()))['counted']}\n")  # fmt: skip
+          f"cell, single-example requests, {os.cpu_count()} cores\n")  # fmt: skip
     print(
         "| workers | connections | requests/s (median) | all reps | vs 1 worker | p50 ms | "
-        "p99 ms | errors | wrk CPU s | server memory MiB |\n" + "|---" * 10 + "|"
+        "p99 ms | errors | wrk CPU s | server cores | server memory MiB | its PSS sum MiB |\n"
+        + "|---" * 12
+        + "|"
     )
     for (w, c), r in rows.items():
         base = rows.get((1, c), r)["rps"]
         reps = ", ".join(f"{x:,.0f}" for x in r["rps_all"])
         print(f"| {w} | {c} | {r['rps']:,.0f} | {reps} | {r['rps'] / base:.2f}x | "
               f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | {r['wrk_cpu_s']:.1f} | "
-              f"{r['memory_mib']:.0f} |")  # fmt: skip
+              f"{r['cores']:.2f} | "
+              f"{r['memory_mib']:.0f} | {r['pss_mib']:.0f} |")  # fmt: skip
     if 1 in args.workers and 2 in args.workers:
         best1 = max(rows[(1, c)]["rps"] for c in args.concurrency)
         best2 = max(rows[(2, c)]["rps"] for c in args.concurrency)
