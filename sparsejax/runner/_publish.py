@@ -9,7 +9,13 @@ from collections.abc import Callable
 
 import jax
 
-from ..serving import Preprocessing, Publisher, export_model, serving_arguments
+from ..serving import (
+    Preprocessing,
+    Publisher,
+    export_model,
+    serving_arguments,
+    why_no_deltas,
+)
 from ..sharding import broadcast_text
 from ..train import Hook, TrainState
 from ._config import ConfigError
@@ -26,13 +32,10 @@ class PublishHook(Hook):
     def __init__(self, run, log: Callable[[str], object] = print):
         cfg, data = run.cfg, run.data
         p = cfg.publish
-        host = [t.name for t in data.tables if t.is_tiered]
-        if jax.process_count() > 1 and host:
+        if why := why_no_deltas(data.tables):
             raise ConfigError(
-                f"publish: tables {host[:3]}{'...' if len(host) > 3 else ''} are kept on each "
-                f"process's host (tiered or dynamic), and a run of {jax.process_count()} "
-                f"processes cannot publish them yet; train in one process, or export the "
-                f"checkpoints (`sparsejax export`) into the serving folder"
+                f"publish: {why}; train in one process, or export the checkpoints "
+                f"(`sparsejax export`) into the serving folder"
             )
         self.every_s, self.log = p.every_s, log
         self._state: TrainState | None = None

@@ -51,7 +51,7 @@ from ._format import (
     write_arrays,
     write_json,
 )
-from ._preprocess import KeyMapping
+from ._preprocess import KeyMapping, TooFewRows
 
 DELTA = "delta.json"
 DELTA_FORMAT = "sparsejax-delta"
@@ -233,7 +233,7 @@ def updated_keys(
             raise DeltaError(f"delta {path} changes the keys of {table!r}, not a dynamic table")
         try:
             got = {p: _array(path, e) for p, e in parts.items()}
-            out[table] = out[table].updated(got["added"], got["rows"], got["removed"])
+            out[table] = out[table].updated(got["added"], got["removed"], got["rows"])
         except (KeyError, ValueError) as e:
             raise DeltaError(f"delta {path}: table {table!r}: {e}") from None
     return out
@@ -311,10 +311,6 @@ def _own_arguments(model_dir: str, manifest: Mapping) -> dict[str, Argument]:
     return out
 
 
-class _NoRoom(Exception):
-    """A dynamic table has more new keys than spare rows: publish a full version."""
-
-
 class Publisher:
     """Publishes a training run into `directory` for `sparsejax serve` to follow: a full
     model dir first and every `full_every_s` seconds, deltas otherwise.
@@ -370,21 +366,17 @@ class Publisher:
 
     def _delta_rows(self, table, keys: np.ndarray) -> KeyMapping:
         """A delta's key rows: the kept keys where they were, the evicted ones' rows
-        free, the new keys in the lowest free rows (`_NoRoom` if too few)."""
+        free, the new keys in the lowest free rows (`TooFewRows` if too few)."""
         old = self._served[table.name]
         removed = np.setdiff1d(old.keys, keys, assume_unique=True)
         added = np.setdiff1d(keys, old.keys, assume_unique=True)
-        rows = np.arange(old.keys.shape[0]) if old.rows is None else old.rows
-        taken = np.zeros(old.default_row, bool)
-        taken[rows[~np.isin(old.keys, removed, assume_unique=True)]] = True
-        free = np.flatnonzero(~taken)[: added.shape[0]]
-        if free.shape[0] < added.shape[0]:
-            raise _NoRoom(
-                f"table {table.name!r}: {added.shape[0]:,} new keys, {free.shape[0]:,} free rows"
-            )
+        try:
+            got = old.updated(added, removed)
+        except TooFewRows as e:
+            raise TooFewRows(f"table {table.name!r}: {e}") from None
         if added.size or removed.size:
-            self._key_changes[table.name] = {"added": added, "rows": free, "removed": removed}
-        self._next[table.name] = got = old.updated(added, free, removed)
+            self._key_changes[table.name] = {"added": added, "rows": got(added), "removed": removed}
+        self._next[table.name] = got
         return got
 
     def publish(self, step: int) -> dict:
@@ -405,7 +397,7 @@ class Publisher:
         if not _allgather_json(full_due)[0]:
             try:
                 current = self.arguments(self._delta_rows)
-            except _NoRoom as e:
+            except TooFewRows as e:
                 self.log(f"publish: {e}: version {version} is a full one, with rows to spare")
                 self._next, self._key_changes = {}, {}
         if current is None:

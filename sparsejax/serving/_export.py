@@ -320,6 +320,20 @@ def _write_tables(tmp: str, layouts, full: _Tables, kind: str) -> tuple[dict, di
     return pieces, table_info, _markers(layouts)
 
 
+def why_no_deltas(tables: Sequence[TableSpec]) -> str | None:
+    """Why this run cannot cut deltas of `tables` (None: it can). Tiered and dynamic
+    tables keep their rows and keys on each process's host, not yet gathered for a
+    delta when there are several processes."""
+    host = [t.name for t in tables if t.is_tiered]
+    if jax.process_count() > 1 and host:
+        return (
+            f"tables {host[:3]}{'...' if len(host) > 3 else ''} are kept on each process's "
+            f"host (tiered or dynamic), and a run of {jax.process_count()} processes cannot "
+            f"publish them yet"
+        )
+    return None
+
+
 def serving_arguments(
     trainer: Trainer,
     state: TrainState,
@@ -337,14 +351,8 @@ def serving_arguments(
     it holds of each table argument, as `[(first row, rows)]` in the pieces an export
     writes, and process 0 the dense parameters too; tiered and dynamic tables need one
     process (each process holds its own keys)."""
-    procs = jax.process_count()
-    if procs > 1:
-        host = [t.name for t in tables if t.is_tiered]
-        if host:
-            raise ExportError(
-                f"tables {host} are kept on each process's host (tiered or dynamic): a run of "
-                f"{procs} processes cannot cut deltas of them yet"
-            )
+    if why := why_no_deltas(tables):
+        raise ExportError(why)
     kind = storage_kind(quantize)
     features = tuple(features)
     full = _full_tables(trainer, state, {t.name: t for t in tables}, features, key_rows)
@@ -356,7 +364,7 @@ def serving_arguments(
     markers = _markers(layouts)
     values: dict[tuple, np.ndarray | list] = {}
     for path, sname, k, _, (r0, r1), offset, a in _table_blocks(layouts, full, kind, {}):
-        if procs > 1:
+        if jax.process_count() > 1:
             values.setdefault((path, sname, k), []).append((offset + r0, a))
             continue
         arr = values.get((path, sname, k))

@@ -68,11 +68,14 @@ class KeyMapping:
         found = self.keys[i] == raw
         return np.where(found, i if self.rows is None else self.rows[i], self.default_row)
 
-    def updated(self, added: np.ndarray, added_rows: np.ndarray, removed: np.ndarray):
+    def updated(
+        self, added: np.ndarray, removed: np.ndarray, added_rows: np.ndarray | None = None
+    ) -> KeyMapping:
         """This mapping with the `removed` keys gone (their rows free) and the `added`
-        keys at `added_rows`; a `ValueError` names a key or row that does not fit (a
-        removed key it lacks, an added key it has, a row taken, out of range or given
-        twice)."""
+        keys at `added_rows`, or (None) in the lowest free rows, in the order given. A
+        `ValueError` names a key or row that does not fit (a removed key it lacks, an
+        added key it has, a row taken, out of range or given twice); `TooFewRows` when
+        fewer rows are free than keys are added."""
         keys = self.keys
         rows = np.arange(keys.shape[0]) if self.rows is None else self.rows
         removed = np.asarray(removed, np.int64)
@@ -85,27 +88,32 @@ class KeyMapping:
             keep[i] = False
             keys, rows = keys[keep], rows[keep]
         added = np.asarray(added, np.int64)
-        added_rows = np.asarray(added_rows, np.int64)
-        if added.ndim != 1 or added_rows.shape != added.shape:
-            raise ValueError(f"adds {added.shape} keys at {added_rows.shape} rows")
+        if added.ndim != 1 or (added_rows is not None and np.shape(added_rows) != added.shape):
+            raise ValueError(f"adds {added.shape} keys at {np.shape(added_rows)} rows")
         if not added.size:
             return KeyMapping(keys, self.default_row, rows)
-        bad = (added_rows < 0) | (added_rows >= self.default_row)
-        if bad.any():
-            raise ValueError(
-                f"adds key {int(added[bad][0])} at row {int(added_rows[bad][0])}, outside "
-                f"rows 0..{self.default_row - 1}"
-            )
         taken = np.zeros(self.default_row, bool)
         taken[rows] = True
-        twice = taken[added_rows]
-        by_row = np.argsort(added_rows, kind="stable")
-        twice[by_row[1:][added_rows[by_row][1:] == added_rows[by_row][:-1]]] = True
-        if twice.any():
-            raise ValueError(
-                f"adds key {int(added[twice][0])} at row {int(added_rows[twice][0])}, "
-                f"which another key has"
-            )
+        if added_rows is None:
+            added_rows = np.flatnonzero(~taken)[: added.shape[0]]
+            if added_rows.shape[0] < added.shape[0]:
+                raise TooFewRows(f"{added.shape[0]:,} new keys, {added_rows.shape[0]:,} free rows")
+        else:
+            added_rows = np.asarray(added_rows, np.int64)
+            bad = (added_rows < 0) | (added_rows >= self.default_row)
+            if bad.any():
+                raise ValueError(
+                    f"adds key {int(added[bad][0])} at row {int(added_rows[bad][0])}, "
+                    f"outside rows 0..{self.default_row - 1}"
+                )
+            twice = taken[added_rows]
+            by_row = np.argsort(added_rows, kind="stable")
+            twice[by_row[1:][added_rows[by_row][1:] == added_rows[by_row][:-1]]] = True
+            if twice.any():
+                raise ValueError(
+                    f"adds key {int(added[twice][0])} at row {int(added_rows[twice][0])}, "
+                    f"which another key has"
+                )
         order = np.argsort(added, kind="stable")
         added, added_rows = added[order], added_rows[order]
         at = np.searchsorted(keys, added)
@@ -116,6 +124,10 @@ class KeyMapping:
         return KeyMapping(
             np.insert(keys, at, added), self.default_row, np.insert(rows, at, added_rows)
         )
+
+
+class TooFewRows(ValueError):
+    """`KeyMapping.updated`: fewer rows are free than keys are added."""
 
 
 def _chain(*maps):

@@ -302,23 +302,33 @@ def test_dynamic_tables_publish_new_and_evicted_keys_as_deltas(published_dynamic
 
 
 def test_key_changes_that_do_not_fit_are_refused_naming_the_key():
-    from sparsejax.serving._preprocess import KeyMapping
+    from sparsejax.serving._preprocess import KeyMapping, TooFewRows
 
     km = KeyMapping(np.array([3, 7, 9]), 6, np.array([2, 0, 1]))
-    got = km.updated(np.array([8, 1]), np.array([3, 5]), np.array([7]))
+    got = km.updated(np.array([8, 1]), np.array([7]), np.array([3, 5]))
     np.testing.assert_array_equal(got.keys, [1, 3, 8, 9])
     np.testing.assert_array_equal(got(np.array([1, 3, 7, 8, 9, 4])), [5, 2, 6, 3, 1, 6])
     np.testing.assert_array_equal(km(np.array([7])), [0])  # the old mapping is kept
-    for args, words in [
+    # no rows given: the lowest free ones (the removed key's row 0 among them), in order
+    got = km.updated(np.array([8, 1, 5]), np.array([7]))
+    np.testing.assert_array_equal(got(np.array([8, 1, 5, 3, 9])), [0, 3, 4, 2, 1])
+    with pytest.raises(TooFewRows, match="4 new keys, 3 free rows"):
+        km.updated(np.array([1, 2, 4, 5]), np.array([], np.int64))
+    for (added, rows, removed), words in [
         (([], [], [4]), "removes key 4, which is not served"),
         (([5], [6], []), "adds key 5 at row 6, outside rows 0..5"),
         (([5], [2], []), "adds key 5 at row 2, which another key has"),
         (([5, 6], [4, 4], []), "at row 4, which another key has"),
         (([9], [4], []), "adds key 9, which is served already"),
         (([5, 5], [4, 3], []), "adds key 5, which is served already"),
+        (([9], None, []), "adds key 9, which is served already"),
     ]:
         with pytest.raises(ValueError, match=re.escape(words)):
-            km.updated(*(np.array(a, np.int64) for a in args))
+            km.updated(
+                np.array(added, np.int64),
+                np.array(removed, np.int64),
+                None if rows is None else np.array(rows, np.int64),
+            )
 
 
 # ---- a run of two processes ------------------------------------------------------------
