@@ -25,9 +25,11 @@ from ._model import configured_model
 
 class PublishHook(Hook):
     """Publishes after the first step, then every `publish.every_s` seconds, and at the
-    end of training; one line a publish. In a run of several processes, all publish at
-    the same step: at each publish, process 0 names the step of the next one from its
-    step rate (no collective between publishes)."""
+    end of training; one line a publish. In a run of one process, training goes on
+    while a delta is written (`Publisher(background=True)`); the run ends once the last
+    is written. In a run of several processes, all publish at the same step: at each
+    publish, process 0 names the step of the next one from its step rate (no collective
+    between publishes)."""
 
     def __init__(self, run, log: Callable[[str], object] = print):
         cfg, data = run.cfg, run.data
@@ -88,24 +90,28 @@ class PublishHook(Hook):
             arguments=arguments,
             full_every_s=p.full_every_s,
             headroom=p.key_headroom,
+            background=True,
             log=log,
         )
 
     def _publish(self, step: int, state: TrainState) -> None:
         self._state = state
-        t0 = time.perf_counter()
-        got = self.publisher.publish(step)
+        self.publisher.publish(step, on_written=lambda got: self._log_published(step, got))
         self._state = None
         self._last, self._published_step = time.monotonic(), step
+
+    def _log_published(self, step: int, got: dict) -> None:
         rows, keys = got.get("rows"), got.get("keys") or {}
         changed = "" if rows is None else f", {sum(v for v in rows.values() if v != 'all'):,} rows"
         if keys:
             added = sum(k["added"] for k in keys.values())
             removed = sum(k["removed"] for k in keys.values())
             changed += f", keys +{added:,} -{removed:,} in {len(keys)} tables"
+        in_call = got.get("in_call_s")
+        stalled = "" if in_call is None else f", {in_call:.2f} s of it in the training loop"
         self.log(
             f"published step {step} as {got['kind']} version {got['version']} ({got['path']}"
-            f"{changed}) in {time.perf_counter() - t0:.2f} s"
+            f"{changed}) in {got['took_s']:.2f} s{stalled}"
         )
 
     def after_step(self, step: int, state: TrainState, metrics) -> None:
@@ -131,3 +137,4 @@ class PublishHook(Hook):
     def on_end(self, step: int, state: TrainState) -> None:
         if self._published_step != step:
             self._publish(step, state)
+        self.publisher.close()  # the last delta written before the run ends

@@ -29,6 +29,8 @@ not fit the served model is refused (`DeltaError`) and the served version stays.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
 import os
 import re
@@ -311,6 +313,13 @@ def _own_arguments(model_dir: str, manifest: Mapping) -> dict[str, Argument]:
     return out
 
 
+def _written(got: dict, t0: float, on_written: Callable[[dict], object] | None) -> dict:
+    got["took_s"] = time.perf_counter() - t0
+    if on_written is not None:
+        on_written(got)
+    return got
+
+
 class Publisher:
     """Publishes a training run into `directory` for `sparsejax serve` to follow: a full
     model dir first and every `full_every_s` seconds, deltas otherwise.
@@ -321,7 +330,13 @@ class Publisher:
     is a full one). A dynamic table's full version keeps `headroom` of its keys (at
     least `MIN_SPARE_ROWS` rows, at most the table's `max_rows` in all) free for the
     keys that deltas add. Old versions are pruned: the previous full model dir and the
-    deltas since it are kept."""
+    deltas since it are kept.
+
+    `background` (a run of one process): `publish` returns once it has the state's
+    arguments, and the delta is cut and written in a thread of its own while training
+    goes on; the next `publish`, and `wait`, wait for it and raise its error. A full
+    version is written in the call. Several processes write every delta in the call (its
+    manifest is gathered)."""
 
     MIN_SPARE_ROWS = 1024
 
@@ -333,6 +348,7 @@ class Publisher:
         arguments: Callable[[KeyRows], dict[str, np.ndarray]] | None,
         full_every_s: float | None = 3600.0,
         headroom: float = 0.25,
+        background: bool = False,
         log: Callable[[str], object] = print,
     ):
         self.directory = os.path.abspath(directory)
@@ -348,6 +364,10 @@ class Publisher:
         self._served: dict[str, KeyMapping] = {}  # the published dynamic tables' key rows
         self._next: dict[str, KeyMapping] = {}  # ... of the version being cut
         self._key_changes: dict[str, dict] = {}  # ... and what changed since the last
+        self._writer = None
+        if background and jax.process_count() == 1:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, "sparsejax-publish")
+        self._writing: concurrent.futures.Future | None = None  # the delta being written
 
     def _newest(self) -> int:
         os.makedirs(self.directory, exist_ok=True)
@@ -379,10 +399,15 @@ class Publisher:
         self._next[table.name] = got
         return got
 
-    def publish(self, step: int) -> dict:
+    def publish(self, step: int, on_written: Callable[[dict], object] | None = None) -> dict:
         """Publish the current state: `{"kind": "full" | "delta", "version", "path",
-        "rows", "keys"}` (a delta's rows: per argument the rows it carries; keys: per
-        dynamic table the keys added and removed)."""
+        "rows", "keys", "took_s"}` (a delta's rows: per argument the rows it carries;
+        keys: per dynamic table the keys added and removed), also given to `on_written`
+        once the version is written. With `background`, a delta's is given to it from
+        the writing thread, with "in_call_s" (the time `publish` took), and `publish`
+        returns `{"kind", "version", "path", "written"}`, "written" its future."""
+        t0 = time.perf_counter()
+        self.wait()
         version = self.version + 1
         self._next, self._key_changes = {}, {}
         current = None
@@ -412,8 +437,23 @@ class Publisher:
             if jax.process_index() == 0:
                 self._prune()
             _barrier("pruned")
-            return {"kind": "full", "version": version, "path": out}
+            got = {"kind": "full", "version": version, "path": out}
+            return _written(got, t0, on_written)
         out = os.path.join(self.directory, f"{version}.delta")
+        write = functools.partial(
+            self._write_delta, out, current, version, step, self._next, self._key_changes
+        )
+        if self._writer is None:
+            return _written(write(), t0, on_written)
+        in_call_s = time.perf_counter() - t0
+
+        def write_then_tell() -> dict:
+            return _written({**write(), "in_call_s": in_call_s}, t0, on_written)
+
+        self._writing = self._writer.submit(write_then_tell)
+        return {"kind": "delta", "version": version, "path": out, "written": self._writing}
+
+    def _write_delta(self, out, current, version, step, served, key_changes) -> dict:
         m = write_delta(
             out,
             self._previous,
@@ -422,18 +462,32 @@ class Publisher:
             version=version,
             base=self.version,
             step=step,
-            keys=self._key_changes,
+            keys=key_changes,
         )
-        self.version, self._previous, self._served = version, current, self._next
+        self.version, self._previous, self._served = version, current, served
         rows = {
             k: sum(q["rows"]["shape"][0] for q in p["pieces"]) if "pieces" in p else "all"
             for k, p in m["arguments"].items()
         }
         keys = {
             t: {"added": c["added"].shape[0], "removed": c["removed"].shape[0]}
-            for t, c in self._key_changes.items()
+            for t, c in key_changes.items()
         }
         return {"kind": "delta", "version": version, "path": out, "rows": rows, "keys": keys}
+
+    def wait(self) -> dict | None:
+        """Wait for the delta being written in the background; its `publish` result
+        (None: none is). Raises the error that kept it from being written."""
+        writing, self._writing = self._writing, None
+        return None if writing is None else writing.result()
+
+    def close(self) -> None:
+        """`wait`, then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
 
     def _prune(self) -> None:
         """Remove the versions older than the full one before the newest full one."""

@@ -380,7 +380,7 @@ def serving_arguments(
         if isinstance(a, _Arg):
             out[jax.tree_util.keystr(p)] = values.get((a.path, a.stack, a.kind), [])
         elif jax.process_index() == 0:  # the dense parameters: the same on every process
-            out[jax.tree_util.keystr(p)] = np.asarray(a)
+            out[jax.tree_util.keystr(p)] = np.array(a)  # a copy: the state is donated
     return out
 
 

@@ -385,3 +385,34 @@ def test_several_processes_refuse_to_publish_tables_kept_on_their_hosts(monkeypa
         PublishHook(run)
     assert "tables ['C1'] are kept on each process's host (tiered or dynamic)" in str(e.value)
     assert "a run of 2 processes cannot publish them yet" in str(e.value)
+
+
+def test_a_delta_that_fails_in_the_background_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    """In one process a delta is written while training goes on; its error is raised by
+    the next publish, and the versions before it stay as they were."""
+    from sparsejax.serving import _delta
+
+    real = _delta.write_delta
+
+    def full_disk_at_3(out, *args, version, **kw):
+        if version == 3:
+            raise OSError(28, "No space left on device", out)
+        return real(out, *args, version=version, **kw)
+
+    monkeypatch.setattr(_delta, "write_delta", full_disk_at_3)
+    pub = tmp_path / "pub"
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "name=r",
+            *SYNTHETIC,
+            f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1]}}",
+        ],
+    )
+    lines = []
+    with pytest.raises(OSError, match="No space left on device"):
+        runner.train(cfg, log=lines.append)
+    assert sorted(os.listdir(pub)) == ["1", "2.delta"]
+    assert any("as delta version 2" in ln and "in the training loop" in ln for ln in lines)
+    assert _follow(pub).version == "2"
