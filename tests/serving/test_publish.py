@@ -416,3 +416,31 @@ def test_a_delta_that_fails_in_the_background_stops_the_run_with_its_error(tmp_p
     assert sorted(os.listdir(pub)) == ["1", "2.delta"]
     assert any("as delta version 2" in ln and "in the training loop" in ln for ln in lines)
     assert _follow(pub).version == "2"
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (1,), (), (7, 3), (5000, 1), (9, 0), (3000, 2, 5)])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "float16", "int64"])
+def test_changed_rows_are_the_rows_whose_bytes_differ(shape, dtype, monkeypatch):
+    """Against a plain byte comparison; blocks of a few rows, so rows fall on both sides
+    of a block's edge; NaNs compare by their bits, -0.0 differs from 0.0."""
+    from sparsejax.serving import _delta
+
+    monkeypatch.setattr(_delta, "_COMPARE_BYTES", 64)
+    rng = np.random.default_rng(abs(hash((shape, dtype))) % 2**32)
+    old = rng.integers(-100, 100, shape).astype(dtype)
+    new = old.copy()
+    n = shape[0] if shape else 1
+    if new.size:
+        flat = new.reshape(n, -1)  # a view: writes reach `new`
+        for r in rng.choice(n, size=max(1, n // 7), replace=False):
+            flat[r, rng.integers(flat.shape[1])] += 1
+        if dtype.startswith("float"):
+            old.reshape(n, -1)[0, 0], flat[0, 0] = np.nan, np.nan  # the same bits: unchanged
+            if n > 1:  # the last row: 0.0 became -0.0, other bits
+                old.reshape(n, -1)[-1, -1], flat[-1, -1] = 0.0, -0.0
+    want = [
+        r for r in range(n) if old.reshape(n, -1)[r].tobytes() != new.reshape(n, -1)[r].tobytes()
+    ]
+    got = _delta.changed_rows(old, new)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype.kind == "i"
