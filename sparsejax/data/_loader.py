@@ -192,13 +192,27 @@ class Examples:
                 f"map_ids: unknown features {sorted(unknown)}; the examples have "
                 f"{list(self.sparse)}"
             )
-        sparse = {
-            name: dataclasses.replace(col, values=mappings[name](col.values))
-            if name in mappings
-            else col
-            for name, col in self.sparse.items()
-        }
-        return Examples(labels=self.labels, dense=self.dense, sparse=sparse)
+        sparse = dict(self.sparse)
+        for name, mapping in mappings.items():
+            col = sparse[name]
+            values = np.asarray(mapping(col.values))
+            if values.shape != col.values.shape:
+                raise ValueError(
+                    f"map_ids: the mapping of {name!r} gave ids of shape {values.shape} for "
+                    f"{col.values.shape}"
+                )
+            sparse[name] = JaggedIds(lengths=col.lengths, values=values, weights=col.weights)
+        # the lengths are unchanged: the checks and offsets of `self` hold (a served
+        # batch's parse spent half its time checking them again)
+        out = object.__new__(Examples)
+        for field, value in [
+            ("labels", self.labels),
+            ("dense", self.dense),
+            ("sparse", sparse),
+            ("_offsets", self._offsets),
+        ]:
+            object.__setattr__(out, field, value)
+        return out
 
 
 # ---------------------------------------------------------------------------------------

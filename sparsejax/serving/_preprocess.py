@@ -42,6 +42,27 @@ from ..data import (
     VocabMapping,
 )
 
+_NUMBER_TYPES = frozenset({int, float})
+_INT_TYPES = frozenset({int})
+
+
+def _finite_number(v) -> bool:
+    """A JSON number, finite as a float (an integer too large for one is not)."""
+    if type(v) not in (int, float):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _as_array(values: list, dtype) -> np.ndarray | None:
+    """`values` as an array of `dtype`; None where one does not fit (a huge integer)."""
+    try:
+        return np.asarray(values, dtype)
+    except OverflowError:
+        return None
+
 
 class RequestError(ValueError):
     """A request's fault: an unknown, missing or wrongly typed feature, a bad value, too
@@ -316,23 +337,37 @@ class Preprocessor:
 
     # ---- synthetic data: the values are the rows ----------------------------------------
     def _read_ids(self, examples: Sequence[Mapping], n: int) -> Examples:
+        """A column whose values are all plain numbers (ids: one integer each) is
+        converted and checked at once; any other is read value by value."""
         dense = np.zeros((n, len(self.dense)), np.float32)
         for j, name in enumerate(self.dense):
-            for i, ex in enumerate(examples):
-                v = ex.get(name)
+            column = [ex.get(name) for ex in examples]
+            if _NUMBER_TYPES.issuperset(map(type, column)):
+                got = _as_array(column, np.float64)
+                if got is not None and np.isfinite(got).all():
+                    dense[:, j] = got
+                    continue
+            for i, v in enumerate(column):
                 if v is None:
                     continue
-                if type(v) not in (int, float) or not math.isfinite(v):
+                if not _finite_number(v):
                     raise _bad_type(i, name, v, "a finite number")
                 dense[i, j] = v
         sparse = {}
         for name in self.sparse:
             rows, lengths = self.rows[name], np.zeros(n, np.int64)
+            column = [ex.get(name) for ex in examples]
+            if _INT_TYPES.issuperset(map(type, column)):
+                got = _as_array(column, np.int64)
+                if got is not None and (
+                    not n or (got.min() >= 0 and (rows is None or got.max() < rows))
+                ):
+                    sparse[name] = JaggedIds(lengths=np.ones(n, np.int64), values=got)
+                    continue
             if rows is None:  # a dynamic table's keys, or ids its mapping takes
                 rows = 1 << 63
             values = []
-            for i, ex in enumerate(examples):
-                v = ex.get(name)
+            for i, v in enumerate(column):
                 ids = () if v is None else (v if type(v) is list else (v,))
                 for x in ids:
                     if type(x) is not int or not 0 <= x < rows:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -377,6 +378,27 @@ def test_synthetic_ids_and_the_cli(tmp_path, capsys):
     assert p.predict(rows).shape == (8,)
     with pytest.raises(RequestError, match=r"'C1': expected an integer id in \[0, "):
         p.parse([{"C1": 10**9}])
+    # a column of plain numbers is read at once, any other value by value: the same rows
+    rows = [{**rows[0], "C1": 3}, {**rows[1], "C1": None, "dense0": None}, {**rows[2], "C1": 7}]
+    batch = p.parse(rows)
+    alone = [p.parse([r]) for r in rows]
+    np.testing.assert_array_equal(batch.dense, np.concatenate([a.dense for a in alone]))
+    for name, col in batch.sparse.items():
+        np.testing.assert_array_equal(col.lengths, [a.sparse[name].lengths[0] for a in alone])
+        np.testing.assert_array_equal(
+            col.values, np.concatenate([a.sparse[name].values for a in alone])
+        )
+    assert batch.sparse["C1"].lengths.tolist() == [1, 0, 1] and batch.dense[1, 0] == 0.0
+    for bad, words in [
+        ({"C1": -1}, "example 1: feature 'C1': expected an integer id in [0, "),
+        ({"C1": 2**70}, "example 1: feature 'C1': expected an integer id in [0, "),
+        ({"C1": True}, "example 1: feature 'C1': expected an integer id in [0, "),
+        ({"dense0": float("nan")}, "example 1: feature 'dense0': expected a finite number"),
+        ({"dense0": 10**400}, "example 1: feature 'dense0': expected a finite number"),
+        ({"dense0": "1"}, "example 1: feature 'dense0': expected a finite number"),
+    ]:
+        with pytest.raises(RequestError, match=re.escape(words)):
+            p.parse([rows[0], {**rows[0], **bad}])
 
 
 def test_exported_model_runs_without_the_run_dir(criteo_run, tmp_path):
