@@ -56,8 +56,7 @@ def need(*tools: str) -> None:
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         raise SystemExit(
-            f"--loadgen native needs {', '.join(missing)}: apt-get install "
-            + " ".join(packages[t] for t in missing)
+            f"needs {', '.join(missing)}: apt-get install " + " ".join(packages[t] for t in missing)
         )
 
 

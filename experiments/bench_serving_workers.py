@@ -6,11 +6,12 @@ Debian package `wrk`), closed loop with C connections each sending single-exampl
 
 All the servers run at once; the cells go rep by rep, interleaved (--reps, default 3),
 and the table gives the median repetition. Per worker count and concurrency:
-requests/s, p50/p99 latency (wrk's), the CPU seconds wrk used, the cores the server's
-processes used (CPU seconds per second), and the memory of the
-server's processes together (the physical pages they hold, a page shared by the workers
-once; the shared-memory folder of the tables counted whole, also its pages no worker has
-touched; `_memory_kib`), against the model's table bytes.
+requests/s (good answers), p50/p99 latency (wrk's), the CPU seconds wrk used, the cores
+the server's processes used (CPU seconds per second), and the memory of the server's
+processes together (the physical pages they hold, a page shared by the workers once; the
+shared-memory folder of the tables counted whole, also its pages no worker has touched;
+`_memory_kib`), against the model's table bytes. wrk and the process tree's CPU are
+`_load_tools`', as in bench_serving.py.
 
 Checks (the issue's Must reach): 2 workers >= 1.5x one worker's requests/s at the best
 concurrency; their memory <= one worker's + 20% of the table bytes.
@@ -23,33 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import resource
-import shutil
 import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however it is loaded
+import _load_tools as lt  # noqa: E402
 
 
 def _memory_kib(pid: int) -> tuple[int | None, int]:
     """The memory of `pid` and its children (KiB), counted two ways: the physical pages
     they have resident, each page once however many of them map it (from
     /proc/PID/pagemap; None where the page frames cannot be read: it needs root), and
-    the sum of their PSS. Either way the tables' shared-memory folder of a `--workers` supervisor is
-    counted whole (also the pages no worker has touched yet) and its mappings not again.
+    the sum of their PSS. Either way the tables' shared-memory folder of a `--workers`
+    supervisor is counted whole (also the pages no worker has touched yet) and its
+    mappings not again.
 
     PSS splits a page among all the processes that map it, also those of another server
     running beside this one (a library's pages): the servers' sums then shift with how
     many processes each has. The union of page frames is what this server holds."""
-    pids = [pid]
-    try:
-        pids += [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        pass
     folders = [os.path.join("/dev/shm", n) for n in
                (os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else ())
                if n.startswith(f"sparsejax-serve-{pid}-")]  # fmt: skip
@@ -58,7 +54,7 @@ def _memory_kib(pid: int) -> tuple[int | None, int]:
     frames: set[int] = set()
     pss = 0
     page = os.sysconf("SC_PAGE_SIZE")
-    for p in pids:
+    for p in lt.process_tree(pid):
         try:
             with open(f"/proc/{p}/maps") as maps, open(f"/proc/{p}/pagemap", "rb") as pagemap:
                 for line in maps:
@@ -82,24 +78,6 @@ def _memory_kib(pid: int) -> tuple[int | None, int]:
     return (total + len(frames) * page // 1024 if readable else None), total + pss
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of `pid` and its children so far."""
-    ticks = 0
-    pids = [pid]
-    try:
-        pids += [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        pass
-    for p in pids:
-        try:
-            ticks += sum(
-                int(x) for x in open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[11:13]
-            )
-        except OSError:
-            pass
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _start(model: str, workers: int, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sparsejax", "serve", model, "--port", str(port),
            "--workers", str(workers), "--poll-seconds", "0"]  # fmt: skip
@@ -119,37 +97,6 @@ def _start(model: str, workers: int, port: int) -> subprocess.Popen:
     return proc
 
 
-def _wrk(port: int, body: str, connections: int, seconds: float) -> dict:
-    script = tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False)
-    script.write(
-        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body)}\n"
-    )
-    script.close()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", script.name,
-         f"http://127.0.0.1:{port}/v1/predict"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    os.unlink(script.name)
-
-    def ms(q):
-        m = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
-        v, unit = float(m.group(1)), m.group(2)
-        return v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
-
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {
-        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
-        "p50_ms": ms(50),
-        "p99_ms": ms(99),
-        "errors": int(errors.group(1)) if errors else 0,
-        "wrk_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-    }
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -159,8 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8971)
     p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved; median")
     args = p.parse_args(argv)
-    if shutil.which("wrk") is None:
-        raise SystemExit("needs wrk (the Debian package wrk)")
+    lt.need("wrk")
     model = args.model
     first = (
         model
@@ -169,8 +115,13 @@ def main(argv=None) -> int:
     )
     manifest = json.load(open(os.path.join(first, "model.json")))
     table_bytes = manifest["memory"]["tables_bytes"]
-    body = json.dumps({"examples": json.load(open(os.path.join(first, "example_request.json")))
-                       ["examples"][:1]})  # fmt: skip
+    example = json.load(open(os.path.join(first, "example_request.json")))["examples"][0]
+    body = lt.v1_body(example)
+
+    def wrk(port: int, connections: int, seconds: float) -> dict:
+        url = f"http://127.0.0.1:{port}/v1/predict"
+        return lt.wrk(url, body, connections=connections, seconds=seconds)
+
     # every server up at once (an idle one takes next to no CPU), then the cells
     # interleaved rep by rep: this VM's speed drifts within minutes
     servers = {}
@@ -178,22 +129,24 @@ def main(argv=None) -> int:
         for w in args.workers:
             port = args.port + w  # another port a run: no TIME_WAIT of the run before
             servers[w] = (_start(model, w, port), port)
-            _wrk(port, body, 4, 2)  # warm-up
+            wrk(port, 4, 2)  # warm-up
         cells: dict[tuple, list] = {}
         for rep in range(args.reps):
             order = args.workers if rep % 2 == 0 else args.workers[::-1]
             for w in order:
                 for c in args.concurrency:
-                    before = _cpu_s(servers[w][0].pid)
-                    run = _wrk(servers[w][1], body, c, args.seconds)
-                    run["cores"] = (_cpu_s(servers[w][0].pid) - before) / args.seconds
+                    cpu = lt.TreeCpu(servers[w][0].pid)
+                    cpu.start()
+                    run = wrk(servers[w][1], c, args.seconds)
+                    spent = cpu.stop()  # None: a worker was restarted meanwhile
+                    run["cores"] = float("nan") if spent is None else spent / run["seconds"]
                     cells.setdefault((w, c), []).append(run)
         rows = {}
         for (w, c), runs in cells.items():
-            runs.sort(key=lambda r: r["rps"])
+            runs.sort(key=lambda r: r["throughput"])
             mid = runs[len(runs) // 2]  # the median repetition's figures
             pages, pss = _memory_kib(servers[w][0].pid)
-            rows[(w, c)] = {**mid, "rps_all": [r["rps"] for r in runs],
+            rows[(w, c)] = {**mid, "rps_all": [r["throughput"] for r in runs],
                             "memory_mib": (pss if pages is None else pages) / 1024,
                             "pss_mib": pss / 1024}  # fmt: skip
     finally:
@@ -210,15 +163,15 @@ def main(argv=None) -> int:
         + "|"
     )
     for (w, c), r in rows.items():
-        base = rows.get((1, c), r)["rps"]
+        base = rows.get((1, c), r)["throughput"]
         reps = ", ".join(f"{x:,.0f}" for x in r["rps_all"])
-        print(f"| {w} | {c} | {r['rps']:,.0f} | {reps} | {r['rps'] / base:.2f}x | "
-              f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | {r['wrk_cpu_s']:.1f} | "
+        print(f"| {w} | {c} | {r['throughput']:,.0f} | {reps} | {r['throughput'] / base:.2f}x | "
+              f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | {r['tool_cpu_s']:.1f} | "
               f"{r['cores']:.2f} | "
               f"{r['memory_mib']:.0f} | {r['pss_mib']:.0f} |")  # fmt: skip
     if 1 in args.workers and 2 in args.workers:
-        best1 = max(rows[(1, c)]["rps"] for c in args.concurrency)
-        best2 = max(rows[(2, c)]["rps"] for c in args.concurrency)
+        best1 = max(rows[(1, c)]["throughput"] for c in args.concurrency)
+        best2 = max(rows[(2, c)]["throughput"] for c in args.concurrency)
         mem1 = max(rows[(1, c)]["memory_mib"] for c in args.concurrency)
         mem2 = max(rows[(2, c)]["memory_mib"] for c in args.concurrency)
         limit = mem1 + 0.2 * table_bytes / 2**20
