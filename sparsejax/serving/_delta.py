@@ -419,7 +419,7 @@ class Publisher:
         keys: per dynamic table the keys added and removed), also given to `on_written`
         once the version is written. With `background`, a delta's is given to it from
         the writing thread, with "in_call_s" (the time `publish` took), and `publish`
-        returns `{"kind", "version", "path", "written"}`, "written" its future."""
+        returns `{"kind", "version", "path"}` before it is written (`wait`)."""
         t0 = time.perf_counter()
         self.wait()
         version = self.version + 1
@@ -465,7 +465,7 @@ class Publisher:
             return _written({**write(), "in_call_s": in_call_s}, t0, on_written)
 
         self._writing = self._writer.submit(write_then_tell)
-        return {"kind": "delta", "version": version, "path": out, "written": self._writing}
+        return {"kind": "delta", "version": version, "path": out}
 
     def _write_delta(self, out, current, version, step, served, key_changes) -> dict:
         m = write_delta(

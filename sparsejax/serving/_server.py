@@ -959,7 +959,7 @@ async def _serve(
     if os.environ.get("SPARSEJAX_SERVE_GC_FREEZE", "1") != "0":
         gc.collect()
         gc.freeze()
-    return_free_heap()
+    return_free_heap()  # what the collection freed (and a given `loader`'s load)
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout
     )
