@@ -311,19 +311,6 @@ def batch_counters(url: str) -> tuple[float, float]:
     )
 
 
-def _cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of process `pid` (None: this process)."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
 # -- the server ---------------------------------------------------------------------------
 
 
@@ -834,7 +821,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _cell(url, bodies, expect, args, c, server_pid) -> dict:
     before = batch_counters(url)
-    cpu0 = (_cpu_seconds(server_pid) if server_pid else 0.0, _cpu_seconds(None))
+    cpu0 = (lt.cpu_seconds([server_pid]) if server_pid else 0.0, time.process_time())
     r = run_load(
         url,
         bodies,
@@ -844,7 +831,7 @@ def _cell(url, bodies, expect, args, c, server_pid) -> dict:
         warmup_seconds=args.warmup_seconds,
         expect=expect,
     )
-    cpu1 = (_cpu_seconds(server_pid) if server_pid else 0.0, _cpu_seconds(None))
+    cpu1 = (lt.cpu_seconds([server_pid]) if server_pid else 0.0, time.process_time())
     after = batch_counters(url)
     calls = after[1] - before[1]
     # The counters include the warm-up phase: the mean is over the whole cell.

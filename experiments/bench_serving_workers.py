@@ -22,17 +22,15 @@ concurrency; their memory <= one worker's + 20% of the table bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import signal
 import struct
-import subprocess
 import sys
-import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however it is loaded
 import _load_tools as lt  # noqa: E402
+from bench_serving import ServerProcess  # noqa: E402
 
 
 def _memory_kib(pid: int) -> tuple[int | None, int]:
@@ -78,32 +76,12 @@ def _memory_kib(pid: int) -> tuple[int | None, int]:
     return (total + len(frames) * page // 1024 if readable else None), total + pss
 
 
-def _start(model: str, workers: int, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sparsejax", "serve", model, "--port", str(port),
-           "--workers", str(workers), "--poll-seconds", "0"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline, pids = time.time() + 300, set()
-    while time.time() < deadline and len(pids) < workers:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server ({workers} workers) exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
-                pids.add(json.load(r)["pid"])
-        except OSError:
-            time.sleep(0.3)
-    if len(pids) < workers:
-        proc.kill()
-        raise SystemExit(f"{workers} workers did not answer in 300 s")
-    return proc
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
     p.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     p.add_argument("--concurrency", nargs="+", type=int, default=[16, 64])
     p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--port", type=int, default=8971)
     p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved; median")
     args = p.parse_args(argv)
     lt.need("wrk")
@@ -118,26 +96,25 @@ def main(argv=None) -> int:
     example = json.load(open(os.path.join(first, "example_request.json")))["examples"][0]
     body = lt.v1_body(example)
 
-    def wrk(port: int, connections: int, seconds: float) -> dict:
-        url = f"http://127.0.0.1:{port}/v1/predict"
+    def wrk(server: ServerProcess, connections: int, seconds: float) -> dict:
+        url = f"{server.url}/v1/predict"
         return lt.wrk(url, body, connections=connections, seconds=seconds)
 
     # every server up at once (an idle one takes next to no CPU), then the cells
     # interleaved rep by rep: this VM's speed drifts within minutes
-    servers = {}
-    try:
+    servers: dict[int, ServerProcess] = {}
+    with contextlib.ExitStack() as stack:  # each server stopped (SIGTERM) on the way out
         for w in args.workers:
-            port = args.port + w  # another port a run: no TIME_WAIT of the run before
-            servers[w] = (_start(model, w, port), port)
-            wrk(port, 4, 2)  # warm-up
+            servers[w] = stack.enter_context(ServerProcess(model, ["--workers", str(w)], workers=w))
+            wrk(servers[w], 4, 2)  # warm-up
         cells: dict[tuple, list] = {}
         for rep in range(args.reps):
             order = args.workers if rep % 2 == 0 else args.workers[::-1]
             for w in order:
                 for c in args.concurrency:
-                    cpu = lt.TreeCpu(servers[w][0].pid)
+                    cpu = lt.TreeCpu(servers[w].proc.pid)
                     cpu.start()
-                    run = wrk(servers[w][1], c, args.seconds)
+                    run = wrk(servers[w], c, args.seconds)
                     spent = cpu.stop()  # None: a worker was restarted meanwhile
                     run["cores"] = float("nan") if spent is None else spent / run["seconds"]
                     cells.setdefault((w, c), []).append(run)
@@ -145,15 +122,10 @@ def main(argv=None) -> int:
         for (w, c), runs in cells.items():
             runs.sort(key=lambda r: r["throughput"])
             mid = runs[len(runs) // 2]  # the median repetition's figures
-            pages, pss = _memory_kib(servers[w][0].pid)
+            pages, pss = _memory_kib(servers[w].proc.pid)
             rows[(w, c)] = {**mid, "rps_all": [r["throughput"] for r in runs],
                             "memory_mib": (pss if pages is None else pages) / 1024,
                             "pss_mib": pss / 1024}  # fmt: skip
-    finally:
-        for proc, _ in servers.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in servers.values():
-            proc.wait(120)
     print(f"\n{model}: tables {table_bytes / 2**20:.1f} MiB; wrk -t1, {args.seconds:g} s a "
           f"cell, single-example requests, {os.cpu_count()} cores\n")  # fmt: skip
     print(
