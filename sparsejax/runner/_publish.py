@@ -14,7 +14,6 @@ from ..serving import (
     Publisher,
     export_model,
     serving_arguments,
-    why_no_deltas,
 )
 from ..sharding import broadcast_text
 from ..train import Hook, TrainState
@@ -34,11 +33,6 @@ class PublishHook(Hook):
     def __init__(self, run, log: Callable[[str], object] = print):
         cfg, data = run.cfg, run.data
         p = cfg.publish
-        if why := why_no_deltas(data.tables):
-            raise ConfigError(
-                f"publish: {why}; train in one process, or export the checkpoints "
-                f"(`sparsejax export`) into the serving folder"
-            )
         self.every_s, self.log = p.every_s, log
         self._state: TrainState | None = None
         self._last: float | None = None

@@ -201,7 +201,8 @@ class PublishConfig:
     since the version before and the dense parameters, which the server applies in
     place (see `sparsejax.serving.Publisher`); a dynamic table's deltas add its new
     keys in spare rows and remove its evicted ones. In a run of several processes, each
-    writes the rows it holds (not tiered or dynamic tables yet)."""
+    writes the rows it holds of a sharded table, and a share of the rows of a table kept
+    on the hosts (tiered or dynamic: its keys and rows are gathered, share by share)."""
 
     dir: str | None = None
     """The publish folder (required) (`DIR/<v>/` full model dirs, `DIR/<v>.delta/` deltas)."""

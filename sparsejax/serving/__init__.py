@@ -26,7 +26,6 @@ from ._export import check_export as check_export
 from ._export import check_servable as check_servable
 from ._export import export_model as export_model
 from ._export import serving_arguments as serving_arguments
-from ._export import why_no_deltas as why_no_deltas
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import ModelLoadError as ModelLoadError
 from ._predictor import Predictor as Predictor

@@ -163,8 +163,8 @@ def write_delta(
             got = _cut(key, previous[key], new, f"p{me}.{i}", arrays)
             if got is not None:
                 arguments[key] = got
-        key_parts = {}
-        for j, (table, parts) in enumerate((keys or {}).items()):
+        key_parts = {}  # the same on every process (the keys are gathered): process 0's
+        for j, (table, parts) in enumerate((keys or {}).items() if me == 0 else ()):
             key_parts[table] = {}
             for part in ("added", "rows", "removed"):
                 arrays[f"p{me}.keys{j}.{part}"] = np.asarray(parts[part], np.int64)

@@ -192,9 +192,9 @@ def _full_tables(
     keys: dict[str, list] = {}
     for path, (store, _) in by_layer.items():
         for name, t in store.tables.items():
-            if t.dynamic is not None:
-                got = host_rows[layer_table_key(path, name)]["keys"]
-                keys.setdefault(mirror[(path, name)], []).append(got)
+            if t.dynamic is not None:  # each process holds the keys it owns: all of them
+                got = allgather_rows(host_rows[layer_table_key(path, name)]["keys"])
+                keys.setdefault(mirror[(path, name)], []).extend(got)
     keys = {t: key_rows(top[t], np.unique(np.concatenate(k))) for t, k in keys.items()}
     rows = {
         name: (keys[name].default_row + 1 if name in keys else t.vocab_size)
@@ -210,26 +210,63 @@ def _full_tables(
             ht = host_rows[layer_table_key(path, name)]
             got_keys, w = ht["keys"], np.asarray(ht["weights"], np.float32)
             if t.dynamic is None:  # host-cached static table: keys are its rows
-                full = np.zeros((t.vocab_size, t.dim), np.float32)
-                full[got_keys] = w
+                out[name] = _row_share(got_keys, w, t.vocab_size)
             else:
                 served = keys[mirror[(path, name)]]
                 # free rows (a publish's spare ones) are zeros: no key reads them, and a
                 # trainable default row changing would change them all in every delta
-                full = np.zeros((served.default_row + 1, t.dim), np.float32)
-                full[served.default_row] = np.asarray(ht["default"], np.float32)
-                full[served(got_keys)] = w
-            out[name] = full
+                default = (served.default_row, np.asarray(ht["default"], np.float32))
+                out[name] = _row_share(served(got_keys), w, served.default_row + 1, default)
         layers[path] = out
     return _Tables(rows, keys, layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowShare:
+    """The rows [first, first + len(block)) of a table kept on the processes' hosts that
+    this process writes (all of them in a run of one process)."""
+
+    first: int
+    block: np.ndarray
+
+
+def _row_share(at: np.ndarray, w: np.ndarray, rows: int, default=None) -> _RowShare:
+    """This process's share of a host-kept table of `rows` rows, whose rows `at` this
+    process holds as `w` (the other processes hold the others; rows no process holds are
+    zeros; `default`: `(row, value)` of process 0, for the row a key without one reads).
+    Process p writes rows [rows * p / P, rows * (p + 1) / P): the rows go to their
+    share's process in P rounds, so no process holds more than about a share and its own
+    rows at once (a collective: all call it)."""
+    me, n = jax.process_index(), jax.process_count()
+    bounds = [rows * p // n for p in range(n + 1)]
+    if default is not None:
+        row, value = default
+        value = allgather_rows(value[None])[0][0]  # process 0's
+    share = None
+    for p in range(n):
+        if n == 1:
+            got_at, got_w = [at], [w]
+        else:
+            mine = (at >= bounds[p]) & (at < bounds[p + 1])
+            got_at, got_w = allgather_rows(at[mine]), allgather_rows(w[mine])
+        if p != me:
+            continue
+        share = np.zeros((bounds[p + 1] - bounds[p], w.shape[1]), np.float32)
+        if default is not None and bounds[p] <= row < bounds[p + 1]:
+            share[row - bounds[p]] = value
+        for a, x in zip(got_at, got_w, strict=True):
+            share[a - bounds[p]] = x
+    return _RowShare(bounds[me], share)
 
 
 def _row_blocks(name: str, w, rows: int):
     """`(first, stop, f32[stop - first, dim])` of the rows < `rows` of a table that this
     process holds: each row shard's replica 0 (its column pieces joined), in row order;
-    a whole host array is one block."""
-    if isinstance(w, np.ndarray):
-        yield 0, rows, np.asarray(w[:rows], np.float32)
+    a host-kept table's share is one block."""
+    if isinstance(w, _RowShare):
+        stop = min(w.first + w.block.shape[0], rows)
+        if stop > w.first:
+            yield w.first, stop, w.block[: stop - w.first]
         return
     by_rows: dict[tuple[int, int], list] = {}
     for shard in w.addressable_shards:
@@ -320,20 +357,6 @@ def _write_tables(tmp: str, layouts, full: _Tables, kind: str) -> tuple[dict, di
     return pieces, table_info, _markers(layouts)
 
 
-def why_no_deltas(tables: Sequence[TableSpec]) -> str | None:
-    """Why this run cannot cut deltas of `tables` (None: it can). Tiered and dynamic
-    tables keep their rows and keys on each process's host, not yet gathered for a
-    delta when there are several processes."""
-    host = [t.name for t in tables if t.is_tiered]
-    if jax.process_count() > 1 and host:
-        return (
-            f"tables {host[:3]}{'...' if len(host) > 3 else ''} are kept on each process's "
-            f"host (tiered or dynamic), and a run of {jax.process_count()} processes cannot "
-            f"publish them yet"
-        )
-    return None
-
-
 def serving_arguments(
     trainer: Trainer,
     state: TrainState,
@@ -349,10 +372,8 @@ def serving_arguments(
     `key_rows`), in memory and keyed as its manifest's "arguments": what a delta is cut
     from. In a run of several processes (a collective: all call it), each gets the rows
     it holds of each table argument, as `[(first row, rows)]` in the pieces an export
-    writes, and process 0 the dense parameters too; tiered and dynamic tables need one
-    process (each process holds its own keys)."""
-    if why := why_no_deltas(tables):
-        raise ExportError(why)
+    writes (a table kept on the hosts, tiered or dynamic: its `_row_share`), and process
+    0 the dense parameters too."""
     kind = storage_kind(quantize)
     features = tuple(features)
     full = _full_tables(trainer, state, {t.name: t for t in tables}, features, key_rows)
@@ -448,18 +469,30 @@ def check_export(
 _TEMP = re.compile(r"^(.+)\.tmp-(\d+)$")  # <version>.tmp-<pid>: an export under way
 
 
-def _allgather_json(obj) -> list:
-    """`obj` (JSON) of every process, in process order (a collective: all call it)."""
+def allgather_rows(a: np.ndarray) -> list[np.ndarray]:
+    """Every process's `a`, in process order (a collective: all call it). The arrays
+    may differ in their first dimension only; they travel as bytes, so 64-bit keys keep
+    their bits whether or not JAX has x64 on."""
     if jax.process_count() == 1:
-        return [obj]
+        return [a]
     from jax.experimental import multihost_utils
 
-    text = json.dumps(obj).encode()
-    n = np.asarray(multihost_utils.process_allgather(np.array(len(text), np.int32)))
-    buf = np.zeros(max(int(np.max(n)), 1), np.uint8)
-    buf[: len(text)] = np.frombuffer(text, np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(buf))
-    return [json.loads(bytes(r[:k]).decode()) for r, k in zip(rows, n, strict=True)]
+    a = np.ascontiguousarray(a)
+    row = a.dtype.itemsize * math.prod(a.shape[1:])
+    n = np.asarray(multihost_utils.process_allgather(np.array(a.shape[0], np.int32)))
+    buf = np.zeros((max(int(np.max(n)), 1), max(row, 1)), np.uint8)
+    buf[: a.shape[0], :row] = a.reshape(-1).view(np.uint8).reshape(a.shape[0], row)
+    got = np.asarray(multihost_utils.process_allgather(buf))
+    return [
+        np.ascontiguousarray(g[:k, :row]).view(a.dtype).reshape(k, *a.shape[1:])
+        for g, k in zip(got, n, strict=True)
+    ]
+
+
+def _allgather_json(obj) -> list:
+    """`obj` (JSON) of every process, in process order (a collective: all call it)."""
+    text = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    return [json.loads(bytes(t).decode()) for t in allgather_rows(text)]
 
 
 def _barrier(name: str) -> None:

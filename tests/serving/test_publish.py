@@ -333,12 +333,16 @@ def test_key_changes_that_do_not_fit_are_refused_naming_the_key():
 
 # ---- a run of two processes ------------------------------------------------------------
 def test_two_processes_publish_the_rows_each_holds(tmp_path):
-    """`launch -n 2` with C1 split row-wise over the processes: both write the rows they
-    hold into each delta, process 0 the manifest; the deltas, followed, score as the run's
-    final checkpoint exported in one process."""
+    """`launch -n 2` with C1 split row-wise over the processes, C2 and C3 dynamic (their
+    keys owned by one process or the other, some evicted each step) and C4 static with a
+    host cache: both processes write rows into each delta (C1's they hold, a share of
+    the host-kept tables' gathered rows), process 0 the manifest and the key changes;
+    the deltas, followed, score as the run's final checkpoint exported in one process,
+    on its keys, evicted ones and ones never seen."""
     from _cli import run_sparsejax
 
     pub = tmp_path / "pub"
+    dynamic = "{dynamic: true, cache_rows: 256, eviction: {ttl_steps: 1, every_steps: 1}}"
     out = run_sparsejax(
         "launch",
         "-n",
@@ -346,45 +350,41 @@ def test_two_processes_publish_the_rows_each_holds(tmp_path):
         f"out_dir={tmp_path / 'runs'}",
         "name=two",
         *SYNTHETIC,
-        "steps=3",
-        "tables.C1.placement=row_wise",
-        f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1]}}",
+        "steps=4",
+        f"tables={{C1: {{placement: row_wise}}, C2: {dynamic}, C3: {dynamic},"
+        " C4: {dynamic: false, cache_rows: 64}}",
+        f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1, 8]}}",
     )
-    assert "published step 3 as delta version 3" in out
-    assert sorted(os.listdir(pub)) == ["1", "2.delta", "3.delta"]
-    writers = {
-        f.name.split(".")[0] for v in (2, 3) for f in (pub / f"{v}.delta" / "arrays").iterdir()
-    }
-    assert writers == {"p0", "p1"}
+    assert "published step 4 as delta version 4" in out
+    assert sorted(os.listdir(pub)) == ["1", "2.delta", "3.delta", "4.delta"]
+    evicted: dict[str, set] = {}
+    for v in (2, 3, 4):
+        m = json.loads((pub / f"{v}.delta" / DELTA).read_text())
+        writers = {f.name.split(".")[0] for f in (pub / f"{v}.delta" / "arrays").iterdir()}
+        assert writers == {"p0", "p1"} and set(m["keys"]) <= {"C2", "C3"}, (v, m["keys"])
+        for t, parts in m["keys"].items():
+            gone = np.load(pub / f"{v}.delta" / parts["removed"]["file"])
+            evicted.setdefault(t, set()).update(gone.tolist())
     final = str(tmp_path / "final")
     export_run(str(tmp_path / "runs" / "two"), final, log=lambda _: None)
     final = Predictor.load(final, warmup=False)
-    rows = final.example_request["examples"]
+    followed = _follow(pub)
+    assert followed.version == "4"
+    for t in ("C2", "C3"):
+        np.testing.assert_array_equal(followed._keys[t].keys, final._keys[t].keys)
+    rng = np.random.default_rng(0)
+    rows = list(final.example_request["examples"])
+    for t in ("C2", "C3"):
+        keys = final._keys[t].keys
+        gone = sorted(evicted.get(t, set()) - set(keys.tolist()))
+        for k in [*rng.choice(keys, 6), *gone[:3], 10**12]:
+            rows.append({**rows[len(rows) % 4], t: int(k)})
+    assert any(evicted.get(t, set()) - set(final._keys[t].keys.tolist()) for t in ("C2", "C3"))
+    for i in rng.choice(final.manifest["tables"]["C4"]["rows"], 6, replace=False):
+        rows.append({**rows[0], "C4": int(i)})
     first = Predictor.load(str(pub / "1"), warmup=False)
     assert np.abs(first.predict(rows) - final.predict(rows)).max() > 1e-6
-    np.testing.assert_allclose(_follow(pub).predict(rows), final.predict(rows), rtol=0, atol=1e-6)
-
-
-def test_several_processes_refuse_to_publish_tables_kept_on_their_hosts(monkeypatch):
-    import types
-
-    import jax
-
-    from sparsejax.embedding import TableSpec
-    from sparsejax.embedding._spec import DynamicVocab, HostCache
-    from sparsejax.runner._publish import PublishHook
-
-    cfg = runner.load_config([], [*SYNTHETIC, "publish={dir: x}"])
-    tables = [
-        TableSpec(name="C1", dim=8, dynamic=DynamicVocab(), cache=HostCache(rows=8)),
-        TableSpec(name="C2", vocab_size=10, dim=8),
-    ]
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    run = types.SimpleNamespace(cfg=cfg, data=types.SimpleNamespace(tables=tables))
-    with pytest.raises(runner.ConfigError) as e:
-        PublishHook(run)
-    assert "tables ['C1'] are kept on each process's host (tiered or dynamic)" in str(e.value)
-    assert "a run of 2 processes cannot publish them yet" in str(e.value)
+    np.testing.assert_allclose(followed.predict(rows), final.predict(rows), rtol=0, atol=1e-6)
 
 
 def test_a_delta_that_fails_in_the_background_stops_the_run_with_its_error(tmp_path, monkeypatch):
