@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -92,8 +92,41 @@ class Examples:
         object.__setattr__(self, "sparse", sparse)
         object.__setattr__(self, "_offsets", offsets)
 
+    @classmethod
+    def unchecked(
+        cls,
+        labels: np.ndarray,
+        dense: np.ndarray,
+        sparse: Mapping[str, JaggedIds],
+        one_id: Collection[str] = (),
+    ) -> Examples:
+        """Examples of arrays whose maker built them consistent (labels f32[n], dense
+        f32[n, d], each feature's lengths summing to its values; `one_id`: the features
+        with one id per example), taken as they are: a served request's parse spent half
+        its time checking again what it had just built."""
+        offsets = {
+            name: None if name in one_id else _offsets(col.lengths) for name, col in sparse.items()
+        }
+        out = object.__new__(cls)
+        for field, value in [
+            ("labels", labels),
+            ("dense", dense),
+            ("sparse", sparse),
+            ("_offsets", offsets),
+        ]:
+            object.__setattr__(out, field, value)
+        return out
+
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def most_ids(self, name: str) -> int:
+        """The most ids one example has of feature `name` (0 without examples)."""
+        if not len(self):
+            return 0
+        if self._offsets[name] is None:  # one id per example
+            return 1
+        return int(self.sparse[name].lengths.max())
 
     @property
     def num_dense(self) -> int:
@@ -202,17 +235,9 @@ class Examples:
                     f"{col.values.shape}"
                 )
             sparse[name] = JaggedIds(lengths=col.lengths, values=values, weights=col.weights)
-        # the lengths are unchanged: the checks and offsets of `self` hold (a served
-        # batch's parse spent half its time checking them again)
-        out = object.__new__(Examples)
-        for field, value in [
-            ("labels", self.labels),
-            ("dense", self.dense),
-            ("sparse", sparse),
-            ("_offsets", self._offsets),
-        ]:
-            object.__setattr__(out, field, value)
-        return out
+        # the lengths are unchanged: the checks and offsets of `self` hold
+        one_id = [name for name, off in self._offsets.items() if off is None]
+        return Examples.unchecked(self.labels, self.dense, sparse, one_id)
 
 
 # ---------------------------------------------------------------------------------------

@@ -280,8 +280,8 @@ class Preprocessor:
         raw = self._read_ids(examples, n) if self.kind == "ids" else self._read_lines(examples)
         ex = raw if self.transform.is_identity else self.transform(raw)
         for name, cap in self.max_ids.items():
-            lengths = ex.sparse[name].lengths
-            if lengths.size and int(lengths.max()) > cap:
+            if ex.most_ids(name) > cap:
+                lengths = ex.sparse[name].lengths
                 i = int(np.argmax(lengths))
                 raise RequestError(
                     f"example {i}: feature {name!r} has {int(lengths[i])} ids, at most {cap}"
@@ -353,7 +353,7 @@ class Preprocessor:
                 if not _finite_number(v):
                     raise _bad_type(i, name, v, "a finite number")
                 dense[i, j] = v
-        sparse = {}
+        sparse, one_id = {}, []
         for name in self.sparse:
             rows, lengths = self.rows[name], np.zeros(n, np.int64)
             column = [ex.get(name) for ex in examples]
@@ -363,6 +363,7 @@ class Preprocessor:
                     not n or (got.min() >= 0 and (rows is None or got.max() < rows))
                 ):
                     sparse[name] = JaggedIds(lengths=np.ones(n, np.int64), values=got)
+                    one_id.append(name)
                     continue
             if rows is None:  # a dynamic table's keys, or ids its mapping takes
                 rows = 1 << 63
@@ -375,4 +376,4 @@ class Preprocessor:
                 values.extend(ids)
                 lengths[i] = len(ids)
             sparse[name] = JaggedIds(lengths=lengths, values=np.asarray(values, np.int64))
-        return Examples(labels=np.zeros(n, np.float32), dense=dense, sparse=sparse)
+        return Examples.unchecked(np.zeros(n, np.float32), dense, sparse, one_id)
