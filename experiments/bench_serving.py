@@ -76,6 +76,10 @@ predictor section; --examples gives the bodies).
             next --seconds, the achieved rate is the good answers that arrive in them;
             a loop that achieves < 97% of its rate fell behind (marked *; its latency,
             from the send, is then a lower bound).
+      the rate under the line (--slo-steps K, default 0: not run): the highest open-loop
+            rate whose median p99 is < 10 ms, bisected K times between the fractions
+            above (the highest that met the line, the lowest that did not); the
+            capacity a 10 ms p99 allows, beside the Must reach at 80% of the peak.
     Errors: non-200 answers and failed streams; for gRPC also the errors h2load cannot
     see (an HTTP 200 with the gRPC status in its trailers): a good answer is one DATA
     frame of known length, an error none, so good answers = h2load's DATA bytes / that
@@ -595,7 +599,34 @@ def _native_server(server: ServerProcess, grpc_port: int, example: dict, args) -
         result["paths"][path]["open"] = {
             f"{f:g}": _median(reps) for f, reps in opened[path].items()
         }
+        if args.slo_steps:
+            result["paths"][path]["slo"] = _slo_rate(path, targets[path], cpu, args,
+                                                     result["paths"][path])  # fmt: skip
     return result
+
+
+def _meets_slo(r: dict) -> bool:
+    p99 = r["p99_ms"]
+    return p99 is not None and p99 < P99_LINE_MS and not r["errors"] and not r["behind"]
+
+
+def _slo_rate(path: str, target: dict, cpu: lt.TreeCpu, args, cells: dict) -> dict:
+    """The highest open-loop rate whose median p99 is under the 10 ms line, to within
+    peak / 2**--slo-steps: bisection between the open-loop fractions measured already
+    (the highest that met it, the lowest that did not), --load-reps runs a step."""
+    peak = cells["peak"]["throughput"]
+    met = [float(f) for f, r in cells["open"].items() if _meets_slo(r)]
+    missed = [float(f) for f, r in cells["open"].items() if not _meets_slo(r)]
+    lo = max(met, default=0.0)
+    hi = min([f for f in missed if f > lo], default=1.0)
+    steps = []
+    for _ in range(args.slo_steps):
+        f = (lo + hi) / 2
+        r = _median([_native_cell(target, cpu, args, rate=f * peak) for _ in range(args.load_reps)])
+        steps.append({"fraction": f, **r})
+        print(_cell_line(path, f"slo {f:.0%}", r), flush=True)
+        lo, hi = (f, hi) if _meets_slo(r) else (lo, f)
+    return {"rate": lo * peak, "fraction": lo, "below": hi * peak, "steps": steps}
 
 
 def _native_checks(results: dict, args) -> list[dict]:
@@ -710,6 +741,16 @@ def _native_table(results: dict) -> None:
                         f"{p99 / P99_LINE_MS:6.2f} {r['errors']:4d} {r['tool_cpu_s']:6.2f} "
                         f"{r['tool_cores'] / cores:6.1%} {cpu:8.2f}"
                     )
+    for label, entry in results["models"].items():
+        for w, server in (entry.get("native") or {"workers": {}})["workers"].items():
+            for path, cells in server["paths"].items():
+                slo = cells.get("slo")
+                if slo:
+                    print(
+                        f"{label:<8} {w:>2} {path:<4} p99 < {P99_LINE_MS:g} ms up to "
+                        f"{slo['rate']:,.0f} req/s ({slo['fraction']:.0%} of the closed-loop "
+                        f"peak; not at {slo['below']:,.0f})"
+                    )
     print(
         "\nmedians over the repetitions; p99 range: their lowest and highest; /10ms: p99 "
         "against the 10 ms line; * an open loop that fell behind its rate (its latency is "
@@ -797,6 +838,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="open-loop arrival rates, as fractions of the path's peak",
     )
     n.add_argument("--load-reps", type=int, default=1, help="repetitions of each cell (median)")
+    n.add_argument(
+        "--slo-steps",
+        type=int,
+        default=0,
+        help="then per path bisect this many times for the highest open-loop rate with "
+        "p99 under 10 ms (0: not run)",
+    )
     n.add_argument(
         "--client-rps",
         type=float,
@@ -969,9 +1017,8 @@ def _estimate(args) -> None:
     """Print how long the native run's load takes (server start-ups not included)."""
     per_cell = args.seconds + 0.3  # the tool's start and its log
     cells = len(args.paths) * args.load_reps * len(args.peak_connections) * per_cell
-    cells += (
-        len(args.paths) * args.load_reps * len(args.open_loop_fractions) * (per_cell + OPEN_SKIP_S)
-    )
+    open_cells = len(args.open_loop_fractions) + args.slo_steps
+    cells += len(args.paths) * args.load_reps * open_cells * (per_cell + OPEN_SKIP_S)
     cells += len(args.paths) * (args.warmup_seconds + 0.3)
     total = cells * len(args.workers) * max(len(args.model), 1)
     print(

@@ -134,6 +134,38 @@ def test_predictor_throughput_is_the_median_of_its_repetitions(bench):
     assert {sum(c) for c in fake.calls} == {1, 5}
 
 
+@pytest.mark.parametrize("line", [0.1, 0.37, 0.62, 0.9, 1.2])
+def test_slo_rate_bisects_between_the_measured_fractions(bench, monkeypatch, line):
+    """A server whose p99 reaches 10 ms at `line` of the peak: the rate found is under
+    it, within the bisection's width of it, and above the measured fractions that met
+    it; the search stays between those and the first that did not."""
+    peak, rates = 10_000.0, []
+
+    def cell(target, cpu, args, rate):
+        rates.append(rate)
+        return {"p99_ms": 10.0 * rate / peak / line, "errors": 0, "behind": False}
+
+    monkeypatch.setattr(bench, "_native_cell", cell)
+    monkeypatch.setattr(bench, "_median", lambda reps: reps[len(reps) // 2])
+    monkeypatch.setattr(bench, "_cell_line", lambda *a: "")
+    measured = (0.5, 0.8)
+    cells = {
+        "peak": {"throughput": peak},
+        "open": {f"{f:g}": cell(0, 0, 0, f * peak) for f in measured},
+    }
+    rates.clear()
+    args = type("Args", (), {"slo_steps": 5, "load_reps": 3})()
+    got = bench._slo_rate("v1", {}, None, args, cells)
+    met = max([f for f in measured if f < line], default=0.0)
+    missed = min([f for f in measured if f >= line], default=1.0)
+    assert len(rates) == 5 * 3 and all(met * peak < r < missed * peak for r in rates)
+    assert met <= got["fraction"] < line and got["rate"] == got["fraction"] * peak
+    if line < 1.0:
+        assert line <= got["below"] / peak <= got["fraction"] + (missed - met) / 2**5 + 1e-9
+    else:
+        assert got["below"] == peak and got["fraction"] == 1.0 - (missed - met) / 2**5
+
+
 @pytest.mark.slow  # ~30 s: a training run, an export, two server processes
 def test_tiny_end_to_end_run_with_an_exported_model(bench, tmp_path):
     from sparsejax import runner
