@@ -28,3 +28,17 @@ def write_criteo_like(path: Path, n: int = 200) -> None:
         cats = [f"{int(x):08x}" for x in rng.integers(0, 30, 26)]
         lines.append("\t".join([str(int(rng.random() < 0.3)), *dense, *cats]))
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+TWO_TOWER = [
+    "data.kind=behavior",
+    "data.batch_size=64",
+    "data.eval_batches=1",
+    "data.synthetic_options={num_users: 300, num_items: 240, num_categories: 12,"
+    " max_history: 6, positives_only: true}",
+    "model.name=two_tower",
+    "model.embedding_dim=8",
+    "model.options={user_features: [user, history], item_features: [item, category],"
+    " tower: [16, 8], temperature: 0.05}",
+]
+"""Config overrides of a small two-tower run on synthetic behavior data (240 items)."""

@@ -35,6 +35,20 @@ _FILE_KINDS = ("criteo", "delimited")
 _MAX_EXAMPLE_ROWS = 8
 
 
+def item_catalog(cfg, data, task: str, command: str):
+    """A retrieval model's item catalog (the items whose embeddings are served; a
+    ConfigError if the data has none), None for other models."""
+    if task != "retrieval":
+        return None
+    catalog = getattr(data.train_source, "catalog", None)
+    if catalog is None:
+        raise ConfigError(
+            f"{command}: model.name={cfg.model.name!r} ranks items, and data.kind="
+            f"{cfg.data.kind!r} has no item catalog to embed (synthetic behavior data has)"
+        )
+    return catalog()
+
+
 def export_run(
     run_dir: str,
     out: str,
@@ -73,12 +87,7 @@ def export_run(
         raise ConfigError(str(e)) from None
     t0 = time.perf_counter()
     cfg, data, trainer, state = _restore(run_dir, step, overrides, log)
-    catalog = getattr(data.train_source, "catalog", None)
-    if trainer.task == "retrieval" and catalog is None:
-        raise ConfigError(
-            f"export: model.name={cfg.model.name!r} ranks items, and data.kind="
-            f"{cfg.data.kind!r} has no item catalog to embed (synthetic behavior data has)"
-        )
+    catalog = item_catalog(cfg, data, trainer.task, "export")
     spec = _input_spec(cfg, data)
     manifest = export_model(
         out,
@@ -91,7 +100,7 @@ def export_run(
             input=spec, mappings=data.mappings or {}, examples=example_rows(cfg, data, spec)
         ),
         eval_batches=data.eval_batches,
-        catalog=catalog() if trainer.task == "retrieval" else None,
+        catalog=catalog,
         model_name=cfg.model.name,
         source={"run_dir": os.path.abspath(run_dir)},
         **options,

@@ -18,7 +18,7 @@ from ..serving import (
 from ..sharding import broadcast_text
 from ..train import Hook, TrainState
 from ._config import ConfigError
-from ._export import _input_spec, example_rows
+from ._export import _input_spec, example_rows, item_catalog
 from ._model import configured_model
 
 
@@ -39,11 +39,14 @@ class PublishHook(Hook):
         self._published_step: int | None = None
         self._next_step: int | None = None  # several processes: the next publish's step
         self._rate_from: tuple[float, int] | None = None  # (time, step) of the last publish
+        if run.trainer.task == "retrieval" and jax.process_count() > 1:
+            raise ConfigError("publish: a retrieval model publishes from a run of one process")
         spec = _input_spec(cfg, data)
         common = dict(
             make_model=lambda tables: configured_model(cfg, tables, data.features),
             tables=data.tables,
             features=data.features,
+            catalog=item_catalog(cfg, data, run.trainer.task, "publish"),
         )
 
         def export(out: str, publish, key_rows) -> dict:
@@ -76,8 +79,6 @@ class PublishHook(Hook):
                 **common,
             )
 
-        if run.trainer.task == "retrieval":
-            raise ConfigError("publish: retrieval models are not published yet; export them")
         self.publisher = Publisher(
             p.dir,
             export=export,

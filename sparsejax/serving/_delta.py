@@ -44,7 +44,7 @@ import numpy as np
 
 from ..checkpoint import read_array
 from ..embedding import MAX_STACK_ROWS, aligned_empty
-from ._export import KeyRows, _allgather_json, _barrier
+from ._export import ITEM_EMBEDDINGS, KeyRows, _allgather_json, _barrier
 from ._format import (
     ModelLoadError,
     read_argument,
@@ -324,6 +324,9 @@ def _own_arguments(model_dir: str, manifest: Mapping) -> dict[str, Argument]:
             out[k] = read_own_pieces(model_dir, e, me)
         elif me == 0 or not many:
             out[k] = read_argument(model_dir, e)
+    if r := manifest.get("retrieval"):
+        entry = manifest["mapping_arrays"][r["item_embeddings"]]
+        out[ITEM_EMBEDDINGS] = read_array(os.path.join(model_dir, entry["file"]), dict(entry))
     return out
 
 

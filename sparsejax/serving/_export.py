@@ -367,13 +367,19 @@ def serving_arguments(
     num_dense: int,
     quantize: str | None = None,
     key_rows: KeyRows = compact_rows,
+    catalog: Mapping | None = None,
 ) -> dict[str, np.ndarray | list[tuple[int, np.ndarray]]]:
     """The arguments a model dir of `state` holds (`export_model` with `quantize` and
     `key_rows`), in memory and keyed as its manifest's "arguments": what a delta is cut
     from. In a run of several processes (a collective: all call it), each gets the rows
     it holds of each table argument, as `[(first row, rows)]` in the pieces an export
     writes (a table kept on the hosts, tiered or dynamic: its `_row_share`), and process
-    0 the dense parameters too."""
+    0 the dense parameters too. A retrieval model (one process; its `catalog` as
+    `export_model` takes it) adds its catalog's embeddings as `ITEM_EMBEDDINGS`."""
+    if trainer.task == "retrieval" and (catalog is None or jax.process_count() > 1):
+        raise ExportError(
+            "a retrieval model's serving arguments need its item catalog (catalog=) and one process"
+        )
     kind = storage_kind(quantize)
     features = tuple(features)
     full = _full_tables(trainer, state, {t.name: t for t in tables}, features, key_rows)
@@ -393,7 +399,7 @@ def serving_arguments(
             m = markers[path][sname][k]
             arr = values[(path, sname, k)] = aligned_empty(m.shape, m.dtype)
         arr[offset + r0 : offset + r1] = a
-    flat, _ = jax.tree_util.tree_flatten_with_path(
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
         (jax.device_get(state.params), tables_from_layers(layouts, markers))
     )
     out = {}
@@ -402,6 +408,12 @@ def serving_arguments(
             out[jax.tree_util.keystr(p)] = values.get((a.path, a.stack, a.kind), [])
         elif jax.process_index() == 0:  # the dense parameters: the same on every process
             out[jax.tree_util.keystr(p)] = np.array(a)  # a copy: the state is donated
+    if trainer.task == "retrieval":
+        fn = inference_fn(model, features, InferenceTableStore.factory(kind, "xla"), "retrieval")
+        args = jax.tree_util.tree_unflatten(treedef, list(out.values()))
+        _, out[ITEM_EMBEDDINGS] = _embed_catalog(
+            fn, args, serving_tables, features, num_dense, catalog
+        )
     return out
 
 
@@ -681,7 +693,9 @@ def export_model(
         if trainer.task == "retrieval":
             if jax.process_count() > 1:
                 raise ExportError("export: a retrieval model exports in one process")
-            items, embeddings = _embed_catalog(fn, read_args(), packers[buckets[-1]], catalog)
+            items, embeddings = _embed_catalog(
+                fn, read_args(), serving_tables, features, num_dense, catalog
+            )
             arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
             retrieval = {
                 "temperature": float(model.temperature),
@@ -789,9 +803,19 @@ def _pad_batch(packer: BatchPacker) -> SparseBatch:
     )
 
 
-def _embed_catalog(fn, args, packer: BatchPacker, catalog: Mapping) -> tuple:
+ITEM_EMBEDDINGS = "retrieval.item_embeddings"
+"""A retrieval model's catalog embeddings among the arguments `serving_arguments` gives
+and a delta carries (the model dir keeps them with its mapping arrays)."""
+
+_CATALOG_CHUNK = 256
+"""Items embedded per call: the same for every export and publish of a model, so the
+embeddings of the same state are the same bits."""
+
+
+def _embed_catalog(fn, args, tables, features, num_dense: int, catalog: Mapping) -> tuple:
     """(raw item ids, f32[N, E] item tower embeddings) of every catalog item, in chunks
-    of `packer`'s batch size (user-side features empty)."""
+    of `_CATALOG_CHUNK` (user-side features empty)."""
+    packer = BatchPacker(tables, features, batch_size=_CATALOG_CHUNK, num_dense=num_dense)
     jitted = jax.jit(fn)
     ids = np.asarray(catalog["item"].values, np.int64)
     n, b, out = ids.shape[0], packer.batch_size, []
@@ -807,7 +831,8 @@ def _embed_catalog(fn, args, packer: BatchPacker, catalog: Mapping) -> tuple:
             )
             for f in packer.features
         }
-        batch = packer.pack(sparse, labels=np.zeros(k, np.float32), dense=np.zeros((k, 0)))
+        dense = np.zeros((k, num_dense), np.float32)
+        batch = packer.pack(sparse, labels=np.zeros(k, np.float32), dense=dense)
         _, item = jitted(*args, batch_arrays(batch))
         out.append(np.asarray(item)[:k])
     return ids, np.concatenate(out).astype(np.float32)

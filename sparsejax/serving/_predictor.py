@@ -27,7 +27,7 @@ from ..data import BatchPacker, Examples
 from ..embedding import FeatureSpec, TableSpec, aligned_empty
 from ..ops import cpu_ffi_available
 from ._delta import DeltaError, patched, read_delta, updated_keys
-from ._export import _pad_batch, _scores, batch_arrays
+from ._export import ITEM_EMBEDDINGS, _pad_batch, _scores, batch_arrays
 from ._format import EXAMPLE_REQUEST, ModelLoadError, read_argument, read_array, read_manifest
 from ._preprocess import KeyMapping, Preprocessor, RequestError, key_mapping, mapping_from_entry
 from ._shared import SharedArrays
@@ -236,6 +236,8 @@ class Predictor:
             )
         at = {k: i for i, k in enumerate(self.manifest["arguments"])}
         served = {k: (lambda i=i: np.asarray(self._leaves[i])) for k, i in at.items()}
+        if self._temperature is not None:  # a retrieval model: its catalog's embeddings
+            served[ITEM_EMBEDDINGS] = lambda: self._item_embeddings
         make, names = None, dict(self._shared_names)
         if self._shared is not None:  # made once, in the workers' shared memory
 
@@ -246,11 +248,14 @@ class Predictor:
 
         keys = updated_keys(path, m, self._keys)
         new = patched(path, m, served, make)
+        embeddings = new.pop(ITEM_EMBEDDINGS, None)
         leaves = list(self._leaves)
         for k, a in new.items():
             leaves[at[k]] = _on_device(a, like=self._leaves[at[k]])
         out = copy.copy(self)
         out._leaves, out._shared_names = leaves, names
+        if embeddings is not None:
+            out._item_embeddings = embeddings
         if keys is not self._keys:
             out._keys, out.preprocessor = keys, self._preprocessor(keys)
         out.version = str(m["version"])

@@ -13,6 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
+from _data import TWO_TOWER
 from aiohttp.test_utils import TestClient, TestServer
 
 from sparsejax import runner
@@ -215,6 +216,39 @@ def test_a_refused_delta_keeps_the_served_version(published, tmp_path):
 def test_publish_config_errors_are_one_line(publish, words):
     with pytest.raises(runner.ConfigError, match=re.escape(words)):
         runner.load_config([], [*SYNTHETIC, f"publish={publish}"])
+
+
+def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path):
+    """A two-tower run publishes: each delta carries the catalog's item embeddings, and
+    the followed model retrieves as the final export does (items and scores)."""
+    pub = tmp_path / "pub"
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "name=tt",
+            *SYNTHETIC[6:],  # progress, logging, 5 steps
+            *TWO_TOWER,
+            f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1, 8]}}",
+        ],
+    )
+    runner.train(cfg, log=lambda _: None)
+    export_run(str(tmp_path / "runs" / "tt"), str(tmp_path / "final"), log=lambda _: None)
+    final = Predictor.load(str(tmp_path / "final"), warmup=False)
+    first, p = Predictor.load(str(pub / "1"), warmup=False), _follow(pub)
+    assert p.version == "5"
+    m = json.loads((pub / "3.delta" / DELTA).read_text())
+    assert "retrieval.item_embeddings" in m["arguments"]
+    user = json.loads((tmp_path / "final" / "example_retrieve.json").read_text())["user"]
+
+    def scores(predictor):
+        items, got = predictor.retrieve(user, 240)
+        assert sorted(items) == list(range(240))
+        return np.asarray(got)[np.argsort(items)]
+
+    np.testing.assert_allclose(scores(p), scores(final), rtol=0, atol=1e-6)
+    assert np.abs(scores(first) - scores(final)).max() > 1e-3  # training moved them
+    assert scores(first).shape == (240,) and first.version == "1"
 
 
 def test_a_replacing_leaf_is_placed_as_the_leaf_it_replaces():

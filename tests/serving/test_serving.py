@@ -16,6 +16,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _data import TWO_TOWER
 from aiohttp.test_utils import TestClient, TestServer
 
 from sparsejax import runner
@@ -418,17 +419,7 @@ def test_two_tower_retrieval_is_exact_over_the_catalog(tmp_path):
     run = _train(
         tmp_path,
         "tt",
-        [
-            "data.kind=behavior",
-            "data.batch_size=64",
-            "data.eval_batches=1",
-            "data.synthetic_options={num_users: 300, num_items: 240, num_categories: 12,"
-            " max_history: 6, positives_only: true}",
-            "model.name=two_tower",
-            "model.embedding_dim=8",
-            "model.options={user_features: [user, history], item_features: [item, category],"
-            " tower: [16, 8], temperature: 0.05}",
-        ],
+        TWO_TOWER,
     )
     m = export_run(run, str(tmp_path / "model"), buckets=BUCKETS, log=lambda _: None)
     assert m["retrieval"]["items"] == 240
