@@ -97,7 +97,11 @@ class PublishHook(Hook):
 
     def _log_published(self, step: int, got: dict) -> None:
         rows, keys = got.get("rows"), got.get("keys") or {}
-        changed = "" if rows is None else f", {sum(v for v in rows.values() if v != 'all'):,} rows"
+        changed = ""
+        if rows is not None:  # rows of the arguments cut in rows, the count of those whole
+            whole = sum(v == "all" for v in rows.values())
+            changed = f", {sum(v for v in rows.values() if v != 'all'):,} rows"
+            changed += f" and {whole} arrays whole" if whole else ""
         if keys:
             added = sum(k["added"] for k in keys.values())
             removed = sum(k["removed"] for k in keys.values())

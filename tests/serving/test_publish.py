@@ -232,8 +232,12 @@ def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path):
             f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1, 8]}}",
         ],
     )
-    runner.train(cfg, log=lambda _: None)
+    lines = []
+    runner.train(cfg, log=lines.append)
     export_run(str(tmp_path / "runs" / "tt"), str(tmp_path / "final"), log=lambda _: None)
+    # the towers' weights and the embeddings change whole: the log line counts them
+    deltas = [ln for ln in lines if "as delta version" in ln]
+    assert len(deltas) == 4 and all(re.search(r"rows and \d+ arrays whole", ln) for ln in deltas)
     final = Predictor.load(str(tmp_path / "final"), warmup=False)
     first, p = Predictor.load(str(pub / "1"), warmup=False), _follow(pub)
     assert p.version == "5"
