@@ -539,6 +539,11 @@ class ModelServer:
             _release(current, predictor)
             self.metrics.serving(predictor)
             self.metrics.deltas.labels("applied").inc()
+            age = _age(predictor)
+            self.log(
+                f"sparsejax serve: now serving {predictor.version} (delta {path} on "
+                f"{current.version}{'' if age is None else f', published {age:.1f} s ago'})"
+            )
             result = {
                 "reloaded": True,
                 "model_version": predictor.version,

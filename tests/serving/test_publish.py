@@ -201,6 +201,8 @@ def test_a_refused_delta_keeps_the_served_version(published, tmp_path):
     assert r["model_version"] == "2" and "is for model f" in r["error"]
     assert m["version"] == "2" and "cannot apply" in m["last_error"]["message"]
     assert any("still serving 2" in ln and "3.delta" in ln for ln in logs)
+    applied = [ln for ln in logs if "now serving 2 (delta" in ln]
+    assert len(applied) == 1 and re.search(r"2\.delta on 1, published \d+\.\d s ago", applied[0])
     assert 'sparsejax_model_deltas_total{result="refused"} 1.0' in metrics
 
 
