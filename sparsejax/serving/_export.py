@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -409,7 +410,13 @@ def serving_arguments(
         elif jax.process_index() == 0:  # the dense parameters: the same on every process
             out[jax.tree_util.keystr(p)] = np.array(a)  # a copy: the state is donated
     if trainer.task == "retrieval":
-        fn = inference_fn(model, features, InferenceTableStore.factory(kind, "xla"), "retrieval")
+        towers = _CATALOG_TOWERS.setdefault(trainer, {})
+        layout = (kind, tuple(serving_tables), features, num_dense)
+        if layout not in towers:  # the same function: its compiled call is reused
+            towers[layout] = inference_fn(
+                model, features, InferenceTableStore.factory(kind, "xla"), "retrieval"
+            )
+        fn = towers[layout]
         args = jax.tree_util.tree_unflatten(treedef, list(out.values()))
         _, out[ITEM_EMBEDDINGS] = _embed_catalog(
             fn, args, serving_tables, features, num_dense, catalog
@@ -806,6 +813,11 @@ def _pad_batch(packer: BatchPacker) -> SparseBatch:
 ITEM_EMBEDDINGS = "retrieval.item_embeddings"
 """A retrieval model's catalog embeddings among the arguments `serving_arguments` gives
 and a delta carries (the model dir keeps them with its mapping arrays)."""
+
+_CATALOG_TOWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per trainer and serving layout, the inference function `serving_arguments` embeds the
+catalog with: the same function object at each publish, so its compile is reused (0.3 s
+of the 0.4 s that 50k items took)."""
 
 _CATALOG_CHUNK = 256
 """Items embedded per call: the same for every export and publish of a model, so the

@@ -220,9 +220,15 @@ def test_publish_config_errors_are_one_line(publish, words):
         runner.load_config([], [*SYNTHETIC, f"publish={publish}"])
 
 
-def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path):
+def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path, monkeypatch):
     """A two-tower run publishes: each delta carries the catalog's item embeddings, and
-    the followed model retrieves as the final export does (items and scores)."""
+    the followed model retrieves as the final export does (items and scores); the deltas
+    embed the catalog with one function (compiled once)."""
+    from sparsejax.serving import _export
+
+    built = []
+    real = _export.inference_fn
+    monkeypatch.setattr(_export, "inference_fn", lambda *a: built.append(a[-1]) or real(*a))
     pub = tmp_path / "pub"
     cfg = runner.load_config(
         [],
@@ -236,6 +242,7 @@ def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path):
     )
     lines = []
     runner.train(cfg, log=lines.append)
+    assert built == ["retrieval", "retrieval"]  # the full version's, then the deltas' one
     export_run(str(tmp_path / "runs" / "tt"), str(tmp_path / "final"), log=lambda _: None)
     # the towers' weights and the embeddings change whole: the log line counts them
     deltas = [ln for ln in lines if "as delta version" in ln]
