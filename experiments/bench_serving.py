@@ -650,12 +650,7 @@ def _native_checks(results: dict, args) -> list[dict]:
                 if at is None:
                     continue
                 peak = cells["peak"]
-                ok = (
-                    at["p99_ms"] is not None
-                    and at["p99_ms"] < P99_LINE_MS
-                    and not at["errors"]
-                    and not at["behind"]
-                )
+                ok = _meets_slo(at)
                 checks.append(
                     {
                         "label": label,

@@ -53,6 +53,7 @@ from ._format import (
     write_arrays,
     write_json,
 )
+from ._format import read_array as read_model_array
 from ._preprocess import KeyMapping, TooFewRows
 
 DELTA = "delta.json"
@@ -326,7 +327,7 @@ def _own_arguments(model_dir: str, manifest: Mapping) -> dict[str, Argument]:
             out[k] = read_argument(model_dir, e)
     if r := manifest.get("retrieval"):
         entry = manifest["mapping_arrays"][r["item_embeddings"]]
-        out[ITEM_EMBEDDINGS] = read_array(os.path.join(model_dir, entry["file"]), dict(entry))
+        out[ITEM_EMBEDDINGS] = read_model_array(model_dir, entry)
     return out
 
 
