@@ -58,6 +58,7 @@ ext_modules = [
                 "id_map",
                 "quantized_bag",
                 "text",
+                "http_front",
             )
         ],
         depends=[

@@ -9,6 +9,8 @@
 //   IdMapCore, unique_keys   the ID map of dynamic tables (id_map.cc; plain Python
 //                    objects, not FFI targets), wrapped by sparsejax/embedding/_id_map.py.
 //   parse_criteo     the Criteo TSV parser (text.cc) of sparsejax/data/_criteo.py.
+//   HttpFront        the HTTP/1.1 prediction path of `sparsejax serve` outside the GIL
+//                    (http_front.cc), wrapped by sparsejax/serving/_front.py.
 //
 // The kernels: spmm.cc (spmm, segment_max), sparse_apply.cc, interaction.cc
 // (pairwise_dots), quantized_bag.cc, all on the worker pool of worker_pool.cc.
@@ -22,6 +24,7 @@
 namespace sparsejax {
 int AddIdMap(PyObject* module);  // id_map.cc
 int AddText(PyObject* module);   // text.cc
+int AddHttpFront(PyObject* module);  // http_front.cc
 }  // namespace sparsejax
 
 extern "C" XLA_FFI_Error* SparsejaxQuantizedBag(XLA_FFI_CallFrame* call_frame);  // quantized_bag.cc
@@ -94,7 +97,8 @@ PyModuleDef kModule = {
 
 PyMODINIT_FUNC PyInit__cpu_ext(void) {
   PyObject* m = PyModule_Create(&kModule);
-  if (m != nullptr && (sparsejax::AddIdMap(m) < 0 || sparsejax::AddText(m) < 0)) {
+  if (m != nullptr && (sparsejax::AddIdMap(m) < 0 || sparsejax::AddText(m) < 0 ||
+                    sparsejax::AddHttpFront(m) < 0)) {
     Py_DECREF(m);
     return nullptr;
   }

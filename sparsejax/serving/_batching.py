@@ -55,17 +55,39 @@ class BatcherClosedError(RuntimeError):
 
 
 class _Request:
-    """One submitted request. `loop` is None for a concurrent.futures.Future, else the
-    event loop that owns the asyncio.Future."""
+    """One submitted request. `deliver` is None for a concurrent.futures.Future, else
+    what takes a batch's results for `future`, a token of the caller's (`submit_to`)."""
 
-    __slots__ = ("examples", "n", "t", "future", "loop")
+    __slots__ = ("examples", "n", "t", "future", "deliver")
 
-    def __init__(self, examples, n, t, future, loop):
+    def __init__(self, examples, n, t, future, deliver):
         self.examples = examples
         self.n = n
         self.t = t
         self.future = future
+        self.deliver = deliver
+
+
+class _ToLoop:
+    """Delivers a batch's results to the asyncio futures of one event loop (equal for
+    the same loop, so a batch's requests from one loop go in one call)."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ToLoop) and other.loop is self.loop
+
+    def __hash__(self) -> int:
+        return id(self.loop)
+
+    def __call__(self, items: list) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_resolve, items)
+        except RuntimeError:  # the loop was closed: nobody is waiting any more
+            pass
 
 
 def _resolve(done: list) -> None:
@@ -154,7 +176,8 @@ class DynamicBatcher:
     `submit` is thread-safe and returns a `concurrent.futures.Future` of that request's
     scores (f32[n]); `submit_async` (from a running event loop) returns an
     `asyncio.Future` of `(scores, model_version)`, settled with one
-    `call_soon_threadsafe` per batch rather than one per request. A request's parse
+    `call_soon_threadsafe` per batch rather than one per request; `submit_to` hands
+    each batch's results to a callable of the caller's, in the worker's thread. A request's parse
     error fails that request only (see the module docstring); an error from `score`
     fails every request of the batch. `swap` changes the model for later batches;
     `close` finishes what is queued and stops the threads.
@@ -244,8 +267,15 @@ class DynamicBatcher:
         `(scores, model_version)`, the version of the model that scored the request."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._put(_Request(examples, len(examples), time.monotonic(), future, loop))
+        self._put(_Request(examples, len(examples), time.monotonic(), future, _ToLoop(loop)))
         return future
+
+    def submit_to(self, examples: Sequence[Mapping], token: Any, deliver: Callable) -> None:
+        """Queue one request whose result goes to `deliver`, called from a worker thread
+        once per batch with that batch's `[(token, (scores, model_version) or None, error
+        or None)]` (the same `deliver` object for the batch's requests). It must be quick
+        and must not raise. Raises `BatcherClosedError` after `close`."""
+        self._put(_Request(examples, len(examples), time.monotonic(), token, deliver))
 
     def _put(self, request: _Request) -> None:
         with self._changed:
@@ -339,7 +369,9 @@ class DynamicBatcher:
         """Parse the batch (as one request when it can), fail the requests that do not
         parse, hand the rest to the scorer."""
         predictor = self._predictor  # one model for the whole batch, even during a swap
-        live = [r for r in batch if r.loop is not None or r.future.set_running_or_notify_cancel()]
+        live = [
+            r for r in batch if r.deliver is not None or r.future.set_running_or_notify_cancel()
+        ]
         failed: list = []  # (request, error) of requests that did not parse
         groups = _parse_groups(predictor.parse, live, failed) if live else []
         if failed:
@@ -383,7 +415,7 @@ class DynamicBatcher:
                     for r in requests:
                         scores = out if len(requests) == 1 else out[start : start + r.n]
                         start += r.n
-                        if r.loop is None:
+                        if r.deliver is None:
                             r.future.set_result(scores)
                         else:
                             done.append((r, (scores, version), None))
@@ -400,19 +432,16 @@ class DynamicBatcher:
         self._scoring = 0
 
     def _fail(self, r: _Request, error: BaseException, done: list) -> None:
-        if r.loop is None:
+        if r.deliver is None:
             r.future.set_exception(error)
         else:
             done.append((r, None, error))
 
     @staticmethod
     def _settle(done: list) -> None:
-        """One call_soon_threadsafe per event loop for the whole batch."""
-        by_loop: dict = {}
+        """One delivery (one call_soon_threadsafe per event loop) for the whole batch."""
+        by_deliver: dict = {}
         for r, result, error in done:
-            by_loop.setdefault(r.loop, []).append((r.future, result, error))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_resolve, items)
-            except RuntimeError:  # the loop was closed: nobody is waiting any more
-                pass
+            by_deliver.setdefault(r.deliver, []).append((r.future, result, error))
+        for deliver, items in by_deliver.items():
+            deliver(items)

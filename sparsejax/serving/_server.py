@@ -54,6 +54,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -63,6 +64,7 @@ from typing import Any
 import prometheus_client as prom
 from aiohttp import web
 
+from . import _front
 from . import _v2 as v2
 from ._batching import BatcherClosedError, DynamicBatcher
 from ._delta import DeltaError, delta_dirs
@@ -95,9 +97,42 @@ class _HttpError(Exception):
         self.message = message
 
 
+def _json_bytes(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
 def _json(payload: Any, status: int = 200) -> web.Response:
-    body = json.dumps(payload, separators=(",", ":")).encode()
-    return web.Response(body=body, status=status, content_type="application/json")
+    return web.Response(body=_json_bytes(payload), status=status, content_type="application/json")
+
+
+def _predict_answer(scores: Any, version: str) -> bytes:
+    """The body of a /v1/predict answer (`scores` an array, or a list)."""
+    scores = scores.tolist() if hasattr(scores, "tolist") else list(scores)
+    return _json_bytes({"scores": scores, "model_version": version})
+
+
+def _decode_json(raw: bytes, *, empty_ok: bool = False) -> Any:
+    """A request's JSON body; `_HttpError` 400 naming what is wrong with it."""
+    if not raw.strip():
+        if empty_ok:
+            return None
+        raise _HttpError(400, "bad_json", "empty body: expected a JSON object")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise _HttpError(
+            400,
+            "bad_json",
+            f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})",
+        ) from None
+    except UnicodeDecodeError as e:
+        raise _HttpError(
+            400,
+            "bad_json",
+            f"malformed JSON: the body is not UTF-8 ({e.reason} at byte {e.start})",
+        ) from None
+    except RecursionError:
+        raise _HttpError(400, "bad_json", "malformed JSON: nested too deeply") from None
 
 
 def _examples(body: Any) -> list:
@@ -417,12 +452,15 @@ class ModelServer:
     def predictor(self) -> Any:
         return self.batcher.predictor
 
-    def attach(self, runner: web.BaseRunner) -> None:
-        """Tell the batcher how many client connections `runner` (set up) has open, so a
-        batch stops waiting once every one of them has a request in it (`serve` does
-        this; a test server's runner can be attached the same way)."""
+    def attach(self, runner: web.BaseRunner, front: Any = None) -> None:
+        """Tell the batcher how many client connections `runner` (set up) and the native
+        `front` have open, so a batch stops waiting once every one of them has a request
+        in it (`serve` does this; a test server's runner can be attached the same way)."""
         server = runner.server
-        self.connections = lambda: len(server.connections)
+        if front is None:
+            self.connections = lambda: len(server.connections)
+        else:
+            self.connections = lambda: len(server.connections) + front.connections()
 
     def _on_disk(self) -> bool | None:
         """Whether the served model's dir still holds its model.json (None: no dir, the
@@ -623,28 +661,37 @@ class ModelServer:
             t0 = time.perf_counter()
             try:
                 response = await handler(request)
-            except _HttpError as e:
-                response = self._error(endpoint, e.status, e.kind, e.message)
-            except RequestError as e:
-                response = self._error(endpoint, 400, "bad_request", _one_line(e))
-            except BatcherClosedError as e:
-                response = self._error(endpoint, 503, "unavailable", _one_line(e))
             except Exception as e:
-                self._log_error(endpoint, e)
-                response = self._error(
-                    endpoint, 500, "model_error", f"{type(e).__name__}: {_one_line(e)}"
-                )
+                status, body = self.error_answer(endpoint, e)
+                response = web.Response(body=body, status=status, content_type="application/json")
+                if status == 413:
+                    response.force_close()  # do not read the rest of an oversized body
             metrics.request(endpoint, response.status, time.perf_counter() - t0)
             return response
 
         return handle
 
-    def _error(self, endpoint: str, status: int, kind: str, message: str) -> web.Response:
+    def predict_examples(self, raw: bytes) -> list:
+        """The examples of a /v1/predict body; an error for `error_answer` if it is not
+        one."""
+        return _examples(_decode_json(raw))
+
+    predict_answer = staticmethod(_predict_answer)
+
+    def error_answer(self, endpoint: str, e: Exception) -> tuple[int, bytes]:
+        """A handler's exception as (HTTP status, JSON body), counted in the metrics by
+        kind; a fault of the server or model (500) is logged too."""
+        if isinstance(e, _HttpError):
+            status, kind, message = e.status, e.kind, e.message
+        elif isinstance(e, RequestError):
+            status, kind, message = 400, "bad_request", _one_line(e)
+        elif isinstance(e, BatcherClosedError):
+            status, kind, message = 503, "unavailable", _one_line(e)
+        else:
+            self._log_error(endpoint, e)
+            status, kind, message = 500, "model_error", f"{type(e).__name__}: {_one_line(e)}"
         self.metrics.errors.labels(endpoint, kind).inc()
-        response = _json({"error": message}, status)
-        if status == 413:
-            response.force_close()  # do not read the rest of an oversized body
-        return response
+        return status, _json_bytes({"error": message})
 
     async def _raw_body(self, request: web.Request) -> bytes:
         """The request's body; 413 over the size limit."""
@@ -669,34 +716,16 @@ class ModelServer:
 
     async def _body(self, request: web.Request, *, empty_ok: bool = False) -> Any:
         """The request's JSON body; 413 over the size limit, 400 if it is not JSON."""
-        raw = await self._raw_body(request)
-        if not raw.strip():
-            if empty_ok:
-                return None
-            raise _HttpError(400, "bad_json", "empty body: expected a JSON object")
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise _HttpError(
-                400,
-                "bad_json",
-                f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno} (char {e.pos})",
-            ) from None
-        except UnicodeDecodeError as e:
-            raise _HttpError(
-                400,
-                "bad_json",
-                f"malformed JSON: the body is not UTF-8 ({e.reason} at byte {e.start})",
-            ) from None
-        except RecursionError:
-            raise _HttpError(400, "bad_json", "malformed JSON: nested too deeply") from None
+        return _decode_json(await self._raw_body(request), empty_ok=empty_ok)
 
     async def predict(self, request: web.Request) -> web.Response:
         examples = _examples(await self._body(request))
         if not examples:
-            return _json({"scores": [], "model_version": self.predictor.version})
+            return web.Response(
+                body=_predict_answer([], self.predictor.version), content_type="application/json"
+            )
         scores, version = await self.batcher.submit_async(examples)
-        return _json({"scores": scores.tolist(), "model_version": version})
+        return web.Response(body=_predict_answer(scores, version), content_type="application/json")
 
     async def retrieve(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -939,6 +968,12 @@ def serve(
         return runner.run(_serve(app, host, port, grpc_port, reuse_port, shutdown_timeout, log))
 
 
+def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A TCP socket listening on host:port (SO_REUSEPORT with `reuse_port`)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024, reuse_port=reuse_port)
+
+
 def _loop_factory() -> Callable | None:
     """uvloop's event loop where it is installed (orbax-checkpoint installs it): the
     server's per-request cost is mostly the event loop's, and uvloop's is lower."""
@@ -969,17 +1004,20 @@ async def _serve(
         app, access_log=None, handle_signals=False, shutdown_timeout=shutdown_timeout
     )
     await runner.setup()
-    server.attach(runner)
-    site = web.TCPSite(
-        runner, host, port, backlog=1024, reuse_address=True, reuse_port=reuse_port or None
-    )
     try:
-        await site.start()
+        sock = _listen(host, port, reuse_port)
     except OSError as e:
         log(f"sparsejax serve: cannot listen on {host}:{port}: {e.strerror or e}")
         await runner.cleanup()
         return 2
-    bound = runner.addresses[0]
+    bound = sock.getsockname()
+    loop = asyncio.get_running_loop()
+    front = None
+    if _front.available():
+        front = _front.NativeFront(server, sock, runner.server, loop)
+    else:
+        await web.SockSite(runner, sock).start()
+    server.attach(runner, front)
     grpc_line = ""
     if grpc_port is not None:
         try:
@@ -995,13 +1033,13 @@ async def _serve(
         f"sparsejax serve: model {predictor.version} ({predictor.task}) from "
         f"{server.model_dir}; max batch {server.batcher.max_batch}, max wait "
         f"{server.batcher.max_wait_ms:g} ms, body limit {server.max_body_bytes} bytes, "
-        f"reload check {poll}"
+        f"reload check {poll}; /v1/predict on the "
+        f"{'native HTTP front' if front is not None else 'aiohttp server'}"
     )
     log(
         f"sparsejax serve: listening on http://{bound[0]}:{bound[1]}{grpc_line} (Ctrl-C "
         f"stops); v2 (KServe) model name {server.model_name!r}"
     )
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = [signal.SIGINT, signal.SIGTERM]
     for sig in signals:
@@ -1012,6 +1050,11 @@ async def _serve(
         for sig in signals:  # a second Ctrl-C interrupts the shutdown
             loop.remove_signal_handler(sig)
         log("sparsejax serve: stopping; finishing the requests in flight")
+        if front is not None:
+            await front.stop()
         await runner.cleanup()
+        if front is not None:
+            front.close()
+        sock.close()
     log("sparsejax serve: stopped")
     return 0

@@ -1,0 +1,625 @@
+// HttpFront: the HTTP/1.1 side of `sparsejax serve`'s prediction path, outside the GIL
+// (sparsejax/serving/_front.py).
+//
+// One thread accepts connections on a listening socket the server made and reads and
+// frames their requests. A `POST <path>` with a Content-Length body is queued for
+// Python, which takes the bodies in batches (`take`), scores them and answers them in
+// batches (`respond`, which sends from the caller's thread). Answers go out in the
+// order their requests came on each connection (HTTP/1.1 pipelining). Anything else -
+// another method or path, chunked bodies, `Expect`, HTTP/1.0, a body over the limit, a
+// header block over 16 KiB - hands the connection over: once its answers are out, it
+// leaves this loop and Python's HTTP server (aiohttp) takes it, with the bytes read so
+// far (`take_handoffs`, woken by `handoff_fd`). So every request this loop does not know
+// is answered exactly as before, by the one implementation of the API.
+//
+// Python's per-request cost drops to its JSON parse and answer; the accept, read,
+// framing and write that an asyncio server does in Python run here, on any core.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <strings.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace sparsejax {
+namespace {
+
+constexpr size_t kMaxHeader = 16 * 1024;  // larger header blocks go to aiohttp
+constexpr uint64_t kListenTag = 0, kWakeTag = 1;  // epoll tags; connections count from 2
+
+struct Conn {
+  int fd = -1;
+  std::string in;                  // read, not yet framed
+  std::string out;                 // answers not yet sent
+  uint32_t next_seq = 0;           // the sequence number of the next request framed
+  uint32_t send_seq = 0;           // the sequence number of the next answer to send
+  std::unordered_map<uint32_t, std::string> ready;  // answers waiting for earlier ones
+  bool reading = true;             // EPOLLIN wanted
+  bool writing = false;            // EPOLLOUT registered
+  bool handoff = false;            // stop framing; hand over once its answers are out
+  bool last_framed = false;        // a request said Connection: close; frame no more
+  bool close_after = false;        // close once its answers are out (Connection: close, EOF)
+};
+
+struct Request {
+  uint64_t token;  // connection id << 32 | sequence number
+  std::string body;
+};
+
+bool IEquals(const char* a, size_t n, const char* b) {
+  return strlen(b) == n && strncasecmp(a, b, n) == 0;
+}
+
+bool IContains(const char* a, size_t n, const char* word) {
+  const size_t w = strlen(word);
+  for (size_t i = 0; i + w <= n; ++i) {
+    if (strncasecmp(a + i, word, w) == 0) return true;
+  }
+  return false;
+}
+
+const char* Reason(int status) {
+  switch (status) {
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 413: return "Request Entity Too Large";
+    case 500: return "Internal Server Error";
+    case 503: return "Service Unavailable";
+    default: return "Error";
+  }
+}
+
+class Front {
+ public:
+  Front(int listen_fd, std::string path, size_t max_body)
+      : listen_fd_(listen_fd), path_(std::move(path)), max_body_(max_body) {}
+
+  // Errno of the failing call, 0 on success.
+  int Start() {
+    epoll_ = epoll_create1(EPOLL_CLOEXEC);
+    wake_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    handoff_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (epoll_ < 0 || wake_ < 0 || handoff_fd_ < 0) return errno;
+    const int flags = fcntl(listen_fd_, F_GETFL);
+    if (flags < 0 || fcntl(listen_fd_, F_SETFL, flags | O_NONBLOCK) < 0) return errno;
+    if (Watch(listen_fd_, kListenTag, EPOLLIN, EPOLL_CTL_ADD) < 0) return errno;
+    if (Watch(wake_, kWakeTag, EPOLLIN, EPOLL_CTL_ADD) < 0) return errno;
+    thread_ = std::thread([this] { Loop(); });
+    return 0;
+  }
+
+  ~Front() {
+    Close();
+    for (int fd : {epoll_, wake_, handoff_fd_}) {
+      if (fd >= 0) close(fd);
+    }
+  }
+
+  int handoff_fd() const { return handoff_fd_; }
+  int connections() const { return connections_.load(std::memory_order_relaxed); }
+
+  // Up to `max_n` queued requests, waiting up to `timeout_s` for the first; false once
+  // shut down and drained.
+  bool Take(size_t max_n, double timeout_s, std::vector<Request>* out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    taken_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                    [this] { return !queue_.empty() || shut_; });
+    while (!queue_.empty() && out->size() < max_n) {
+      out->push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    return !(out->empty() && shut_);
+  }
+
+  // Answers, each (token, full HTTP response); those of closed connections are dropped.
+  void Respond(std::vector<std::pair<uint64_t, std::string>>* answers) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<uint64_t> touched;
+    for (auto& [token, response] : *answers) {
+      const uint64_t id = token >> 32;
+      auto it = conns_.find(id);
+      if (it == conns_.end()) continue;  // the client went away
+      it->second.ready.emplace(static_cast<uint32_t>(token), std::move(response));
+      if (touched.empty() || touched.back() != id) touched.push_back(id);
+    }
+    for (uint64_t id : touched) Flush(id);
+  }
+
+  // Connections handed over since the last call: (fd, the bytes read from it so far).
+  std::vector<std::pair<int, std::string>> TakeHandoffs() {
+    uint64_t n;
+    (void)!read(handoff_fd_, &n, sizeof n);
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::move(handoffs_);
+  }
+
+  // Stop accepting and framing new requests; `Take` returns what is queued, then false.
+  void Shutdown() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_) return;
+    shut_ = true;
+    epoll_ctl(epoll_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+    for (auto& [id, conn] : conns_) SetReading(id, &conn, false);
+    taken_.notify_all();
+  }
+
+  // Shut down, stop the thread and close every connection it still holds.
+  void Close() {
+    Shutdown();
+    if (thread_.joinable()) {
+      stopping_ = true;
+      uint64_t one = 1;
+      (void)!write(wake_, &one, sizeof one);
+      thread_.join();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, conn] : conns_) close(conn.fd);
+    conns_.clear();
+    for (auto& [fd, bytes] : handoffs_) close(fd);
+    handoffs_.clear();
+    connections_ = 0;
+  }
+
+ private:
+  int Watch(int fd, uint64_t tag, uint32_t events, int op) {
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.u64 = tag;
+    return epoll_ctl(epoll_, op, fd, &ev);
+  }
+
+  void Rewatch(uint64_t id, Conn* c) {
+    Watch(c->fd, id, (c->reading ? EPOLLIN : 0) | (c->writing ? EPOLLOUT : 0), EPOLL_CTL_MOD);
+  }
+
+  void SetReading(uint64_t id, Conn* c, bool on) {
+    if (c->reading == on) return;
+    c->reading = on;
+    Rewatch(id, c);
+  }
+
+  void Loop() {
+    epoll_event events[256];
+    std::vector<char> buf(1 << 16);
+    while (!stopping_) {
+      const int n = epoll_wait(epoll_, events, 256, -1);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        break;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int i = 0; i < n; ++i) {
+        const uint64_t tag = events[i].data.u64;
+        if (tag == kWakeTag) {
+          uint64_t v;
+          (void)!read(wake_, &v, sizeof v);
+        } else if (tag == kListenTag) {
+          Accept();
+        } else {
+          auto it = conns_.find(tag);
+          if (it == conns_.end()) continue;  // closed earlier in this round
+          if (events[i].events & EPOLLOUT) Flush(tag);
+          it = conns_.find(tag);
+          if (it == conns_.end()) continue;
+          if (it->second.reading && (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP))) {
+            Read(tag, &it->second, buf.data(), buf.size());
+          } else if (events[i].events & (EPOLLERR | EPOLLHUP)) {
+            Drop(tag);  // gone while its answers were being computed
+          }
+        }
+      }
+    }
+  }
+
+  void Accept() {
+    if (shut_) return;
+    while (true) {
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) return;  // EAGAIN, or out of fds (the client retries)
+      const int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      const uint64_t id = next_id_++;
+      Conn& c = conns_[id];
+      c.fd = fd;
+      if (Watch(fd, id, EPOLLIN, EPOLL_CTL_ADD) < 0) {
+        Drop(id);
+        continue;
+      }
+      connections_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  void Read(uint64_t id, Conn* c, char* buf, size_t size) {
+    while (true) {
+      const ssize_t got = recv(c->fd, buf, size, 0);
+      if (got > 0) {
+        c->in.append(buf, static_cast<size_t>(got));
+        if (static_cast<size_t>(got) < size) break;
+        continue;
+      }
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (got < 0 && errno == EINTR) continue;
+      // EOF or an error: answer what was asked (a half-closed client still reads), then close
+      if (got < 0) {
+        Drop(id);
+        return;
+      }
+      c->close_after = true;
+      SetReading(id, c, false);
+      break;
+    }
+    Frame(id, c);
+    Finish(id);
+  }
+
+  // Queue every whole request in c->in, or mark the connection for hand-over.
+  void Frame(uint64_t id, Conn* c) {
+    size_t pos = 0;
+    while (!c->handoff && !c->last_framed) {
+      const char* data = c->in.data() + pos;
+      const size_t avail = c->in.size() - pos;
+      const char* end = static_cast<const char*>(
+          memmem(data, std::min(avail, kMaxHeader + 4), "\r\n\r\n", 4));
+      if (end == nullptr) {
+        if (avail > kMaxHeader) c->handoff = true;
+        break;
+      }
+      const size_t header_len = static_cast<size_t>(end - data) + 4;
+      size_t body_len = 0;
+      bool close = false;
+      if (!FastRequest(data, header_len, &body_len, &close)) {
+        c->handoff = true;
+        break;
+      }
+      if (avail - header_len < body_len) break;  // the body is still coming
+      queue_.push_back({id << 32 | c->next_seq++, std::string(data + header_len, body_len)});
+      taken_.notify_one();
+      pos += header_len + body_len;
+      if (close) c->last_framed = c->close_after = true;  // Connection: close
+    }
+    c->in.erase(0, pos);
+    if (c->handoff || c->last_framed) SetReading(id, c, false);
+  }
+
+  // Whether the header block is a request this loop answers; its body's length.
+  bool FastRequest(const char* h, size_t len, size_t* body_len, bool* close_after) const {
+    const char* line_end = static_cast<const char*>(memmem(h, len, "\r\n", 2));
+    const std::string expect_line = "POST " + path_ + " HTTP/1.1";
+    if (line_end == nullptr || static_cast<size_t>(line_end - h) != expect_line.size() ||
+        memcmp(h, expect_line.data(), expect_line.size()) != 0) {
+      return false;
+    }
+    bool have_length = false;
+    const char* p = line_end + 2;
+    const char* stop = h + len - 2;  // the final empty line
+    while (p < stop) {
+      const char* e = static_cast<const char*>(memmem(p, stop - p + 2, "\r\n", 2));
+      const char* colon = static_cast<const char*>(memchr(p, ':', e - p));
+      if (colon == nullptr || colon == p) return false;
+      const size_t name_len = colon - p;
+      const char* v = colon + 1;
+      while (v < e && (*v == ' ' || *v == '\t')) ++v;
+      const char* ve = e;
+      while (ve > v && (ve[-1] == ' ' || ve[-1] == '\t')) --ve;
+      if (IEquals(p, name_len, "content-length")) {
+        if (have_length || v == ve || ve - v > 12) return false;
+        size_t n = 0;
+        for (const char* d = v; d < ve; ++d) {
+          if (*d < '0' || *d > '9') return false;
+          n = n * 10 + static_cast<size_t>(*d - '0');
+        }
+        if (n > max_body_) return false;  // aiohttp answers 413
+        *body_len = n;
+        have_length = true;
+      } else if (IEquals(p, name_len, "transfer-encoding") || IEquals(p, name_len, "expect") ||
+                 IEquals(p, name_len, "upgrade")) {
+        return false;
+      } else if (IEquals(p, name_len, "connection")) {
+        if (IContains(v, ve - v, "upgrade")) return false;
+        if (IContains(v, ve - v, "close")) *close_after = true;
+      }
+      p = e + 2;
+    }
+    return have_length;
+  }
+
+  // Send the answers that are next in order; EPOLLOUT for what the socket did not take.
+  void Flush(uint64_t id) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    Conn* c = &it->second;
+    for (auto r = c->ready.find(c->send_seq); r != c->ready.end();
+         r = c->ready.find(c->send_seq)) {
+      c->out += r->second;
+      c->ready.erase(r);
+      ++c->send_seq;
+    }
+    size_t sent = 0;
+    while (sent < c->out.size()) {
+      const ssize_t k = send(c->fd, c->out.data() + sent, c->out.size() - sent,
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k > 0) {
+        sent += static_cast<size_t>(k);
+      } else if (k < 0 && errno == EINTR) {
+        continue;
+      } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        break;
+      } else {
+        Drop(id);
+        return;
+      }
+    }
+    c->out.erase(0, sent);
+    const bool want_out = !c->out.empty();
+    if (want_out != c->writing) {
+      c->writing = want_out;
+      Rewatch(id, c);
+    }
+    Finish(id);
+  }
+
+  // Close or hand over a connection whose answers are all out.
+  void Finish(uint64_t id) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    Conn* c = &it->second;
+    if (!c->out.empty() || c->send_seq != c->next_seq) return;
+    if (c->handoff) {
+      epoll_ctl(epoll_, EPOLL_CTL_DEL, c->fd, nullptr);
+      handoffs_.emplace_back(c->fd, std::move(c->in));
+      conns_.erase(it);
+      connections_.fetch_sub(1, std::memory_order_relaxed);
+      uint64_t one = 1;
+      (void)!write(handoff_fd_, &one, sizeof one);
+    } else if (c->close_after) {
+      Drop(id);
+    }
+  }
+
+  void Drop(uint64_t id) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    close(it->second.fd);  // also takes it out of the epoll set
+    conns_.erase(it);
+    connections_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  const int listen_fd_;
+  const std::string path_;
+  const size_t max_body_;
+  int epoll_ = -1, wake_ = -1, handoff_fd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> connections_{0};
+  std::mutex mu_;  // everything below, and every connection
+  std::condition_variable taken_;
+  std::unordered_map<uint64_t, Conn> conns_;
+  uint64_t next_id_ = 2;
+  std::deque<Request> queue_;
+  std::vector<std::pair<int, std::string>> handoffs_;
+  bool shut_ = false;
+};
+
+// -- the Python type -----------------------------------------------------------------------
+
+struct PyFront {
+  PyObject_HEAD Front* front;
+};
+
+Front* FrontOf(PyObject* self) {
+  Front* f = reinterpret_cast<PyFront*>(self)->front;
+  if (f == nullptr) PyErr_SetString(PyExc_RuntimeError, "HttpFront is closed");
+  return f;
+}
+
+PyObject* FrontNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"listen_fd", "path", "max_body", nullptr};
+  int fd;
+  const char* path;
+  Py_ssize_t path_len;
+  long long max_body;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "is#L", const_cast<char**>(kwlist), &fd, &path,
+                                   &path_len, &max_body)) {
+    return nullptr;
+  }
+  if (max_body < 0) {
+    PyErr_Format(PyExc_ValueError, "HttpFront: max_body must be >= 0, got %lld", max_body);
+    return nullptr;
+  }
+  PyFront* self = reinterpret_cast<PyFront*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->front = new Front(fd, std::string(path, path_len), static_cast<size_t>(max_body));
+  if (const int err = self->front->Start()) {
+    delete self->front;
+    self->front = nullptr;
+    Py_DECREF(self);
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void FrontDealloc(PyObject* obj) {
+  PyFront* self = reinterpret_cast<PyFront*>(obj);
+  if (self->front != nullptr) {
+    Py_BEGIN_ALLOW_THREADS delete self->front;
+    Py_END_ALLOW_THREADS self->front = nullptr;
+  }
+  PyTypeObject* type = Py_TYPE(obj);
+  type->tp_free(obj);
+  Py_DECREF(type);
+}
+
+PyObject* FrontTake(PyObject* self, PyObject* args) {
+  Py_ssize_t max_n;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "nd", &max_n, &timeout)) return nullptr;
+  Front* f = FrontOf(self);
+  if (f == nullptr) return nullptr;
+  std::vector<Request> got;
+  bool open;
+  Py_BEGIN_ALLOW_THREADS open = f->Take(static_cast<size_t>(std::max<Py_ssize_t>(max_n, 1)),
+                                        timeout, &got);
+  Py_END_ALLOW_THREADS if (!open) Py_RETURN_NONE;
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(got.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < got.size(); ++i) {
+    PyObject* item = Py_BuildValue("(Ky#)", static_cast<unsigned long long>(got[i].token),
+                                   got[i].body.data(), static_cast<Py_ssize_t>(got[i].body.size()));
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
+}
+
+PyObject* FrontRespond(PyObject* self, PyObject* arg) {
+  Front* f = FrontOf(self);
+  if (f == nullptr) return nullptr;
+  PyObject* seq = PySequence_Fast(arg, "respond: expected a list of (token, status, body)");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  std::vector<std::pair<uint64_t, std::string>> answers;
+  answers.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    unsigned long long token;
+    int status;
+    const char* body;
+    Py_ssize_t body_len;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Kiy#", &token, &status, &body,
+                          &body_len)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    char head[160];
+    const int k = snprintf(head, sizeof head,
+                           "HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n"
+                           "Content-Length: %zd\r\n\r\n",
+                           status, Reason(status), body_len);
+    std::string response;
+    response.reserve(static_cast<size_t>(k + body_len));
+    response.append(head, static_cast<size_t>(k));
+    response.append(body, static_cast<size_t>(body_len));
+    answers.emplace_back(static_cast<uint64_t>(token), std::move(response));
+  }
+  Py_DECREF(seq);
+  Py_BEGIN_ALLOW_THREADS f->Respond(&answers);
+  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+PyObject* FrontTakeHandoffs(PyObject* self, PyObject*) {
+  Front* f = FrontOf(self);
+  if (f == nullptr) return nullptr;
+  std::vector<std::pair<int, std::string>> got = f->TakeHandoffs();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(got.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < got.size(); ++i) {
+    PyObject* item = Py_BuildValue("(iy#)", got[i].first, got[i].second.data(),
+                                   static_cast<Py_ssize_t>(got[i].second.size()));
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
+}
+
+PyObject* FrontShutdown(PyObject* self, PyObject*) {
+  Front* f = FrontOf(self);
+  if (f == nullptr) return nullptr;
+  Py_BEGIN_ALLOW_THREADS f->Shutdown();
+  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+PyObject* FrontClose(PyObject* obj, PyObject*) {
+  PyFront* self = reinterpret_cast<PyFront*>(obj);
+  Front* f = self->front;
+  self->front = nullptr;
+  if (f != nullptr) {
+    Py_BEGIN_ALLOW_THREADS delete f;
+    Py_END_ALLOW_THREADS
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* FrontConnections(PyObject* self, PyObject*) {
+  Front* f = reinterpret_cast<PyFront*>(self)->front;
+  return PyLong_FromLong(f == nullptr ? 0 : f->connections());
+}
+
+PyObject* FrontHandoffFd(PyObject* self, PyObject*) {
+  Front* f = FrontOf(self);
+  if (f == nullptr) return nullptr;
+  return PyLong_FromLong(f->handoff_fd());
+}
+
+PyMethodDef kFrontMethods[] = {
+    {"take", FrontTake, METH_VARARGS,
+     "take(max_n, timeout_s) -> [(token, body: bytes)] (up to max_n; [] on timeout), or None "
+     "once shut down and drained."},
+    {"respond", FrontRespond, METH_O,
+     "respond([(token, status, json_body: bytes)]): send each answer on its connection, in "
+     "request order (dropped if the client went away)."},
+    {"take_handoffs", FrontTakeHandoffs, METH_NOARGS,
+     "take_handoffs() -> [(fd, bytes read so far)]: the connections handed over; the caller "
+     "owns the fds."},
+    {"shutdown", FrontShutdown, METH_NOARGS,
+     "Stop accepting connections and reading requests; take() drains the queue, then None."},
+    {"close", FrontClose, METH_NOARGS, "Stop the thread and close every connection it holds."},
+    {"connections", FrontConnections, METH_NOARGS, "Open connections this loop serves."},
+    {"handoff_fd", FrontHandoffFd, METH_NOARGS,
+     "An eventfd readable when connections were handed over."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot kFrontSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(FrontNew)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(FrontDealloc)},
+    {Py_tp_methods, kFrontMethods},
+    {Py_tp_doc, const_cast<char*>("HttpFront(listen_fd, path, max_body): frames `POST path` "
+                                  "requests of a listening socket outside the GIL "
+                                  "(csrc/http_front.cc).")},
+    {0, nullptr},
+};
+
+PyType_Spec kFrontSpec = {
+    "sparsejax._cpu_ext.HttpFront", sizeof(PyFront), 0, Py_TPFLAGS_DEFAULT, kFrontSlots,
+};
+
+}  // namespace
+
+// Adds HttpFront to the module; -1 with an exception set on failure.
+int AddHttpFront(PyObject* module) {
+  PyObject* type = PyType_FromSpec(&kFrontSpec);
+  if (type == nullptr) return -1;
+  if (PyModule_AddObject(module, "HttpFront", type) < 0) {
+    Py_DECREF(type);
+    return -1;
+  }
+  return 0;
+}
+
+}  // namespace sparsejax

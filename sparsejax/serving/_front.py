@@ -1,0 +1,154 @@
+"""The native HTTP front of `sparsejax serve`: /v1/predict without the event loop.
+
+An asyncio server spends ~100 us of Python a request on accepting, reading, framing and
+answering it - several times the JSON parse and the request's share of its batch - and
+all of it holds the GIL the batcher's threads need. `HttpFront` (csrc/http_front.cc)
+does that work in a thread of its own, outside the GIL: it frames each
+`POST /v1/predict` with a Content-Length body, one thread here takes the bodies in
+bunches, parses their JSON and queues them in the batcher (`submit_to`), and the
+batcher's scorer hands each batch's answers back in one call that sends them. The
+answers are the bytes the aiohttp handler gives (the server's `predict_examples`,
+`predict_answer` and `error_answer`), and the metrics count them the same way.
+
+Every other request - another endpoint, chunked or `Expect: 100-continue` bodies, a body
+over the limit, HTTP/1.0 - moves its connection, once the answers before it are out,
+to the aiohttp server with the bytes read so far: one implementation of the API, the
+native one only a shortcut to it. `serve` uses the front where the C++ extension is
+built (SPARSEJAX_SERVE_NATIVE_HTTP=0: aiohttp only, as without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["NativeFront", "available"]
+
+_TAKE = 256  # bodies taken at once
+
+
+def available() -> bool:
+    """Whether `serve` puts /v1/predict on the native front."""
+    if os.environ.get("SPARSEJAX_SERVE_NATIVE_HTTP", "1") == "0":
+        return False
+    try:
+        from .._cpu_ext import HttpFront  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _Resumed(asyncio.Protocol):
+    """An aiohttp connection that starts with the bytes the front read before it handed
+    the connection over."""
+
+    def __init__(self, inner: asyncio.Protocol, head: bytes):
+        self._inner = inner
+        self._head = head
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+        if self._head:
+            self._inner.data_received(self._head)  # before any byte the transport reads
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+class NativeFront:
+    """/v1/predict of `server` (a `ModelServer`) on the listening socket `sock`, other
+    requests' connections handed to `aiohttp_server` (a set-up runner's `server`) in
+    `loop`. `close` (a coroutine) stops it: no new requests, those taken are answered."""
+
+    def __init__(self, server: Any, sock: socket.socket, aiohttp_server: Callable, loop):
+        from .._cpu_ext import HttpFront
+
+        self._server = server
+        self._aiohttp = aiohttp_server
+        self._loop = loop
+        self._front = HttpFront(sock.fileno(), "/v1/predict", server.max_body_bytes)
+        self._adopting: set[asyncio.Task] = set()
+        loop.add_reader(self._front.handoff_fd(), self._on_handoffs)
+        self._thread = threading.Thread(target=self._run, name="sparsejax-front", daemon=True)
+        self._thread.start()
+
+    def connections(self) -> int:
+        """Client connections the front holds."""
+        return self._front.connections()
+
+    def _on_handoffs(self) -> None:
+        for fd, head in self._front.take_handoffs():
+            task = self._loop.create_task(self._adopt(socket.socket(fileno=fd), head))
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
+
+    async def _adopt(self, sock: socket.socket, head: bytes) -> None:
+        try:
+            await self._loop.connect_accepted_socket(lambda: _Resumed(self._aiohttp(), head), sock)
+        except OSError:  # the client is gone
+            sock.close()
+
+    def _run(self) -> None:
+        """Take the framed bodies, parse them, queue them in the batcher."""
+        server, take, respond = self._server, self._front.take, self._front.respond
+        parse, answer = server.predict_examples, server.predict_answer
+        submit = server.batcher.submit_to
+        deliver = self._deliver
+        while (bodies := take(_TAKE, 1.0)) is not None:
+            answers = []
+            for token, raw in bodies:
+                t0 = time.perf_counter()
+                try:
+                    examples = parse(raw)
+                    if examples:
+                        submit(examples, (token, t0), deliver)
+                        continue
+                    status, body = 200, answer([], server.predictor.version)
+                except Exception as e:  # the request's fault (400), or shutting down (503)
+                    status, body = server.error_answer("predict", e)
+                server.metrics.request("predict", status, time.perf_counter() - t0)
+                answers.append((token, status, body))
+            if answers:
+                respond(answers)
+
+    def _deliver(self, items: list) -> None:
+        """The batcher's results of one batch (its thread): answer each request."""
+        server = self._server
+        answers = []
+        for (token, t0), result, error in items:
+            if error is None:
+                status, body = 200, server.predict_answer(*result)
+            else:
+                status, body = server.error_answer("predict", error)
+            server.metrics.request("predict", status, time.perf_counter() - t0)
+            answers.append((token, status, body))
+        self._front.respond(answers)
+
+    async def stop(self) -> None:
+        """Stop accepting and reading; queue what was read (the batcher then answers
+        it as it drains)."""
+        self._loop.remove_reader(self._front.handoff_fd())
+        self._front.shutdown()
+        await self._loop.run_in_executor(None, self._thread.join)
+        self._on_handoffs()  # connections handed over meanwhile: aiohttp finishes them
+
+    def close(self) -> None:
+        """Close the connections the front still holds (after the batcher drained)."""
+        self._front.close()
