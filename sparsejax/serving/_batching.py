@@ -19,20 +19,24 @@ queued while the model was busy are taken at once, so under load batches form by
 themselves and `max_wait_ms=0` still batches ("natural" batching). `max_batch=1,
 max_wait_ms=0` is batch-1 serving, the baseline the benchmark compares against. Given
 `senders` (a server's count of open client connections), a batch stops waiting as soon
-as it and the batch being scored hold a request of every one of them: nobody else can
-join, so a lone client pays no `max_wait_ms` (half the latency at concurrency 1 with the
-2 ms default) and 16 clients are scored together as soon as the 16th request arrives.
-Idle keep-alive connections only make the batch wait as it would without `senders`.
+as it holds a request of every one of them: nobody else can join, so a lone client pays
+no `max_wait_ms` (half the latency at concurrency 1 with the 2 ms default) and 16
+clients are scored together as soon as the 16th request arrives. Idle keep-alive
+connections only make the batch wait as it would without `senders`.
 
 Requests wait in a list, and the gatherer sleeps until the oldest one's `max_wait_ms` is
 up; a request wakes it early only when it opens a batch, fills one, or is the last of
 `senders` - not on every arrival (a thread switch each, which cost more CPU than the
 request's own parse when requests arrive one by one).
 
-Two threads do the work, one batch apart: one gathers and parses batch k+1 while the
-other scores batch k (XLA releases the GIL while it computes, so parsing, and an event
-loop in another thread, go on meanwhile). The scorer is the only thread that runs the
-model.
+One thread does the work: it gathers, parses and scores a batch and answers its
+requests, then takes the next; requests queue meanwhile, so under load batches form by
+themselves. Two threads a batch apart (parsing batch k+1 while the model scored batch k)
+were slower: both hold the GIL for most of their work (the model's own compute is a
+small share of a recommendation model's call at these batch sizes) and passing it back
+and forth cost more than the overlap gave. With `serve`'s native HTTP front, one
+worker's closed-loop peak went 20.1k -> 23.0k requests/s (medians of 6 runs of 4 s on
+the 2-core VM, experiments/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import queue
 import re
 import threading
 import time
@@ -155,7 +158,7 @@ def _parse_groups(parse: Callable, requests: list[_Request], failed: list) -> li
 
 
 class DynamicBatcher:
-    """Groups concurrent requests into batches for one model, scored by worker threads.
+    """Groups concurrent requests into batches for one model, scored by a worker thread.
 
     Args:
       predictor: anything with `parse(examples) -> Parsed` (raises `RequestError` for a
@@ -167,7 +170,7 @@ class DynamicBatcher:
         scored alone (the predictor chunks it).
       max_wait_ms: how long the oldest pending request may wait for others to join its
         batch. 0 = take only what is already queued.
-      on_batch: called by the scoring thread after each `score` call with (examples, requests,
+      on_batch: called by the worker thread after each `score` call with (examples, requests,
         seconds) - for metrics; it must be quick and must not raise.
       senders: how many clients could send a request now (a server's open connections);
         when the batch being gathered and the one being scored hold that many requests,
@@ -177,10 +180,10 @@ class DynamicBatcher:
     scores (f32[n]); `submit_async` (from a running event loop) returns an
     `asyncio.Future` of `(scores, model_version)`, settled with one
     `call_soon_threadsafe` per batch rather than one per request; `submit_to` hands
-    each batch's results to a callable of the caller's, in the worker's thread. A request's parse
-    error fails that request only (see the module docstring); an error from `score`
+    each batch's results to a callable of the caller's, in the worker's thread. A
+    request's parse error fails that request only (see the module docstring); an error from `score`
     fails every request of the batch. `swap` changes the model for later batches;
-    `close` finishes what is queued and stops the threads.
+    `close` finishes what is queued and stops the thread.
 
     Example:
         batcher = DynamicBatcher(Predictor.load("model"), max_wait_ms=2)
@@ -207,7 +210,6 @@ class DynamicBatcher:
         self._max_wait = max_wait_ms / 1000.0
         self._on_batch = on_batch
         self._senders = senders
-        self._scoring = 0  # requests of the batch being scored
         # the requests not yet taken, their examples, and what the gatherer waits for
         # (None: nothing it must be woken for; "first": any request; "more": a batch's end)
         self._pending: collections.deque[_Request] = collections.deque()
@@ -215,21 +217,13 @@ class DynamicBatcher:
         self._waiting: str | None = None
         self._changed = threading.Condition(threading.Lock())
         self._closed = False
-        # Counters, each written by one worker thread (read them for metrics or tests).
+        # Counters, written by the worker thread (read them for metrics or tests).
         self.batches = 0  # score calls
         self.requests = 0  # requests scored
         self.examples = 0  # examples scored
         self.rejected = 0  # requests whose parse failed
-        # Two stages, one batch apart: the gatherer takes and parses batch k+1 while the
-        # scorer runs batch k (the model releases the GIL, parsing does not).
-        self._handoff: queue.SimpleQueue = queue.SimpleQueue()
-        self._free = threading.Semaphore(1)  # the gatherer may prepare one batch ahead
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-gather", daemon=True),
-            threading.Thread(target=self._score_loop, name=f"{name}-score", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     # -- the caller's side ------------------------------------------------------------
 
@@ -271,7 +265,7 @@ class DynamicBatcher:
         return future
 
     def submit_to(self, examples: Sequence[Mapping], token: Any, deliver: Callable) -> None:
-        """Queue one request whose result goes to `deliver`, called from a worker thread
+        """Queue one request whose result goes to `deliver`, called from the worker thread
         once per batch with that batch's `[(token, (scores, model_version) or None, error
         or None)]` (the same `deliver` object for the batch's requests). It must be quick
         and must not raise. Raises `BatcherClosedError` after `close`."""
@@ -291,28 +285,26 @@ class DynamicBatcher:
 
     def _batch_closes(self) -> bool:
         """Whether the pending requests end a batch before its wait is up: they fill
-        one, or with the batch being scored they hold a request of every sender."""
+        one, or they hold a request of every sender."""
         if self._pending_examples >= self.max_batch:
             return True
         senders = self._senders
-        return senders is not None and senders() <= len(self._pending) + self._scoring
+        return senders is not None and senders() <= len(self._pending)
 
     def swap(self, predictor: Any) -> Any:
-        """Parse and score the batches taken from now on with `predictor`; a batch taken
-        before (the one being scored, and at most one parsed and waiting) finishes on
-        the old one. Returns the old predictor."""
+        """Parse and score the batches taken from now on with `predictor`; the batch
+        being scored finishes on the old one. Returns the old predictor."""
         old, self._predictor = self._predictor, predictor
         return old
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop taking requests, score those already queued, stop the threads."""
+        """Stop taking requests, score those already queued, stop the thread."""
         with self._changed:
             if self._closed:
                 return
             self._closed = True
             self._changed.notify()
-        for t in self._threads:
-            t.join(timeout)
+        self._thread.join(timeout)
 
     def __enter__(self) -> DynamicBatcher:
         return self
@@ -333,9 +325,8 @@ class DynamicBatcher:
     # -- the workers --------------------------------------------------------------------
 
     def _run(self) -> None:
-        while self._free.acquire() and (batch := self._gather()):  # the scorer took the last
-            self._prepare(batch)
-        self._handoff.put(None)
+        while batch := self._gather():
+            self._process(batch)
 
     def _gather(self) -> list[_Request]:
         """The next batch: the oldest pending request and those after it that fit, once
@@ -365,9 +356,9 @@ class DynamicBatcher:
             self._pending_examples -= n
         return batch
 
-    def _prepare(self, batch: list[_Request]) -> None:
+    def _process(self, batch: list[_Request]) -> None:
         """Parse the batch (as one request when it can), fail the requests that do not
-        parse, hand the rest to the scorer."""
+        parse, score the rest."""
         predictor = self._predictor  # one model for the whole batch, even during a swap
         live = [
             r for r in batch if r.deliver is not None or r.future.set_running_or_notify_cancel()
@@ -382,22 +373,13 @@ class DynamicBatcher:
             if done:
                 self._settle(done)
         if groups:
-            self._handoff.put((predictor, groups))
-        else:
-            self._free.release()
-
-    def _score_loop(self) -> None:
-        get = self._handoff.get
-        while (item := get()) is not None:
-            self._free.release()
-            self._score(*item)
+            self._score(predictor, groups)
 
     def _score(self, predictor: Any, groups: list[tuple]) -> None:
         """Score the parsed groups of one batch in one call, settle every future."""
         version = predictor.version
         done: list = []  # (request, result, error) for asyncio futures
         if groups:
-            self._scoring = sum(len(rs) for _, rs in groups)
             t0 = time.perf_counter()
             try:
                 outs = predictor.score([parsed for parsed, _ in groups])
@@ -429,7 +411,6 @@ class DynamicBatcher:
                 self._on_batch(examples, requests, seconds)
         if done:
             self._settle(done)
-        self._scoring = 0
 
     def _fail(self, r: _Request, error: BaseException, done: list) -> None:
         if r.deliver is None:
