@@ -13,7 +13,9 @@
 // is answered exactly as before, by the one implementation of the API.
 //
 // Python's per-request cost drops to its JSON parse and answer; the accept, read,
-// framing and write that an asyncio server does in Python run here, on any core.
+// framing and write that an asyncio server does in Python run here, on any core. The
+// batcher's worker thread waits in `take` when it is idle and takes the requests in
+// bunches when it is busy, so no thread is woken per request.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,6 +28,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -64,7 +67,14 @@ struct Conn {
 struct Request {
   uint64_t token;  // connection id << 32 | sequence number
   std::string body;
+  double arrived;  // CLOCK_MONOTONIC seconds (Python's time.monotonic) when framed
 };
+
+double Monotonic() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 bool IEquals(const char* a, size_t n, const char* b) {
   return strlen(b) == n && strncasecmp(a, b, n) == 0;
@@ -118,17 +128,29 @@ class Front {
   int handoff_fd() const { return handoff_fd_; }
   int connections() const { return connections_.load(std::memory_order_relaxed); }
 
-  // Up to `max_n` queued requests, waiting up to `timeout_s` for the first; false once
-  // shut down and drained.
+  // Up to `max_n` queued requests, waiting up to `timeout_s` (< 0: for ever) for the
+  // first or a `Wake`; false once shut down and drained.
   bool Take(size_t max_n, double timeout_s, std::vector<Request>* out) {
     std::unique_lock<std::mutex> lock(mu_);
-    taken_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                    [this] { return !queue_.empty() || shut_; });
+    const auto ready = [this] { return !queue_.empty() || shut_ || woken_; };
+    if (timeout_s < 0) {
+      taken_.wait(lock, ready);
+    } else {
+      taken_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
+    }
+    woken_ = false;
     while (!queue_.empty() && out->size() < max_n) {
       out->push_back(std::move(queue_.front()));
       queue_.pop_front();
     }
     return !(out->empty() && shut_);
+  }
+
+  // Make a waiting (or the next) `Take` return now.
+  void Wake() {
+    std::lock_guard<std::mutex> lock(mu_);
+    woken_ = true;
+    taken_.notify_all();
   }
 
   // Answers, each (token, full HTTP response); those of closed connections are dropped.
@@ -292,7 +314,8 @@ class Front {
         break;
       }
       if (avail - header_len < body_len) break;  // the body is still coming
-      queue_.push_back({id << 32 | c->next_seq++, std::string(data + header_len, body_len)});
+      queue_.push_back(
+          {id << 32 | c->next_seq++, std::string(data + header_len, body_len), Monotonic()});
       taken_.notify_one();
       pos += header_len + body_len;
       if (close) c->last_framed = c->close_after = true;  // Connection: close
@@ -418,6 +441,7 @@ class Front {
   std::deque<Request> queue_;
   std::vector<std::pair<int, std::string>> handoffs_;
   bool shut_ = false;
+  bool woken_ = false;
 };
 
 // -- the Python type -----------------------------------------------------------------------
@@ -484,8 +508,9 @@ PyObject* FrontTake(PyObject* self, PyObject* args) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(got.size()));
   if (list == nullptr) return nullptr;
   for (size_t i = 0; i < got.size(); ++i) {
-    PyObject* item = Py_BuildValue("(Ky#)", static_cast<unsigned long long>(got[i].token),
-                                   got[i].body.data(), static_cast<Py_ssize_t>(got[i].body.size()));
+    PyObject* item = Py_BuildValue("(Ky#d)", static_cast<unsigned long long>(got[i].token),
+                                   got[i].body.data(), static_cast<Py_ssize_t>(got[i].body.size()),
+                                   got[i].arrived);
     if (item == nullptr) {
       Py_DECREF(list);
       return nullptr;
@@ -547,6 +572,12 @@ PyObject* FrontTakeHandoffs(PyObject* self, PyObject*) {
   return list;
 }
 
+PyObject* FrontWake(PyObject* self, PyObject*) {
+  Front* f = reinterpret_cast<PyFront*>(self)->front;
+  if (f != nullptr) f->Wake();
+  Py_RETURN_NONE;
+}
+
 PyObject* FrontShutdown(PyObject* self, PyObject*) {
   Front* f = FrontOf(self);
   if (f == nullptr) return nullptr;
@@ -578,8 +609,10 @@ PyObject* FrontHandoffFd(PyObject* self, PyObject*) {
 
 PyMethodDef kFrontMethods[] = {
     {"take", FrontTake, METH_VARARGS,
-     "take(max_n, timeout_s) -> [(token, body: bytes)] (up to max_n; [] on timeout), or None "
-     "once shut down and drained."},
+     "take(max_n, timeout_s) -> [(token, body: bytes, arrived: time.monotonic() seconds)] (up "
+     "to max_n; [] on timeout or wake; timeout_s < 0: no timeout), or None once shut down "
+     "and drained."},
+    {"wake", FrontWake, METH_NOARGS, "Make a waiting (or the next) take() return now."},
     {"respond", FrontRespond, METH_O,
      "respond([(token, status, json_body: bytes)]): send each answer on its connection, in "
      "request order (dropped if the client went away)."},

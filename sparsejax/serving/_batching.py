@@ -35,7 +35,7 @@ themselves. Two threads a batch apart (parsing batch k+1 while the model scored 
 were slower: both hold the GIL for most of their work (the model's own compute is a
 small share of a recommendation model's call at these batch sizes) and passing it back
 and forth cost more than the overlap gave. With `serve`'s native HTTP front, one
-worker's closed-loop peak went 20.1k -> 23.0k requests/s (medians of 6 runs of 4 s on
+worker's closed-loop peak went 20.3k -> 23.3k requests/s (medians of 6 runs of 4 s on
 the 2-core VM, experiments/RESULTS.md).
 """
 
@@ -216,6 +216,7 @@ class DynamicBatcher:
         self._pending_examples = 0
         self._waiting: str | None = None
         self._changed = threading.Condition(threading.Lock())
+        self._intake: tuple[Callable, Callable] | None = None  # (take, wake): attach_intake
         self._closed = False
         # Counters, written by the worker thread (read them for metrics or tests).
         self.batches = 0  # score calls
@@ -264,12 +265,21 @@ class DynamicBatcher:
         self._put(_Request(examples, len(examples), time.monotonic(), future, _ToLoop(loop)))
         return future
 
-    def submit_to(self, examples: Sequence[Mapping], token: Any, deliver: Callable) -> None:
+    def submit_to(
+        self,
+        examples: Sequence[Mapping],
+        token: Any,
+        deliver: Callable,
+        arrived: float | None = None,
+    ) -> None:
         """Queue one request whose result goes to `deliver`, called from the worker thread
         once per batch with that batch's `[(token, (scores, model_version) or None, error
         or None)]` (the same `deliver` object for the batch's requests). It must be quick
-        and must not raise. Raises `BatcherClosedError` after `close`."""
-        self._put(_Request(examples, len(examples), time.monotonic(), token, deliver))
+        and must not raise. `arrived`: when the request came (`time.monotonic()`; default
+        now), which its `max_wait_ms` counts from. Raises `BatcherClosedError` after
+        `close`."""
+        t = time.monotonic() if arrived is None else arrived
+        self._put(_Request(examples, len(examples), t, token, deliver))
 
     def _put(self, request: _Request) -> None:
         with self._changed:
@@ -282,6 +292,9 @@ class DynamicBatcher:
             if self._waiting == "first" or self._batch_closes():
                 self._waiting = None
                 self._changed.notify()
+                intake = self._intake
+                if intake is not None and threading.get_ident() != self._thread.ident:
+                    intake[1]()  # the worker waits in the intake: wake it
 
     def _batch_closes(self) -> bool:
         """Whether the pending requests end a batch before its wait is up: they fill
@@ -290,6 +303,18 @@ class DynamicBatcher:
             return True
         senders = self._senders
         return senders is not None and senders() <= len(self._pending)
+
+    def attach_intake(self, take: Callable[[float | None], bool], wake: Callable[[], None]) -> None:
+        """Have the worker thread wait in `take(timeout)` instead of idling: a source of
+        requests that blocks (without the GIL) until it has some or `timeout` seconds
+        (None: as long as it likes) pass, and queues them with `submit_to` from the
+        worker's thread; it returns False once it is shut, after its last requests.
+        `wake()` makes a waiting `take` return early (a `submit` from another thread, or
+        `close`). The worker takes requests in bunches when it is ready for them: no
+        thread hands them over one by one."""
+        with self._changed:
+            self._intake = (take, wake)
+            self._changed.notify()
 
     def swap(self, predictor: Any) -> Any:
         """Parse and score the batches taken from now on with `predictor`; the batch
@@ -304,6 +329,8 @@ class DynamicBatcher:
                 return
             self._closed = True
             self._changed.notify()
+            if self._intake is not None:
+                self._intake[1]()
         self._thread.join(timeout)
 
     def __enter__(self) -> DynamicBatcher:
@@ -330,30 +357,41 @@ class DynamicBatcher:
 
     def _gather(self) -> list[_Request]:
         """The next batch: the oldest pending request and those after it that fit, once
-        its wait is up or the batch closes (`_batch_closes`); [] once closed and empty."""
+        its wait is up or the batch closes (`_batch_closes`); [] once closed and empty.
+        Waits on the intake, if one is attached and open, else for `_put`."""
         monotonic = time.monotonic
-        with self._changed:
-            while not self._pending:
-                if self._closed:
+        while True:
+            if self._intake is not None and not self._intake[0](0.0):  # what it holds now
+                self._intake = None
+            with self._changed:
+                remaining = None
+                if self._pending:
+                    remaining = self._pending[0].t + self._max_wait - monotonic()
+                    if self._closed or remaining <= 0 or self._batch_closes():
+                        self._waiting = None
+                        return self._take_batch()
+                    self._waiting = "more"
+                elif self._closed:
                     return []
-                self._waiting = "first"
-                self._changed.wait()
-            deadline = self._pending[0].t + self._max_wait
-            while not self._closed and not self._batch_closes():
-                remaining = deadline - monotonic()
-                if remaining <= 0:
-                    break
-                self._waiting = "more"
-                self._changed.wait(remaining)
-            self._waiting = None
-            limit = self.max_batch
-            pending = self._pending
-            batch = [pending.popleft()]  # alone if it is larger than a batch
-            n = batch[0].n
-            while pending and n + pending[0].n <= limit:
-                n += pending[0].n
-                batch.append(pending.popleft())
-            self._pending_examples -= n
+                else:
+                    self._waiting = "first"
+                intake = self._intake
+                if intake is None:
+                    self._changed.wait(remaining)
+                    continue
+            if not intake[0](remaining):  # its source is shut: wait for `_put` from now on
+                with self._changed:
+                    self._intake = None
+
+    def _take_batch(self) -> list[_Request]:
+        limit = self.max_batch
+        pending = self._pending
+        batch = [pending.popleft()]  # alone if it is larger than a batch
+        n = batch[0].n
+        while pending and n + pending[0].n <= limit:
+            n += pending[0].n
+            batch.append(pending.popleft())
+        self._pending_examples -= n
         return batch
 
     def _process(self, batch: list[_Request]) -> None:

@@ -4,9 +4,10 @@ An asyncio server spends ~100 us of Python a request on accepting, reading, fram
 answering it - several times the JSON parse and the request's share of its batch - and
 all of it holds the GIL the batcher's threads need. `HttpFront` (csrc/http_front.cc)
 does that work in a thread of its own, outside the GIL: it frames each
-`POST /v1/predict` with a Content-Length body, one thread here takes the bodies in
-bunches, parses their JSON and queues them in the batcher (`submit_to`), and the
-batcher's scorer hands each batch's answers back in one call that sends them. The
+`POST /v1/predict` with a Content-Length body; the batcher's worker thread, when it is
+ready for requests, takes the bodies in bunches (`attach_intake`: no thread is woken per
+request), parses their JSON and queues them (`submit_to`), and hands each batch's
+answers back in one call that sends them. The
 answers are the bytes the aiohttp handler gives (the server's `predict_examples`,
 `predict_answer` and `error_answer`), and the metrics count them the same way.
 
@@ -29,7 +30,7 @@ from typing import Any
 
 __all__ = ["NativeFront", "available"]
 
-_TAKE = 256  # bodies taken at once
+_TAKE = 256  # most bodies taken at once
 
 
 def available() -> bool:
@@ -75,7 +76,8 @@ class _Resumed(asyncio.Protocol):
 class NativeFront:
     """/v1/predict of `server` (a `ModelServer`) on the listening socket `sock`, other
     requests' connections handed to `aiohttp_server` (a set-up runner's `server`) in
-    `loop`. `close` (a coroutine) stops it: no new requests, those taken are answered."""
+    `loop`. `stop` (a coroutine) stops reading requests and waits until those read are
+    queued; `close`, after the batcher drained, closes the connections."""
 
     def __init__(self, server: Any, sock: socket.socket, aiohttp_server: Callable, loop):
         from .._cpu_ext import HttpFront
@@ -85,9 +87,9 @@ class NativeFront:
         self._loop = loop
         self._front = HttpFront(sock.fileno(), "/v1/predict", server.max_body_bytes)
         self._adopting: set[asyncio.Task] = set()
+        self._drained = threading.Event()
         loop.add_reader(self._front.handoff_fd(), self._on_handoffs)
-        self._thread = threading.Thread(target=self._run, name="sparsejax-front", daemon=True)
-        self._thread.start()
+        server.batcher.attach_intake(self._take, self._front.wake)
 
     def connections(self) -> int:
         """Client connections the front holds."""
@@ -105,48 +107,49 @@ class NativeFront:
         except OSError:  # the client is gone
             sock.close()
 
-    def _run(self) -> None:
-        """Take the framed bodies, parse them, queue them in the batcher."""
-        server, take, respond = self._server, self._front.take, self._front.respond
-        parse, answer = server.predict_examples, server.predict_answer
-        submit = server.batcher.submit_to
-        deliver = self._deliver
-        while (bodies := take(_TAKE, 1.0)) is not None:
-            answers = []
-            for token, raw in bodies:
-                t0 = time.perf_counter()
-                try:
-                    examples = parse(raw)
-                    if examples:
-                        submit(examples, (token, t0), deliver)
-                        continue
-                    status, body = 200, answer([], server.predictor.version)
-                except Exception as e:  # the request's fault (400), or shutting down (503)
-                    status, body = server.error_answer("predict", e)
-                server.metrics.request("predict", status, time.perf_counter() - t0)
-                answers.append((token, status, body))
-            if answers:
-                respond(answers)
+    def _take(self, timeout: float | None) -> bool:
+        """The batcher's intake (its worker thread): wait for framed bodies, parse their
+        JSON, queue their examples; False once the front is shut and drained."""
+        bodies = self._front.take(_TAKE, -1.0 if timeout is None else timeout)
+        if bodies is None:
+            self._drained.set()
+            return False
+        server = self._server
+        answers = []
+        for token, raw, arrived in bodies:
+            try:
+                examples = server.predict_examples(raw)
+                if examples:
+                    server.batcher.submit_to(examples, (token, arrived), self._deliver, arrived)
+                    continue
+                status, body = 200, server.predict_answer([], server.predictor.version)
+            except Exception as e:  # the request's fault (400), or shutting down (503)
+                status, body = server.error_answer("predict", e)
+            server.metrics.request("predict", status, time.monotonic() - arrived)
+            answers.append((token, status, body))
+        if answers:
+            self._front.respond(answers)
+        return True
 
     def _deliver(self, items: list) -> None:
         """The batcher's results of one batch (its thread): answer each request."""
         server = self._server
         answers = []
-        for (token, t0), result, error in items:
+        for (token, arrived), result, error in items:
             if error is None:
                 status, body = 200, server.predict_answer(*result)
             else:
                 status, body = server.error_answer("predict", error)
-            server.metrics.request("predict", status, time.perf_counter() - t0)
+            server.metrics.request("predict", status, time.monotonic() - arrived)
             answers.append((token, status, body))
         self._front.respond(answers)
 
-    async def stop(self) -> None:
-        """Stop accepting and reading; queue what was read (the batcher then answers
-        it as it drains)."""
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Stop accepting and reading; wait until the requests read are queued in the
+        batcher (which answers them as it drains)."""
         self._loop.remove_reader(self._front.handoff_fd())
         self._front.shutdown()
-        await self._loop.run_in_executor(None, self._thread.join)
+        await self._loop.run_in_executor(None, self._drained.wait, timeout)
         self._on_handoffs()  # connections handed over meanwhile: aiohttp finishes them
 
     def close(self) -> None:

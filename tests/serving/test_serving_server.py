@@ -682,3 +682,67 @@ def test_batcher_swap_while_plain_threads_submit():
     assert len(results) == 200
     for k, i, scores in results:
         assert scores.tolist() in ([k + i], [k + i + 0.25])
+
+
+class _Intake:
+    """A fake request source for `DynamicBatcher.attach_intake` (the native front's role):
+    `put` queues an example with its arrival time; `take` blocks until some are queued,
+    `wake` or the timeout; `shut` ends it."""
+
+    def __init__(self, batcher):
+        self.batcher = batcher
+        self.cond = threading.Condition()
+        self.queue, self.woken, self.shut, self.waits = [], False, False, []
+        self.answers: dict = {}
+        self.delivered = threading.Event()
+
+    def put(self, token, example, arrived):
+        with self.cond:
+            self.queue.append((token, example, arrived))
+            self.cond.notify()
+
+    def take(self, timeout):
+        with self.cond:
+            self.waits.append(timeout)
+            self.cond.wait_for(lambda: self.queue or self.woken or self.shut, timeout)
+            got, self.queue, self.woken = self.queue, [], False
+            if not got and self.shut:
+                return False
+        for token, example, arrived in got:
+            self.batcher.submit_to([example], token, self.deliver, arrived)
+        return True
+
+    def wake(self):
+        with self.cond:
+            self.woken = True
+            self.cond.notify()
+
+    def deliver(self, items):
+        for token, result, error in items:
+            self.answers[token] = (result[0].tolist(), result[1]) if error is None else error
+        self.delivered.set()
+
+
+def test_batcher_waits_in_an_attached_intake_and_wakes_for_other_requests():
+    fake = FakePredictor("v", delay=0.01)
+    batcher = DynamicBatcher(fake, max_wait_ms=60_000)  # no batch closes by waiting
+    intake = _Intake(batcher)
+    batcher.attach_intake(intake.take, intake.wake)
+    # requests that arrived long ago are scored at once: the wait counts from `arrived`
+    intake.put("a", {"a": 1.0}, time.monotonic() - 120)
+    intake.put("b", {"b": 2.0}, time.monotonic() - 120)
+    assert intake.delivered.wait(10)
+    assert intake.answers == {"a": ([1.0], "v"), "b": ([2.0], "v")}
+    assert fake.calls == [[2]]  # the bunch taken together, scored in one call
+    assert None in intake.waits  # idle, the worker waited in the intake without a timeout
+    # a submit from another thread wakes the worker out of its wait in the intake
+    batcher._senders = lambda: 1  # one sender: a batch with its request closes at once
+    assert batcher.submit([{"c": 3.0}]).result(timeout=10).tolist() == [3.0]
+    # a shut intake: the batcher falls back to its own queue, and close still drains
+    with intake.cond:
+        intake.shut = True
+        intake.cond.notify()
+    assert batcher.submit([{"a": 4.0}]).result(timeout=10).tolist() == [4.0]
+    pending = batcher.submit([{"a": 5.0}])
+    batcher.close(timeout=10)
+    assert pending.result(timeout=0).tolist() == [5.0]
