@@ -5,7 +5,10 @@
 // frames their requests. A `POST <path>` with a Content-Length body is queued for
 // Python, which takes the bodies in batches (`take`), scores them and answers them in
 // batches (`respond`, which sends from the caller's thread). Answers go out in the
-// order their requests came on each connection (HTTP/1.1 pipelining). Anything else -
+// order their requests came on each connection (HTTP/1.1 pipelining); a connection with
+// 64 requests unanswered is not read until answers go out, one idle for the keep-alive
+// timeout with none in flight is closed, and out of file descriptors the loop stops
+// accepting for 0.1 s instead of spinning on the listening socket. Anything else -
 // another method or path, chunked bodies, `Expect`, HTTP/1.0, a body over the limit, a
 // header block over 16 KiB - hands the connection over: once its answers are out, it
 // leaves this loop and Python's HTTP server (aiohttp) takes it, with the bytes read so
@@ -48,6 +51,8 @@ namespace sparsejax {
 namespace {
 
 constexpr size_t kMaxHeader = 16 * 1024;  // larger header blocks go to aiohttp
+constexpr uint32_t kMaxInFlight = 64;      // a connection's requests queued and not answered
+constexpr double kAcceptPauseS = 0.1;      // out of file descriptors: accept again after this
 constexpr uint64_t kListenTag = 0, kWakeTag = 1;  // epoll tags; connections count from 2
 
 struct Conn {
@@ -58,6 +63,8 @@ struct Conn {
   uint32_t send_seq = 0;           // the sequence number of the next answer to send
   std::unordered_map<uint32_t, std::string> ready;  // answers waiting for earlier ones
   bool reading = true;             // EPOLLIN wanted
+  bool throttled = false;          // kMaxInFlight requests unanswered: framing waits
+  double last_active = 0;          // when it last sent a byte or was answered (Monotonic)
   bool writing = false;            // EPOLLOUT registered
   bool handoff = false;            // stop framing; hand over once its answers are out
   bool last_framed = false;        // a request said Connection: close; frame no more
@@ -101,8 +108,11 @@ const char* Reason(int status) {
 
 class Front {
  public:
-  Front(int listen_fd, std::string path, size_t max_body)
-      : listen_fd_(listen_fd), path_(std::move(path)), max_body_(max_body) {}
+  Front(int listen_fd, std::string path, size_t max_body, double idle_timeout_s)
+      : listen_fd_(listen_fd),
+        path_(std::move(path)),
+        max_body_(max_body),
+        idle_timeout_s_(idle_timeout_s) {}
 
   // Errno of the failing call, 0 on success.
   int Start() {
@@ -223,13 +233,23 @@ class Front {
   void Loop() {
     epoll_event events[256];
     std::vector<char> buf(1 << 16);
+    double next_sweep = Monotonic() + 1.0;
     while (!stopping_) {
-      const int n = epoll_wait(epoll_, events, 256, -1);
+      const int n = epoll_wait(epoll_, events, 256, accept_paused_ ? 100 : 1000);
       if (n < 0) {
         if (errno == EINTR) continue;
         break;
       }
       std::lock_guard<std::mutex> lock(mu_);
+      const double now = Monotonic();
+      if (accept_paused_ && now >= accept_resume_at_ && !shut_) {
+        accept_paused_ = false;
+        Watch(listen_fd_, kListenTag, EPOLLIN, EPOLL_CTL_ADD);
+      }
+      if (now >= next_sweep) {
+        next_sweep = now + 1.0;
+        CloseIdle(now);
+      }
       for (int i = 0; i < n; ++i) {
         const uint64_t tag = events[i].data.u64;
         if (tag == kWakeTag) {
@@ -257,18 +277,37 @@ class Front {
     if (shut_) return;
     while (true) {
       const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;  // EAGAIN, or out of fds (the client retries)
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // the listening socket stays readable: stop watching it for a while rather
+          // than spin (the clients wait in the backlog)
+          epoll_ctl(epoll_, EPOLL_CTL_DEL, listen_fd_, nullptr);
+          accept_paused_ = true;
+          accept_resume_at_ = Monotonic() + kAcceptPauseS;
+        }
+        return;  // EAGAIN: none left
+      }
       const int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       const uint64_t id = next_id_++;
       Conn& c = conns_[id];
       c.fd = fd;
-      if (Watch(fd, id, EPOLLIN, EPOLL_CTL_ADD) < 0) {
-        Drop(id);
-        continue;
-      }
+      c.last_active = Monotonic();
       connections_.fetch_add(1, std::memory_order_relaxed);
+      if (Watch(fd, id, EPOLLIN, EPOLL_CTL_ADD) < 0) Drop(id);
     }
+  }
+
+  // Close the connections with nothing in flight that were quiet for the idle timeout
+  // (aiohttp's keep-alive timeout), so abandoned ones do not hold their descriptors.
+  void CloseIdle(double now) {
+    std::vector<uint64_t> idle;
+    for (auto& [id, c] : conns_) {
+      if (c.send_seq == c.next_seq && c.out.empty() && now - c.last_active > idle_timeout_s_) {
+        idle.push_back(id);
+      }
+    }
+    for (uint64_t id : idle) Drop(id);
   }
 
   void Read(uint64_t id, Conn* c, char* buf, size_t size) {
@@ -276,6 +315,7 @@ class Front {
       const ssize_t got = recv(c->fd, buf, size, 0);
       if (got > 0) {
         c->in.append(buf, static_cast<size_t>(got));
+        c->last_active = Monotonic();
         if (static_cast<size_t>(got) < size) break;
         continue;
       }
@@ -298,6 +338,10 @@ class Front {
   void Frame(uint64_t id, Conn* c) {
     size_t pos = 0;
     while (!c->handoff && !c->last_framed) {
+      if (c->next_seq - c->send_seq >= kMaxInFlight) {  // read on once answers go out
+        c->throttled = true;
+        break;
+      }
       const char* data = c->in.data() + pos;
       const size_t avail = c->in.size() - pos;
       const char* end = static_cast<const char*>(
@@ -321,7 +365,7 @@ class Front {
       if (close) c->last_framed = c->close_after = true;  // Connection: close
     }
     c->in.erase(0, pos);
-    if (c->handoff || c->last_framed) SetReading(id, c, false);
+    if (c->handoff || c->last_framed || c->throttled) SetReading(id, c, false);
   }
 
   // Whether the header block is a request this loop answers; its body's length.
@@ -376,6 +420,12 @@ class Front {
       c->out += r->second;
       c->ready.erase(r);
       ++c->send_seq;
+      c->last_active = Monotonic();
+    }
+    if (c->throttled && c->next_seq - c->send_seq < kMaxInFlight) {
+      c->throttled = false;
+      SetReading(id, c, !c->close_after);  // not after EOF
+      Frame(id, c);  // what it sent meanwhile
     }
     size_t sent = 0;
     while (sent < c->out.size()) {
@@ -430,6 +480,9 @@ class Front {
   const int listen_fd_;
   const std::string path_;
   const size_t max_body_;
+  const double idle_timeout_s_;
+  bool accept_paused_ = false;
+  double accept_resume_at_ = 0;
   int epoll_ = -1, wake_ = -1, handoff_fd_ = -1;
   std::thread thread_;
   std::atomic<bool> stopping_{false};
@@ -457,13 +510,14 @@ Front* FrontOf(PyObject* self) {
 }
 
 PyObject* FrontNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* kwlist[] = {"listen_fd", "path", "max_body", nullptr};
+  static const char* kwlist[] = {"listen_fd", "path", "max_body", "idle_timeout_s", nullptr};
   int fd;
   const char* path;
   Py_ssize_t path_len;
   long long max_body;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "is#L", const_cast<char**>(kwlist), &fd, &path,
-                                   &path_len, &max_body)) {
+  double idle_timeout = 75.0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "is#L|d", const_cast<char**>(kwlist), &fd, &path,
+                                   &path_len, &max_body, &idle_timeout)) {
     return nullptr;
   }
   if (max_body < 0) {
@@ -472,7 +526,8 @@ PyObject* FrontNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   }
   PyFront* self = reinterpret_cast<PyFront*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
-  self->front = new Front(fd, std::string(path, path_len), static_cast<size_t>(max_body));
+  self->front =
+      new Front(fd, std::string(path, path_len), static_cast<size_t>(max_body), idle_timeout);
   if (const int err = self->front->Start()) {
     delete self->front;
     self->front = nullptr;
@@ -632,9 +687,9 @@ PyType_Slot kFrontSlots[] = {
     {Py_tp_new, reinterpret_cast<void*>(FrontNew)},
     {Py_tp_dealloc, reinterpret_cast<void*>(FrontDealloc)},
     {Py_tp_methods, kFrontMethods},
-    {Py_tp_doc, const_cast<char*>("HttpFront(listen_fd, path, max_body): frames `POST path` "
-                                  "requests of a listening socket outside the GIL "
-                                  "(csrc/http_front.cc).")},
+    {Py_tp_doc, const_cast<char*>("HttpFront(listen_fd, path, max_body, idle_timeout_s=75): "
+                                  "frames `POST path` requests of a listening socket outside "
+                                  "the GIL (csrc/http_front.cc).")},
     {0, nullptr},
 };
 

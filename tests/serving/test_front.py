@@ -137,14 +137,14 @@ def test_a_predict_request_gets_the_same_answer_as_from_aiohttp(servers, body):
 
 
 def test_pipelined_and_split_requests_are_answered_in_order(servers):
-    bodies = [b'{"example": {"a": %d}}' % i for i in range(40)]
+    bodies = [b'{"example": {"a": %d}}' % i for i in range(150)]  # over 64 in flight
     stream = b"".join(_post(b) for b in bodies)
     byte_by_7 = [stream[i : i + 7] for i in range(0, 301, 7)] + [stream[301:]]
     for pieces in ([stream], byte_by_7):
         got = _exchange(servers[True], pieces, len(bodies))
         assert got[:-1] == [
             (200, b'{"scores":[%s],"model_version":"v7"}' % repr(i + 0.5).encode())
-            for i in range(40)
+            for i in range(150)
         ]
         assert got[-1] is False  # keep-alive
     # a header and a body that arrive in pieces, a moment apart
@@ -215,3 +215,30 @@ def test_metrics_count_the_native_answers(servers):
     _exchange(servers[True], [_post(GOOD[0]), _post(BAD[0]), _post(GOOD[1])], 3)
     after = counts()
     assert after["200"] - before["200"] == 2 and after["400"] - before["400"] == 1
+
+
+def test_the_front_closes_idle_connections_and_only_those():
+    from sparsejax._cpu_ext import HttpFront
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        front = HttpFront(listener.fileno(), "/p", 1000, 0.5)
+        try:
+            idle = socket.create_connection(listener.getsockname(), timeout=10)
+            busy = socket.create_connection(listener.getsockname(), timeout=10)
+            busy.sendall(_post(b"{}", path="/p"))  # queued, never answered: in flight
+            deadline = time.monotonic() + 10
+            while front.connections() < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert front.connections() == 2
+            ((token, body, _),) = front.take(10, 5.0)
+            assert body == b"{}"
+            assert idle.recv(1) == b""  # closed after 0.5-1.5 s without a request
+            assert front.connections() == 1  # the one with a request in flight stays
+            front.respond([(token, 200, b"[1]")])
+            buf = bytearray()
+            assert _read_answer(busy, buf)[::2] == (200, b"[1]")
+            assert busy.recv(1) == b""  # idle now, and closed in turn
+            idle.close()
+            busy.close()
+        finally:
+            front.close()
