@@ -1,7 +1,8 @@
 """Native load tools for the serving benchmark (`bench_serving.py --loadgen native`):
-the request bodies of the three paths, `wrk` (closed loop, HTTP/1.1) and `h2load`
-(nghttp2: closed loop over h2c for gRPC, and an open loop at a fixed arrival rate for
-HTTP/1.1 and gRPC), and the CPU seconds of a process and its descendants.
+the request bodies of the three paths, `wrk` (closed loop, and an open loop of Poisson
+arrivals through a Lua `delay()`, over HTTP/1.1) and `h2load` (nghttp2: closed loop
+over h2c for gRPC, and an open loop at a fixed arrival rate for HTTP/1.1 and gRPC), and
+the CPU seconds of a process and its descendants.
 
 Both tools are native, so the load generator takes little of the cores the server runs
 on; each run's CPU seconds are measured (`resource.getrusage(RUSAGE_CHILDREN)` around
@@ -263,6 +264,67 @@ def wrk(url: str, body: bytes, *, connections: int, seconds: float, threads: int
         )  # fmt: skip
     finally:
         os.unlink(script.name)
+    return {**_wrk_result(out), "seconds": seconds, "tool_cpu_s": cpu, "wall_s": round(wall, 3)}
+
+
+# wrk's open loop: `delay()` runs before each request a connection sends and returns how
+# long it waits (whole ms); each call takes the next arrival of one Poisson schedule, so
+# the free connections send at the offered rate between them.
+_OPEN_LUA = """\
+local ffi = require("ffi")
+ffi.cdef[[
+typedef struct {{ long tv_sec; long tv_nsec; }} sj_timespec;
+int clock_gettime(int clock, sj_timespec *tp);
+]]
+local ts = ffi.new("sj_timespec")
+local function now()
+  ffi.C.clock_gettime(1, ts)
+  return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+end
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = {body}
+local gap, nxt = {gap!r}, nil
+math.randomseed({seed})
+function delay()
+  local t = now()
+  nxt = (nxt or t) - math.log(1 - math.random()) * gap
+  local ms = (nxt - t) * 1000
+  if ms < 0 then return 0 end
+  return ms
+end
+"""
+
+
+def wrk_open(
+    url: str, body: bytes, *, rate: float, connections: int, seconds: float, seed: int = 0
+) -> dict:
+    """Open loop over HTTP/1.1: POSTs of `body` to `url` at Poisson arrivals of `rate`
+    requests/s for `seconds` (whole seconds), sent by whichever of `connections`
+    keep-alive connections is free (one request in flight a connection: when all wait
+    for answers, the next arrivals go as soon as one is free, and the achieved rate
+    falls below `rate`). One wrk thread; latency is from the send (wrk's), over the
+    whole run. A schedule in whole milliseconds: an arrival due within 1 ms goes at
+    once."""
+    seconds = max(1, math.ceil(seconds))
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(_OPEN_LUA.format(body=json.dumps(body.decode()), gap=1.0 / rate, seed=seed))
+    try:
+        out, cpu, wall = _run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s",
+             script.name, url],
+            timeout=seconds + 60,
+        )  # fmt: skip
+    finally:
+        os.unlink(script.name)
+    r = _wrk_result(out)
+    return {**r, "seconds": seconds, "tool_cpu_s": cpu, "wall_s": round(wall, 3),
+            "clients": connections, "tools": 1}  # fmt: skip
+
+
+def _wrk_result(out: str) -> dict:
+    """wrk's request count, errors (non-2xx, socket errors), good answers a second and
+    p50/p99 (ms)."""
     n = int(re.search(r"(\d+) requests in ([\d.]+)(\w+)", out).group(1))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
@@ -279,9 +341,6 @@ def wrk(url: str, body: bytes, *, connections: int, seconds: float, threads: int
         "throughput": rate * (n - errors) / n if n else 0.0,
         "p50_ms": pct[50],
         "p99_ms": pct[99],
-        "seconds": seconds,
-        "tool_cpu_s": cpu,
-        "wall_s": round(wall, 3),
     }
 
 

@@ -66,16 +66,19 @@ predictor section; --examples gives the bodies).
             that fills about --seconds. The path's peak is its highest (median)
             throughput among the C.
       open loop: at each --open-loop-fractions f (default 0.5 0.8 0.95) of the peak,
-            h2load sends at the fixed rate f * peak: clients of --client-rps requests/s
-            each (default 50, one request per 20 ms; h2load's rate timer ticks at most
-            every 10 ms), their connections made over one interval so their requests
-            do not arrive together. REST is HTTP/1.1 (`--h1`), one request in flight a
-            connection: an answer slower than 20 ms delays that client's next request,
-            never one under the 10 ms line. gRPC has up to 64 in flight a connection.
-            The first 0.5 s is not counted; p50/p99 are over the requests sent in the
-            next --seconds, the achieved rate is the good answers that arrive in them;
-            a loop that achieves < 97% of its rate fell behind (marked *; its latency,
-            from the send, is then a lower bound).
+            requests at the rate f * peak. REST: `wrk` with a Lua schedule of Poisson
+            arrivals (experiments/_load_tools.py `wrk_open`), sent by whichever of
+            rate / --client-rps (default 50) keep-alive connections is free, one
+            request in flight a connection; latency over the whole --seconds (whole
+            seconds). It takes a third of h2load's CPU for the same rate (h2load's
+            clients of one process send in step, so it needed one process per 4
+            clients). gRPC: h2load at the fixed rate, clients of --client-rps
+            requests/s each (h2load's rate timer ticks at most every 10 ms), their
+            connections made over one interval so their requests do not arrive
+            together, up to 64 in flight a connection; the first 0.5 s is not counted,
+            p50/p99 are over the requests sent in the next --seconds. The achieved rate
+            is the good answers a second; a loop that achieves < 97% of its rate fell
+            behind (marked *; its latency, from the send, is then a lower bound).
       the rate under the line (--slo-steps K, default 0: not run): the highest open-loop
             rate whose median p99 is < 10 ms, bisected K times between the fractions
             above (the highest that met the line, the lowest that did not); the
@@ -469,10 +472,20 @@ def _targets(server: ServerProcess, grpc_port: int, example: dict, paths) -> tup
 def _native_cell(target: dict, cpu: lt.TreeCpu, args, *, connections=None, rate=None,
                  estimate=500.0, seconds=None) -> dict:  # fmt: skip
     """One run of a load tool on one path: closed loop over `connections` (REST: wrk;
-    gRPC: h2load, about `estimate` requests/s), or open loop at `rate` (h2load)."""
+    gRPC: h2load, about `estimate` requests/s), or open loop at `rate` (REST: wrk with
+    Poisson arrivals; gRPC: h2load)."""
     seconds = args.seconds if seconds is None else seconds
     cpu.start()
-    if rate is not None:
+    if rate is not None and not target["grpc"]:
+        r = lt.wrk_open(
+            target["url"],
+            target["body"],
+            rate=rate,
+            connections=max(OPEN_MIN_CLIENTS, math.ceil(rate / args.client_rps)),
+            seconds=seconds,
+        )
+        r["behind"] = bool(r["throughput"] < BEHIND * rate)
+    elif rate is not None:
         r = lt.h2load(
             target["url"],
             target["body"],
@@ -844,7 +857,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--client-rps",
         type=float,
         default=50.0,
-        help="open loop: each h2load client's rate (the offered rate / this many clients)",
+        help="open loop: the offered rate / this = its connections (REST, wrk) or h2load "
+        "clients (gRPC)",
     )
     n.add_argument(
         "--max-tool-cpu",

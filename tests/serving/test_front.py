@@ -3,7 +3,9 @@ the same answers as the aiohttp server, byte for byte, on the same raw HTTP."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -242,3 +244,17 @@ def test_the_front_closes_idle_connections_and_only_those():
             busy.close()
         finally:
             front.close()
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
+def test_the_benchs_open_loop_sends_at_the_offered_rate_not_as_fast_as_it_can(servers):
+    spec = importlib.util.spec_from_file_location(
+        "_load_tools", TESTS.parent / "experiments" / "_load_tools.py"
+    )
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    host, port = servers[True]
+    url = f"http://{host}:{port}/v1/predict"
+    r = lt.wrk_open(url, b'{"example": {"a": 1}}', rate=300, connections=16, seconds=2)
+    assert r["errors"] == 0 and r["tool"] == "wrk"
+    assert 0.85 * 300 <= r["throughput"] <= 1.15 * 300, r  # a closed loop does thousands
