@@ -319,7 +319,7 @@ def wrk_open(
         os.unlink(script.name)
     r = _wrk_result(out)
     return {**r, "seconds": seconds, "tool_cpu_s": cpu, "wall_s": round(wall, 3),
-            "clients": connections, "tools": 1}  # fmt: skip
+            "clients": connections, "offered": float(rate)}  # fmt: skip
 
 
 def _wrk_result(out: str) -> dict:

@@ -256,5 +256,5 @@ def test_the_benchs_open_loop_sends_at_the_offered_rate_not_as_fast_as_it_can(se
     host, port = servers[True]
     url = f"http://{host}:{port}/v1/predict"
     r = lt.wrk_open(url, b'{"example": {"a": 1}}', rate=300, connections=16, seconds=2)
-    assert r["errors"] == 0 and r["tool"] == "wrk"
+    assert r["errors"] == 0 and r["tool"] == "wrk" and r["offered"] == 300
     assert 0.85 * 300 <= r["throughput"] <= 1.15 * 300, r  # a closed loop does thousands
