@@ -24,7 +24,7 @@ no `max_wait_ms` (half the latency at concurrency 1 with the 2 ms default) and 1
 clients are scored together as soon as the 16th request arrives. Idle keep-alive
 connections only make the batch wait as it would without `senders`.
 
-Requests wait in a list, and the gatherer sleeps until the oldest one's `max_wait_ms` is
+Requests wait in a list, and the worker sleeps until the oldest one's `max_wait_ms` is
 up; a request wakes it early only when it opens a batch, fills one, or is the last of
 `senders` - not on every arrival (a thread switch each, which cost more CPU than the
 request's own parse when requests arrive one by one).
@@ -36,7 +36,9 @@ were slower: both hold the GIL for most of their work (the model's own compute i
 small share of a recommendation model's call at these batch sizes) and passing it back
 and forth cost more than the overlap gave. With `serve`'s native HTTP front, one
 worker's closed-loop peak went 20.3k -> 23.3k requests/s (medians of 6 runs of 4 s on
-the 2-core VM, experiments/RESULTS.md).
+the 2-core VM, experiments/RESULTS.md). A source of requests can be attached
+(`attach_intake`: `serve`'s native HTTP front); the worker then waits in it, and takes
+its requests in bunches when it is ready for them.
 """
 
 from __future__ import annotations
@@ -173,8 +175,8 @@ class DynamicBatcher:
       on_batch: called by the worker thread after each `score` call with (examples, requests,
         seconds) - for metrics; it must be quick and must not raise.
       senders: how many clients could send a request now (a server's open connections);
-        when the batch being gathered and the one being scored hold that many requests,
-        the batch stops waiting (see the module docstring).
+        when the pending requests are that many, the batch stops waiting (see the
+        module docstring).
 
     `submit` is thread-safe and returns a `concurrent.futures.Future` of that request's
     scores (f32[n]); `submit_async` (from a running event loop) returns an
