@@ -182,7 +182,9 @@ class Front {
     uint64_t n;
     (void)!read(handoff_fd_, &n, sizeof n);
     std::lock_guard<std::mutex> lock(mu_);
-    return std::move(handoffs_);
+    std::vector<std::pair<int, std::string>> out;
+    out.swap(handoffs_);
+    return out;
   }
 
   // Stop accepting and framing new requests; `Take` returns what is queued, then false.

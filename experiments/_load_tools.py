@@ -246,16 +246,20 @@ def _ms(value: str, unit: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
-def wrk(url: str, body: bytes, *, connections: int, seconds: float, threads: int = 1) -> dict:
-    """Closed loop: `connections` HTTP/1.1 keep-alive connections, each POSTing `body`
-    (JSON) to `url` back to back for `seconds` (whole seconds: wrk takes no less).
-    wrk's own throughput and latency."""
+def _post_lua(body: bytes) -> str:
+    """A wrk script's lines that make each request a POST of `body` (JSON)."""
+    return (
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {json.dumps(body.decode())}\n"
+    )
+
+
+def _run_wrk(url: str, lua: str, *, connections: int, seconds: float, threads: int = 1) -> dict:
+    """wrk with the script `lua` for `seconds` (whole seconds: wrk takes no less): its
+    counts and latency (`_wrk_result`), its CPU and wall seconds."""
     seconds = max(1, math.ceil(seconds))
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(
-            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = {json.dumps(body.decode())}\n"
-        )
+        script.write(lua)
     try:
         out, cpu, wall = _run(
             ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency",
@@ -265,6 +269,14 @@ def wrk(url: str, body: bytes, *, connections: int, seconds: float, threads: int
     finally:
         os.unlink(script.name)
     return {**_wrk_result(out), "seconds": seconds, "tool_cpu_s": cpu, "wall_s": round(wall, 3)}
+
+
+def wrk(url: str, body: bytes, *, connections: int, seconds: float, threads: int = 1) -> dict:
+    """Closed loop: `connections` HTTP/1.1 keep-alive connections, each POSTing `body`
+    (JSON) to `url` back to back for `seconds` (whole seconds: wrk takes no less).
+    wrk's own throughput and latency."""
+    return _run_wrk(url, _post_lua(body), connections=connections, seconds=seconds,
+                    threads=threads)  # fmt: skip
 
 
 # wrk's open loop: `delay()` runs before each request a connection sends and returns how
@@ -281,9 +293,6 @@ local function now()
   ffi.C.clock_gettime(1, ts)
   return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
 end
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = {body}
 local gap, nxt = {gap!r}, nil
 math.randomseed({seed})
 function delay()
@@ -306,20 +315,9 @@ def wrk_open(
     falls below `rate`). One wrk thread; latency is from the send (wrk's), over the
     whole run. A schedule in whole milliseconds: an arrival due within 1 ms goes at
     once."""
-    seconds = max(1, math.ceil(seconds))
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(_OPEN_LUA.format(body=json.dumps(body.decode()), gap=1.0 / rate, seed=seed))
-    try:
-        out, cpu, wall = _run(
-            ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s",
-             script.name, url],
-            timeout=seconds + 60,
-        )  # fmt: skip
-    finally:
-        os.unlink(script.name)
-    r = _wrk_result(out)
-    return {**r, "seconds": seconds, "tool_cpu_s": cpu, "wall_s": round(wall, 3),
-            "clients": connections, "offered": float(rate)}  # fmt: skip
+    lua = _post_lua(body) + _OPEN_LUA.format(gap=1.0 / rate, seed=seed)
+    r = _run_wrk(url, lua, connections=connections, seconds=seconds)
+    return {**r, "clients": connections, "offered": float(rate)}
 
 
 def _wrk_result(out: str) -> dict:

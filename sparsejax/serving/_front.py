@@ -115,24 +115,23 @@ class NativeFront:
             self._drained.set()
             return False
         server = self._server
-        answers = []
+        now: list = []  # answered without the model, as `_deliver` takes them
         for token, raw, arrived in bodies:
             try:
                 examples = server.predict_examples(raw)
                 if examples:
                     server.batcher.submit_to(examples, (token, arrived), self._deliver, arrived)
-                    continue
-                status, body = 200, server.predict_answer([], server.predictor.version)
+                else:
+                    now.append(((token, arrived), ([], server.predictor.version), None))
             except Exception as e:  # the request's fault (400), or shutting down (503)
-                status, body = server.error_answer("predict", e)
-            server.metrics.request("predict", status, time.monotonic() - arrived)
-            answers.append((token, status, body))
-        if answers:
-            self._front.respond(answers)
+                now.append(((token, arrived), None, e))
+        if now:
+            self._deliver(now)
         return True
 
     def _deliver(self, items: list) -> None:
-        """The batcher's results of one batch (its thread): answer each request."""
+        """Answer each request of `items`, [((token, arrival), (scores, version) or None,
+        error or None)]: a batch's results (the batcher calls it), or `_take`'s."""
         server = self._server
         answers = []
         for (token, arrived), result, error in items:

@@ -101,8 +101,12 @@ def _json_bytes(payload: Any) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
+def _json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
 def _json(payload: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json_bytes(payload), status=status, content_type="application/json")
+    return _json_response(_json_bytes(payload), status)
 
 
 def _predict_answer(scores: Any, version: str) -> bytes:
@@ -663,7 +667,7 @@ class ModelServer:
                 response = await handler(request)
             except Exception as e:
                 status, body = self.error_answer(endpoint, e)
-                response = web.Response(body=body, status=status, content_type="application/json")
+                response = _json_response(body, status)
                 if status == 413:
                     response.force_close()  # do not read the rest of an oversized body
             metrics.request(endpoint, response.status, time.perf_counter() - t0)
@@ -721,11 +725,9 @@ class ModelServer:
     async def predict(self, request: web.Request) -> web.Response:
         examples = _examples(await self._body(request))
         if not examples:
-            return web.Response(
-                body=_predict_answer([], self.predictor.version), content_type="application/json"
-            )
+            return _json_response(_predict_answer([], self.predictor.version))
         scores, version = await self.batcher.submit_async(examples)
-        return web.Response(body=_predict_answer(scores, version), content_type="application/json")
+        return _json_response(_predict_answer(scores, version))
 
     async def retrieve(self, request: web.Request) -> web.Response:
         body = await self._body(request)
