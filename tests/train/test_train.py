@@ -29,31 +29,6 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-    """The tests here build the same tiny model again and again (a new trainer each time,
-    in this process or in a new one): a persistent compilation cache for this module,
-    shared with its subprocesses, compiles each program once. (The suite does not use
-    one elsewhere: there programs rarely repeat, and writing every entry costs time.)"""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    options = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": 0,
-    }
-    saved = {k: getattr(jax.config, k) for k in options}
-    with pytest.MonkeyPatch.context() as env:
-        for k, v in options.items():
-            jax.config.update(k, v)
-            env.setenv(k.upper(), str(v))
-        compilation_cache.reset_cache()
-        yield
-    for k, v in saved.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
-
-
 def _cfg(tmp_path, *overrides):
     return runner.load_config([], [*TINY, f"out_dir={tmp_path}", *overrides])
 
