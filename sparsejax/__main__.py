@@ -178,10 +178,10 @@ def _serve(args: argparse.Namespace) -> int:
             f"sparsejax serve needs the [serve] extra ({e.name} is missing): "
             f"pip install 'sparsejax[serve]'"
         ) from None
-    workers = (os.cpu_count() or 1) if args.workers == "auto" else int(args.workers)
-    if workers > 1:
-        from .serving import serve_workers
+    from .serving import serve_workers, usable_cores
 
+    workers = usable_cores() if args.workers == "auto" else int(args.workers)
+    if workers > 1:
         rest = ["--max-wait-ms", str(args.max_wait_ms), "--max-body-bytes",
                 str(args.max_body_bytes), "--poll-seconds", str(args.poll_seconds)]  # fmt: skip
         for flag, value in (("--max-batch", args.max_batch), ("--name", args.name)):

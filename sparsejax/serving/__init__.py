@@ -33,6 +33,7 @@ from ._preprocess import RequestError as RequestError
 from ._store import QUANTIZE_CHOICES as QUANTIZE_CHOICES
 from ._store import InferenceTableStore as InferenceTableStore
 from ._workers import serve_workers as serve_workers
+from ._workers import usable_cores as usable_cores
 
 _SERVER_NAMES = ("make_app", "serve", "SERVER_KEY")
 

@@ -62,6 +62,14 @@ def _term_when_parent_dies(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container's cpuset
+    sets it), or the machine's where the OS does not say."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _remove_stale(parent: str) -> None:
     """Remove the shared folders of supervisors that are gone (killed with SIGKILL)."""
     for name in os.listdir(parent):

@@ -211,3 +211,15 @@ print(before - rss())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) > 48 << 20  # of the 64 MiB freed
+
+
+def test_auto_workers_count_the_cores_this_process_may_use(monkeypatch):
+    """`--workers auto` is one per core of the process's CPU affinity (a container's
+    cpuset), not the machine's; where the OS has no affinity, the machine's cores."""
+    from sparsejax.serving import usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert usable_cores() == 2
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert usable_cores() == 64
