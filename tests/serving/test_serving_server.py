@@ -294,6 +294,26 @@ def test_bad_bodies_are_answered_with_their_problem_and_the_server_keeps_serving
     assert ok == (200, {"scores": [2.0], "model_version": "1"})
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"examples": [{"a": 1, "b": -2.5e-3, "c": "x\\u00e9"}], "n": null}',
+        b'{"a": NaN, "b": -Infinity}',  # json's literals, which orjson refuses
+        # integers beyond 64 bits, which orjson makes floats
+        b'{"a": 1180591620717411303424, "b": 18446744073709551616, "c": -9223372036854775809}',
+        '{"a": "\u00e9"}'.encode("utf-16"),
+        b'{"a": "\\ud800"}',  # a lone surrogate
+        b'{"a": 1, "a": 2}',
+    ],
+)
+def test_request_json_is_parsed_as_json_loads_parses_it(raw):
+    """The fast parse (orjson) gives json.loads's value, and json's where orjson refuses."""
+    from sparsejax.serving._server import _decode_json
+
+    got, want = _decode_json(raw), json.loads(raw)
+    assert repr(got) == repr(want)  # NaN == NaN by repr; the same types
+
+
 def test_oversized_body_is_413_naming_the_limit_with_or_without_a_content_length():
     app = make_app(predictor=FakePredictor(), max_body_bytes=1000, log=lambda s: None)
     body = json.dumps({"examples": [{"a": 1}] * 200}).encode()  # 1.8 kB
