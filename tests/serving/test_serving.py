@@ -390,6 +390,14 @@ def test_synthetic_ids_and_the_cli(tmp_path, capsys):
             col.values, np.concatenate([a.sparse[name].values for a in alone])
         )
     assert batch.sparse["C1"].lengths.tolist() == [1, 0, 1] and batch.dense[1, 0] == 0.0
+    # every value plain: all the features read as one table, the values as sent
+    plain = p.example_request["examples"]
+    batch, pre = p.parse(plain), p.preprocessor
+    want = [[r[k] for k in pre.dense] for r in plain]
+    np.testing.assert_array_equal(batch.dense, np.asarray(want, np.float32))
+    for name in pre.sparse:
+        assert batch.sparse[name].lengths.tolist() == [1] * len(plain)
+        assert batch.sparse[name].values.tolist() == [r[name] for r in plain], name
     for bad, words in [
         ({"C1": -1}, "example 1: feature 'C1': expected an integer id in [0, "),
         ({"C1": 2**70}, "example 1: feature 'C1': expected an integer id in [0, "),
