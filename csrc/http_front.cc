@@ -4,7 +4,7 @@
 // One thread accepts connections on a listening socket the server made and reads and
 // frames their requests. A `POST <path>` with a Content-Length body is queued for
 // Python, which takes the bodies in batches (`take`), scores them and answers them in
-// batches (`respond`, which sends from the caller's thread). Answers go out in the
+// batches (`respond`, which leaves them for this thread to send). Answers go out in the
 // order their requests came on each connection (HTTP/1.1 pipelining); a connection with
 // 64 requests unanswered is not read until answers go out, one idle for the keep-alive
 // timeout with none in flight is closed, and out of file descriptors the loop stops
@@ -141,8 +141,8 @@ class Front {
   // Up to `max_n` queued requests, waiting up to `timeout_s` (< 0: for ever) for the
   // first or a `Wake`; false once shut down and drained.
   bool Take(size_t max_n, double timeout_s, std::vector<Request>* out) {
-    std::unique_lock<std::mutex> lock(mu_);
-    const auto ready = [this] { return !queue_.empty() || shut_ || woken_; };
+    std::unique_lock<std::mutex> lock(queue_mu_);
+    const auto ready = [this] { return !queue_.empty() || queue_shut_ || woken_; };
     if (timeout_s < 0) {
       taken_.wait(lock, ready);
     } else {
@@ -153,28 +153,35 @@ class Front {
       out->push_back(std::move(queue_.front()));
       queue_.pop_front();
     }
-    return !(out->empty() && shut_);
+    return !(out->empty() && queue_shut_);
   }
 
   // Make a waiting (or the next) `Take` return now.
   void Wake() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(queue_mu_);
     woken_ = true;
     taken_.notify_all();
   }
 
-  // Answers, each (token, full HTTP response); those of closed connections are dropped.
+  // Answers, each (token, full HTTP response), for the loop's thread to send (the
+  // caller, Python's batcher, goes back to work at once); those of closed connections
+  // are dropped.
   void Respond(std::vector<std::pair<uint64_t, std::string>>* answers) {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<uint64_t> touched;
-    for (auto& [token, response] : *answers) {
-      const uint64_t id = token >> 32;
-      auto it = conns_.find(id);
-      if (it == conns_.end()) continue;  // the client went away
-      it->second.ready.emplace(static_cast<uint32_t>(token), std::move(response));
-      if (touched.empty() || touched.back() != id) touched.push_back(id);
+    bool wake = false;
+    {
+      std::lock_guard<std::mutex> lock(outbox_mu_);
+      if (outbox_.empty()) {
+        outbox_.swap(*answers);
+      } else {
+        for (auto& a : *answers) outbox_.push_back(std::move(a));
+      }
+      wake = !outbox_woken_;
+      outbox_woken_ = true;
     }
-    for (uint64_t id : touched) Flush(id);
+    if (wake) {
+      uint64_t one = 1;
+      (void)!write(wake_, &one, sizeof one);
+    }
   }
 
   // Connections handed over since the last call: (fd, the bytes read from it so far).
@@ -194,6 +201,8 @@ class Front {
     shut_ = true;
     epoll_ctl(epoll_, EPOLL_CTL_DEL, listen_fd_, nullptr);
     for (auto& [id, conn] : conns_) SetReading(id, &conn, false);
+    std::lock_guard<std::mutex> queue_lock(queue_mu_);
+    queue_shut_ = true;
     taken_.notify_all();
   }
 
@@ -207,6 +216,7 @@ class Front {
       thread_.join();
     }
     std::lock_guard<std::mutex> lock(mu_);
+    SendOutbox();  // the answers left since the loop's last round
     for (auto& [id, conn] : conns_) close(conn.fd);
     conns_.clear();
     for (auto& [fd, bytes] : handoffs_) close(fd);
@@ -252,6 +262,7 @@ class Front {
         next_sweep = now + 1.0;
         CloseIdle(now);
       }
+      SendOutbox();
       for (int i = 0; i < n; ++i) {
         const uint64_t tag = events[i].data.u64;
         if (tag == kWakeTag) {
@@ -339,6 +350,7 @@ class Front {
   // Queue every whole request in c->in, or mark the connection for hand-over.
   void Frame(uint64_t id, Conn* c) {
     size_t pos = 0;
+    std::vector<Request> framed;
     while (!c->handoff && !c->last_framed) {
       if (c->next_seq - c->send_seq >= kMaxInFlight) {  // read on once answers go out
         c->throttled = true;
@@ -360,14 +372,37 @@ class Front {
         break;
       }
       if (avail - header_len < body_len) break;  // the body is still coming
-      queue_.push_back(
+      framed.push_back(
           {id << 32 | c->next_seq++, std::string(data + header_len, body_len), Monotonic()});
-      taken_.notify_one();
       pos += header_len + body_len;
       if (close) c->last_framed = c->close_after = true;  // Connection: close
     }
     c->in.erase(0, pos);
     if (c->handoff || c->last_framed || c->throttled) SetReading(id, c, false);
+    if (!framed.empty()) {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      for (auto& r : framed) queue_.push_back(std::move(r));
+      taken_.notify_one();
+    }
+  }
+
+  // Put the answers `Respond` left on their connections, in order, and send them.
+  void SendOutbox() {
+    std::vector<std::pair<uint64_t, std::string>> answers;
+    {
+      std::lock_guard<std::mutex> lock(outbox_mu_);
+      answers.swap(outbox_);
+      outbox_woken_ = false;
+    }
+    std::vector<uint64_t> touched;
+    for (auto& [token, response] : answers) {
+      const uint64_t id = token >> 32;
+      auto it = conns_.find(id);
+      if (it == conns_.end()) continue;  // the client went away
+      it->second.ready.emplace(static_cast<uint32_t>(token), std::move(response));
+      if (touched.empty() || touched.back() != id) touched.push_back(id);
+    }
+    for (uint64_t id : touched) Flush(id);
   }
 
   // Whether the header block is a request this loop answers; its body's length.
@@ -489,14 +524,22 @@ class Front {
   std::thread thread_;
   std::atomic<bool> stopping_{false};
   std::atomic<int> connections_{0};
-  std::mutex mu_;  // everything below, and every connection
-  std::condition_variable taken_;
+  std::mutex mu_;  // the connections and the loop's state (held by the loop's rounds)
   std::unordered_map<uint64_t, Conn> conns_;
   uint64_t next_id_ = 2;
-  std::deque<Request> queue_;
   std::vector<std::pair<int, std::string>> handoffs_;
   bool shut_ = false;
+  // the framed requests, for `Take` (never held across a send, so Python does not wait
+  // for the loop's writes)
+  std::mutex queue_mu_;
+  std::condition_variable taken_;
+  std::deque<Request> queue_;
+  bool queue_shut_ = false;
   bool woken_ = false;
+  // the answers `Respond` left for the loop
+  std::mutex outbox_mu_;
+  std::vector<std::pair<uint64_t, std::string>> outbox_;
+  bool outbox_woken_ = false;
 };
 
 // -- the Python type -----------------------------------------------------------------------
@@ -607,8 +650,8 @@ PyObject* FrontRespond(PyObject* self, PyObject* arg) {
     answers.emplace_back(static_cast<uint64_t>(token), std::move(response));
   }
   Py_DECREF(seq);
-  Py_BEGIN_ALLOW_THREADS f->Respond(&answers);
-  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+  f->Respond(&answers);  // a lock held for a swap, and an eventfd write: the GIL stays
+  Py_RETURN_NONE;
 }
 
 PyObject* FrontTakeHandoffs(PyObject* self, PyObject*) {
@@ -671,8 +714,8 @@ PyMethodDef kFrontMethods[] = {
      "and drained."},
     {"wake", FrontWake, METH_NOARGS, "Make a waiting (or the next) take() return now."},
     {"respond", FrontRespond, METH_O,
-     "respond([(token, status, json_body: bytes)]): send each answer on its connection, in "
-     "request order (dropped if the client went away)."},
+     "respond([(token, status, json_body: bytes)]): leave each answer for the front's thread "
+     "to send on its connection, in request order (dropped if the client went away)."},
     {"take_handoffs", FrontTakeHandoffs, METH_NOARGS,
      "take_handoffs() -> [(fd, bytes read so far)]: the connections handed over; the caller "
      "owns the fds."},

@@ -29,3 +29,25 @@ def cpu_name() -> str:
     except (OSError, subprocess.CalledProcessError):
         pass
     return platform.processor() or "unknown CPU"
+
+
+def cpu_steadiness(runs: int = 10, n: int = 1_000_000) -> dict:
+    """How steady this machine's CPU is now: a fixed Python loop timed `runs` times in a
+    row, {min, median, max} in ms. On a quiet machine max/min is ~1.1; a VM whose host
+    is busy shows ~2 (the same code at half speed for a second), which no server can
+    hide from a latency percentile."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        s = 0
+        for k in range(n):
+            s += k * k
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "min_ms": round(min(times), 1),
+        "median_ms": round(statistics.median(times), 1),
+        "max_ms": round(max(times), 1),
+    }

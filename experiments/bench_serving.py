@@ -125,7 +125,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # however it is loaded
 import _load_tools as lt  # noqa: E402
-from _machine import cpu_name, load_average, mem_available  # noqa: E402
+from _machine import cpu_name, cpu_steadiness, load_average, mem_available  # noqa: E402
 
 MODES = {
     "batch1": lambda a: ["--max-batch", "1", "--max-wait-ms", "0"],
@@ -936,6 +936,13 @@ def _bodies(examples: list[dict], malformed: float = 0.0) -> tuple[list[bytes], 
     return bodies, expect
 
 
+def _steadiness(s: dict) -> str:
+    return (
+        f"a fixed CPU loop took {s['min_ms']:.0f}-{s['max_ms']:.0f} ms (median "
+        f"{s['median_ms']:.0f}; max/min {s['max_ms'] / s['min_ms']:.2f})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
@@ -945,12 +952,14 @@ def main(argv: list[str] | None = None) -> int:
             "cores": os.cpu_count(),
             "load_average_start": load_average(),
             "mem_available_gib": round(mem_available() / 2**30, 1),
+            "steadiness_start": cpu_steadiness(),
         },
         "args": {k: v for k, v in vars(args).items()},
         "models": {},
     }
     print(
-        f"{results['machine']['cpu']}, {os.cpu_count()} cores, load average {load_average()}",
+        f"{results['machine']['cpu']}, {os.cpu_count()} cores, load average {load_average()}; "
+        f"{_steadiness(results['machine']['steadiness_start'])}",
         flush=True,
     )
     extra = _examples(args.examples) if args.examples else None
@@ -1003,6 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
                     for c in args.concurrency
                 }
     results["machine"]["load_average_end"] = load_average()
+    results["machine"]["steadiness_end"] = cpu_steadiness()
     results["checks"] = checks = _checks(results, args) + _native_checks(results, args)
     if args.loadgen == "native":
         _native_table(results)
@@ -1010,6 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
             f"load average: {results['machine']['load_average_start']} at the start, "
             f"{results['machine']['load_average_end']} at the end; "
             f"{time.monotonic() - started:.0f} s in all\n"
+            f"at the end, {_steadiness(results['machine']['steadiness_end'])}\n"
         )
     else:
         _table(results, args)
