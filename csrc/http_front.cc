@@ -601,10 +601,15 @@ PyObject* FrontTake(PyObject* self, PyObject* args) {
   Front* f = FrontOf(self);
   if (f == nullptr) return nullptr;
   std::vector<Request> got;
+  const size_t n = static_cast<size_t>(std::max<Py_ssize_t>(max_n, 1));
   bool open;
-  Py_BEGIN_ALLOW_THREADS open = f->Take(static_cast<size_t>(std::max<Py_ssize_t>(max_n, 1)),
-                                        timeout, &got);
-  Py_END_ALLOW_THREADS if (!open) Py_RETURN_NONE;
+  if (timeout == 0) {  // a sweep: a short lock, no wait, so the GIL stays (giving it up
+    open = f->Take(n, 0, &got);  // could hand it to another thread for a switch interval)
+  } else {
+    Py_BEGIN_ALLOW_THREADS open = f->Take(n, timeout, &got);
+    Py_END_ALLOW_THREADS
+  }
+  if (!open) Py_RETURN_NONE;
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(got.size()));
   if (list == nullptr) return nullptr;
   for (size_t i = 0; i < got.size(); ++i) {
