@@ -318,6 +318,20 @@ def batch_counters(url: str) -> tuple[float, float]:
     )
 
 
+def server_latency_counts(url: str, endpoint: str) -> dict[str, float]:
+    """The server's latency histogram for `endpoint` so far, {le: requests}, from its
+    /metrics: its own time for a request (from the front's framing of it, or the
+    aiohttp handler's start, to its answer), without the network and the load tool.
+    With several workers the scrape reaches one of them."""
+    status, text = http_get(url, "/metrics")
+    bucket = re.compile(
+        rf'^sparsejax_request_latency_seconds_bucket\{{endpoint="{endpoint}",le="([^"]+)"\}} '
+        r"(\S+)$",
+        re.M,
+    )
+    return {le: float(n) for le, n in bucket.findall(text)}
+
+
 # -- the server ---------------------------------------------------------------------------
 
 
@@ -442,12 +456,22 @@ def _targets(server: ServerProcess, grpc_port: int, example: dict, paths) -> tup
         raise RuntimeError(f"GET /v2/models/{V2_NAME}: {status} {text[:300]}")
     inputs = json.loads(text)["inputs"]
     grpc_url = f"http://{_host_port(url)[0]}:{grpc_port}{lt.GRPC_METHOD}"
+    # one worker's histogram is the server's (with more, a scrape reaches one of them)
+    own = {"base": url} if server.workers == 1 else {}
     targets = {
-        "v1": {"url": url + "/v1/predict", "body": lt.v1_body(example), "grpc": False},
+        "v1": {
+            "url": url + "/v1/predict",
+            "body": lt.v1_body(example),
+            "grpc": False,
+            **own,
+            "endpoint": "predict",
+        },
         "v2": {
             "url": url + f"/v2/models/{V2_NAME}/infer",
             "body": lt.v2_body(example, inputs),
             "grpc": False,
+            **own,
+            "endpoint": "v2_infer",
         },
         "grpc": {"url": grpc_url, "grpc": True},
     }
@@ -475,6 +499,8 @@ def _native_cell(target: dict, cpu: lt.TreeCpu, args, *, connections=None, rate=
     gRPC: h2load, about `estimate` requests/s), or open loop at `rate` (REST: wrk with
     Poisson arrivals; gRPC: h2load)."""
     seconds = args.seconds if seconds is None else seconds
+    own = "base" in target  # the server's own latency histogram, before and after
+    before = server_latency_counts(target["base"], target["endpoint"]) if own else None
     cpu.start()
     if rate is not None and not target["grpc"]:
         r = lt.wrk_open(
@@ -513,6 +539,12 @@ def _native_cell(target: dict, cpu: lt.TreeCpu, args, *, connections=None, rate=
     else:
         r = lt.wrk(target["url"], target["body"], connections=connections, seconds=seconds)
     r["server_cpu_s"] = cpu.stop()
+    r["server_over_10ms"] = None
+    if own:
+        after = server_latency_counts(target["base"], target["endpoint"])
+        n = after["+Inf"] - before["+Inf"]
+        if n:
+            r["server_over_10ms"] = 1 - (after["0.01"] - before["0.01"]) / n
     r["tool_cores"] = round(r["tool_cpu_s"] / max(r["wall_s"], 1e-9), 3)  # busy cores
     r["connections"] = connections if rate is None else r["clients"]
     return r
@@ -527,7 +559,8 @@ def _median(reps: list[dict]) -> dict:
 
     p99 = [r["p99_ms"] for r in reps if r["p99_ms"] is not None]
     out = {k: med(k) for k in ("throughput", "p50_ms", "p99_ms", "tool_cpu_s", "tool_cores",
-                               "server_cpu_s", "seconds", "connections")}  # fmt: skip
+                               "server_cpu_s", "seconds", "connections",
+                               "server_over_10ms")}  # fmt: skip
     out.update(
         p99_ms_min=min(p99, default=None),
         p99_ms_max=max(p99, default=None),
@@ -545,6 +578,8 @@ def _cell_line(path: str, what: str, r: dict) -> str:
     cpu = r["server_cpu_s"]
     offered = f"offered {r['offered']:8,.0f}  " if "offered" in r else ""
     late = "  BEHIND" if r.get("behind") else ""
+    own = r.get("server_over_10ms")
+    late = ("" if own is None else f"  server's own > 10 ms {own:.2%}") + late
     return (
         f"    {path:<4} {what:<14} {offered}{r['throughput']:8,.0f} req/s  p50 "
         f"{r['p50_ms'] or float('nan'):7.2f} ms  p99 {r['p99_ms'] or float('nan'):7.2f} ms  "
@@ -672,7 +707,7 @@ def _native_checks(results: dict, args) -> list[dict]:
                         f"{at['p99_ms'] or float('nan'):.2f} ms at {AT_FRACTION:.0%} of peak "
                         f"(offered {at['offered']:,.0f}, achieved {at['throughput']:,.0f} "
                         f"req/s; peak {peak['throughput']:,.0f} at C={peak['connections']}; "
-                        f"{at['errors']} errors) (< {P99_LINE_MS:g} ms)",
+                        f"{at['errors']} errors{_own_share(at)}) (< {P99_LINE_MS:g} ms)",
                     }
                 )
         by_w = native["workers"]
@@ -714,12 +749,17 @@ def _native_checks(results: dict, args) -> list[dict]:
     return checks
 
 
+def _own_share(r: dict) -> str:
+    own = r.get("server_over_10ms")
+    return "" if own is None else f"; the server's own time over 10 ms for {own:.2%}"
+
+
 def _native_table(results: dict) -> None:
     cores = os.cpu_count() or 1
     head = (
         f"{'model':<8} {'w':>2} {'path':<4} {'load':<11} {'tool':<6} {'offered':>8} "
         f"{'req/s':>8} {'vs 1w':>6} {'p50 ms':>7} {'p99 ms':>7} {'p99 range':>13} "
-        f"{'/10ms':>6} {'err':>4} {'tool s':>6} {'tool %':>6} {'server s':>8}"
+        f"{'/10ms':>6} {'err':>4} {'tool s':>6} {'tool %':>6} {'server s':>8} {'>10ms':>6}"
     )
     print()
     print(head)
@@ -742,12 +782,14 @@ def _native_table(results: dict) -> None:
                         f"{r['p99_ms_min']:.1f}-{r['p99_ms_max']:.1f}" if r["p99_ms_min"] else "-"
                     )
                     cpu = float("nan") if r["server_cpu_s"] is None else r["server_cpu_s"]
+                    own = r.get("server_over_10ms")
+                    own = f"{own:6.2%}" if own is not None else f"{'-':>6}"
                     print(
                         f"{label:<8} {w:>2} {path:<4} {what:<11} {r['tool']:<6} {offered} "
                         f"{r['throughput']:8,.0f}{'*' if r.get('behind') else ' '}{vs} "
                         f"{r['p50_ms'] or float('nan'):7.2f} {p99:7.2f} {spread:>13} "
                         f"{p99 / P99_LINE_MS:6.2f} {r['errors']:4d} {r['tool_cpu_s']:6.2f} "
-                        f"{r['tool_cores'] / cores:6.1%} {cpu:8.2f}"
+                        f"{r['tool_cores'] / cores:6.1%} {cpu:8.2f} {own}"
                     )
     for label, entry in results["models"].items():
         for w, server in (entry.get("native") or {"workers": {}})["workers"].items():
@@ -764,7 +806,9 @@ def _native_table(results: dict) -> None:
         "against the 10 ms line; * an open loop that fell behind its rate (its latency is "
         "from the send, so a lower bound); tool s and server s: CPU seconds of the load "
         "tool and of the server's processes over the cell; tool %: the tool's share of the "
-        f"machine's {cores} cores"
+        f"machine's {cores} cores; >10ms: the share of requests whose time in the server "
+        "(its own latency histogram: from the request's framing, or its handler's start, "
+        "to its answer; one worker only) was over 10 ms"
     )
     print()
 

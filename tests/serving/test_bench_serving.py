@@ -207,3 +207,19 @@ def test_tiny_end_to_end_run_with_an_exported_model(bench, tmp_path):
     assert got["server"]["batch1"]["4"]["mean_batch"] == pytest.approx(1.0)
     checks = json.loads(out.read_text())["checks"]
     assert [c["label"] for c in checks] == ["tiny", "tiny"]  # p99 and ratio: no predictor
+
+
+def test_server_latency_counts_read_one_endpoints_histogram(bench):
+    """The server's own latency histogram, per endpoint, as the bench reads it: every
+    request counted in +Inf, the buckets cumulative, another endpoint's apart."""
+    with serving(FakePredictor()) as url:
+        for a in range(3):
+            status, _ = bench.http_post(
+                url, "/v1/predict", json.dumps({"example": {"a": a}}).encode()
+            )
+            assert status == 200
+        got = bench.server_latency_counts(url, "predict")
+        assert bench.server_latency_counts(url, "v2_infer") == {}
+    assert got["+Inf"] == 3 and "0.01" in got
+    counts = list(got.values())
+    assert counts == sorted(counts), got
