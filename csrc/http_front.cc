@@ -142,7 +142,7 @@ class Front {
   // first or a `Wake`; false once shut down and drained.
   bool Take(size_t max_n, double timeout_s, std::vector<Request>* out) {
     std::unique_lock<std::mutex> lock(queue_mu_);
-    const auto ready = [this] { return !queue_.empty() || queue_shut_ || woken_; };
+    const auto ready = [this] { return !queue_.empty() || shut_ || woken_; };
     if (timeout_s < 0) {
       taken_.wait(lock, ready);
     } else {
@@ -153,7 +153,7 @@ class Front {
       out->push_back(std::move(queue_.front()));
       queue_.pop_front();
     }
-    return !(out->empty() && queue_shut_);
+    return !(out->empty() && shut_);
   }
 
   // Make a waiting (or the next) `Take` return now.
@@ -201,8 +201,7 @@ class Front {
     shut_ = true;
     epoll_ctl(epoll_, EPOLL_CTL_DEL, listen_fd_, nullptr);
     for (auto& [id, conn] : conns_) SetReading(id, &conn, false);
-    std::lock_guard<std::mutex> queue_lock(queue_mu_);
-    queue_shut_ = true;
+    std::lock_guard<std::mutex> queue_lock(queue_mu_);  // a `Take` waiting sees shut_
     taken_.notify_all();
   }
 
@@ -528,13 +527,12 @@ class Front {
   std::unordered_map<uint64_t, Conn> conns_;
   uint64_t next_id_ = 2;
   std::vector<std::pair<int, std::string>> handoffs_;
-  bool shut_ = false;
+  std::atomic<bool> shut_{false};  // written under mu_; `Take` reads it under queue_mu_
   // the framed requests, for `Take` (never held across a send, so Python does not wait
   // for the loop's writes)
   std::mutex queue_mu_;
   std::condition_variable taken_;
   std::deque<Request> queue_;
-  bool queue_shut_ = false;
   bool woken_ = false;
   // the answers `Respond` left for the loop
   std::mutex outbox_mu_;

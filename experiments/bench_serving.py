@@ -305,14 +305,21 @@ def http_post(url: str, path: str, body: bytes, timeout: float = 30.0) -> tuple[
         return e.code, e.read().decode(errors="replace")
 
 
+def metric_samples(url: str) -> dict[str, float]:
+    """Every sample of the server's /metrics, {name with its labels: value} (with several
+    workers the scrape reaches one of them)."""
+    status, text = http_get(url, "/metrics")
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
 def batch_counters(url: str) -> tuple[float, float]:
     """(examples, model calls) so far, from the server's /metrics."""
-    status, text = http_get(url, "/metrics")
-    got = {}
-    for line in text.splitlines():
-        if line.startswith("sparsejax_batch_size_examples_"):
-            name, value = line.rsplit(" ", 1)
-            got[name] = float(value)
+    got = metric_samples(url)
     return got.get("sparsejax_batch_size_examples_sum", 0.0), got.get(
         "sparsejax_batch_size_examples_count", 0.0
     )
@@ -321,15 +328,13 @@ def batch_counters(url: str) -> tuple[float, float]:
 def server_latency_counts(url: str, endpoint: str) -> dict[str, float]:
     """The server's latency histogram for `endpoint` so far, {le: requests}, from its
     /metrics: its own time for a request (from the front's framing of it, or the
-    aiohttp handler's start, to its answer), without the network and the load tool.
-    With several workers the scrape reaches one of them."""
-    status, text = http_get(url, "/metrics")
-    bucket = re.compile(
-        rf'^sparsejax_request_latency_seconds_bucket\{{endpoint="{endpoint}",le="([^"]+)"\}} '
-        r"(\S+)$",
-        re.M,
-    )
-    return {le: float(n) for le, n in bucket.findall(text)}
+    aiohttp handler's start, to its answer), without the network and the load tool."""
+    prefix = f'sparsejax_request_latency_seconds_bucket{{endpoint="{endpoint}",le="'
+    return {
+        name[len(prefix) : -2]: n
+        for name, n in metric_samples(url).items()
+        if name.startswith(prefix)
+    }
 
 
 # -- the server ---------------------------------------------------------------------------

@@ -368,12 +368,10 @@ class Preprocessor:
         any other value is read on its own, column by column, value by value."""
         dense = np.zeros((n, len(self.dense)), np.float32)
         table = _plain_table(examples, self.dense, _NUMBER_TYPES, np.float64)
-        if table is not None and np.isfinite(table).all():
+        plain = table is not None and np.isfinite(table).all()
+        if plain:
             dense[:] = table
-            names = ()
-        else:
-            names = self.dense
-        for j, name in enumerate(names):
+        for j, name in enumerate(() if plain else self.dense):
             column = [ex.get(name) for ex in examples]
             if _NUMBER_TYPES.issuperset(map(type, column)):
                 got = _as_array(column, np.float64)
@@ -387,14 +385,14 @@ class Preprocessor:
                     raise _bad_type(i, name, v, "a finite number")
                 dense[i, j] = v
         table = _plain_table(examples, self.sparse, _INT_TYPES, np.int64)
-        in_range = []
+        in_range = [False] * len(self.sparse)
         if table is not None:
             limits = [_NO_LIMIT if self.rows[k] is None else self.rows[k] for k in self.sparse]
             in_range = ((table.min(axis=0) >= 0) & (table.max(axis=0) < limits)).tolist()
             table = np.ascontiguousarray(table.T)
         sparse, one_id = {}, []
         for j, name in enumerate(self.sparse):
-            if j < len(in_range) and in_range[j]:
+            if in_range[j]:
                 sparse[name] = JaggedIds(lengths=np.ones(n, np.int64), values=table[j])
                 one_id.append(name)
                 continue
