@@ -508,9 +508,11 @@ class Front {
   void Drop(uint64_t id) {
     auto it = conns_.find(id);
     if (it == conns_.end()) return;
-    close(it->second.fd);  // also takes it out of the epoll set
+    int fd = it->second.fd;
     conns_.erase(it);
+    // Counted out before the close: a peer that sees the close must not see it counted.
     connections_.fetch_sub(1, std::memory_order_relaxed);
+    close(fd);  // also takes it out of the epoll set
   }
 
   const int listen_fd_;

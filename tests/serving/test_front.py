@@ -224,26 +224,25 @@ def test_the_front_closes_idle_connections_and_only_those():
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         front = HttpFront(listener.fileno(), "/p", 1000, 0.5)
-        try:
-            idle = socket.create_connection(listener.getsockname(), timeout=10)
-            busy = socket.create_connection(listener.getsockname(), timeout=10)
-            busy.sendall(_post(b"{}", path="/p"))  # queued, never answered: in flight
-            deadline = time.monotonic() + 10
-            while front.connections() < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert front.connections() == 2
-            ((token, body, _),) = front.take(10, 5.0)
-            assert body == b"{}"
-            assert idle.recv(1) == b""  # closed after 0.5-1.5 s without a request
-            assert front.connections() == 1  # the one with a request in flight stays
-            front.respond([(token, 200, b"[1]")])
-            buf = bytearray()
-            assert _read_answer(busy, buf)[::2] == (200, b"[1]")
-            assert busy.recv(1) == b""  # idle now, and closed in turn
-            idle.close()
-            busy.close()
-        finally:
-            front.close()
+        idle = socket.create_connection(listener.getsockname(), timeout=10)
+        busy = socket.create_connection(listener.getsockname(), timeout=10)
+        with idle, busy:
+            try:
+                busy.sendall(_post(b"{}", path="/p"))  # queued, never answered: in flight
+                deadline = time.monotonic() + 10
+                while front.connections() < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert front.connections() == 2
+                ((token, body, _),) = front.take(10, 5.0)
+                assert body == b"{}"
+                assert idle.recv(1) == b""  # closed after 0.5-1.5 s without a request
+                assert front.connections() == 1  # the one with a request in flight stays
+                front.respond([(token, 200, b"[1]")])
+                buf = bytearray()
+                assert _read_answer(busy, buf)[::2] == (200, b"[1]")
+                assert busy.recv(1) == b""  # idle now, and closed in turn
+            finally:
+                front.close()
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
