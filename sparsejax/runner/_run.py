@@ -6,7 +6,6 @@ latest checkpoint) and train it with `sparsejax.train.fit`, writing the run dire
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import traceback
@@ -18,7 +17,7 @@ import numpy as np
 
 from ..checkpoint import Checkpointer
 from ..data import Loader, resplit_stream_positions
-from ..sharding import broadcast_text
+from ..sharding import allgather_json, broadcast_text
 from ..train import ProfileWindow, Trainer, TrainState, candidate_eval, fit
 from ._config import ConfigError, to_dict
 from ._data import DataBundle, build_data, first_train_batch
@@ -142,17 +141,9 @@ def _data_position(loader: Loader) -> Callable[[], dict]:
     processes streaming their own files, every process's (a collective: all call it)."""
     if jax.process_count() == 1 or not loader.streaming:
         return lambda: loader.position.to_dict()
-    from jax.experimental import multihost_utils
 
     def gathered() -> dict:
-        text = json.dumps(loader.position.to_dict()).encode()
-        n = multihost_utils.process_allgather(np.array(len(text), np.int32))
-        buf = np.zeros(int(np.max(n)), np.uint8)
-        buf[: len(text)] = np.frombuffer(text, np.uint8)
-        rows = np.asarray(multihost_utils.process_allgather(buf))
-        return {
-            "processes": [json.loads(bytes(r[:k]).decode()) for r, k in zip(rows, n, strict=True)]
-        }
+        return {"processes": allgather_json(loader.position.to_dict())}
 
     return gathered
 

@@ -44,7 +44,8 @@ import numpy as np
 
 from ..checkpoint import read_array
 from ..embedding import MAX_STACK_ROWS, aligned_empty
-from ._export import ITEM_EMBEDDINGS, KeyRows, _allgather_json, _barrier
+from ..sharding import allgather_json
+from ._export import ITEM_EMBEDDINGS, KeyRows, _barrier
 from ._format import (
     ModelLoadError,
     read_argument,
@@ -153,7 +154,7 @@ def write_delta(
     if set(previous) != set(current):
         raise ValueError(f"the arguments differ: {sorted(set(previous) ^ set(current))}")
     me = jax.process_index()
-    tmp = f"{out}.tmp-{_allgather_json(os.getpid())[0]}"  # process 0's pid
+    tmp = f"{out}.tmp-{allgather_json(os.getpid())[0]}"  # process 0's pid
     if me == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier("delta folder")
@@ -182,12 +183,12 @@ def write_delta(
         arguments, key_parts = entry(arguments), entry(key_parts)
     except Exception as e:  # noqa: BLE001 - reported on every process below
         error = f"process {me}: {type(e).__name__}: {e}"
-    errors = [e for e in _allgather_json(error) if e is not None]
+    errors = [e for e in allgather_json(error) if e is not None]
     try:
         if errors:
             raise RuntimeError(f"delta {out} not written: {errors[0]}")
         merged: dict[str, dict] = {}
-        for theirs in _allgather_json(arguments):
+        for theirs in allgather_json(arguments):
             for key, parts in theirs.items():
                 have = merged.setdefault(key, parts)
                 if have is not parts:
@@ -375,8 +376,8 @@ class Publisher:
         self.headroom = headroom
         self.log = log
         # a run of several processes: process 0's id, and its decisions (`publish`)
-        self.model_id = _allgather_json(uuid.uuid4().hex)[0]
-        self.version = _allgather_json(self._newest())[0]
+        self.model_id = allgather_json(uuid.uuid4().hex)[0]
+        self.version = allgather_json(self._newest())[0]
         self._full_at: float | None = None  # when the last full one was published
         self._previous: dict[str, np.ndarray] | None = None
         self._served: dict[str, KeyMapping] = {}  # the published dynamic tables' key rows
@@ -437,7 +438,7 @@ class Publisher:
                 and time.monotonic() - self._full_at >= self.full_every_s
             )
         )
-        if not _allgather_json(full_due)[0]:
+        if not allgather_json(full_due)[0]:
             try:
                 current = self.arguments(self._delta_rows)
             except TooFewRows as e:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import os
 import re
@@ -52,6 +51,7 @@ from ..embedding import MAX_STACK_ROWS, FeatureSpec, TableSpec, aligned_empty
 from ..embedding.host import layer_table_key
 from ..nn import EMBEDDING, tables_stored_by, trace_layouts
 from ..ops import custom_call_targets
+from ..sharding import allgather_json, allgather_rows
 from ..train import Trainer, TrainState
 from ..train import auc as auc_of
 from ._format import (
@@ -488,32 +488,6 @@ def check_export(
 _TEMP = re.compile(r"^(.+)\.tmp-(\d+)$")  # <version>.tmp-<pid>: an export under way
 
 
-def allgather_rows(a: np.ndarray) -> list[np.ndarray]:
-    """Every process's `a`, in process order (a collective: all call it). The arrays
-    may differ in their first dimension only; they travel as bytes, so 64-bit keys keep
-    their bits whether or not JAX has x64 on."""
-    if jax.process_count() == 1:
-        return [a]
-    from jax.experimental import multihost_utils
-
-    a = np.ascontiguousarray(a)
-    row = a.dtype.itemsize * math.prod(a.shape[1:])
-    n = np.asarray(multihost_utils.process_allgather(np.array(a.shape[0], np.int32)))
-    buf = np.zeros((max(int(np.max(n)), 1), max(row, 1)), np.uint8)
-    buf[: a.shape[0], :row] = a.reshape(-1).view(np.uint8).reshape(a.shape[0], row)
-    got = np.asarray(multihost_utils.process_allgather(buf))
-    return [
-        np.ascontiguousarray(g[:k, :row]).view(a.dtype).reshape(k, *a.shape[1:])
-        for g, k in zip(got, n, strict=True)
-    ]
-
-
-def _allgather_json(obj) -> list:
-    """`obj` (JSON) of every process, in process order (a collective: all call it)."""
-    text = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    return [json.loads(bytes(t).decode()) for t in allgather_rows(text)]
-
-
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -542,7 +516,7 @@ def _temp_dir(out: str):
         if m and not pid_alive(int(m.group(2))) and os.path.isdir(os.path.join(stale, "exported")):
             shutil.rmtree(stale, ignore_errors=True)
     # several processes: process 0's pid names the one folder they all write
-    pid = _allgather_json(os.getpid())[0]
+    pid = allgather_json(os.getpid())[0]
     tmp = os.path.join(parent, f"{base}.tmp-{pid}")
     if jax.process_index() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -645,7 +619,7 @@ def export_model(
         )
         dense = {jax.tree_util.keystr(p): np.asarray(a) for p, a in flat if not isinstance(a, _Arg)}
         # dense parameters are replicated: process 0 writes them, the others wait
-        dense_entries = _allgather_json(
+        dense_entries = allgather_json(
             write_arrays(os.path.join(tmp, "arrays"), dense) if first else None
         )[0]
         arguments = {}
@@ -767,7 +741,7 @@ def export_model(
                 shutil.rmtree(out)
             os.replace(tmp, out)
         _barrier("model dir renamed")  # no process returns before the model dir is complete
-        manifest["check"] = _allgather_json(manifest["check"])[0]
+        manifest["check"] = allgather_json(manifest["check"])[0]
     return manifest
 
 
@@ -778,7 +752,7 @@ def _gather_pieces(pieces: dict, table_info: dict) -> tuple[dict, dict]:
     got: dict[tuple, list] = {}
     by_repr = {repr(k): k for k in keys}
     info: dict[str, dict] = {}
-    for proc in _allgather_json(mine):
+    for proc in allgather_json(mine):
         for rk, entries in proc["pieces"]:
             k = by_repr.get(rk)
             if k is None:  # an argument this process holds no rows of

@@ -14,7 +14,14 @@ and many processes (`jax.distributed`).
 """
 
 from ._batch import exchange_bytes, padding_batch, shard_batch
-from ._distributed import ENV_LOCAL_DEVICES, broadcast_text, initialize_from_env, process_of_many
+from ._distributed import (
+    ENV_LOCAL_DEVICES,
+    allgather_json,
+    allgather_rows,
+    broadcast_text,
+    initialize_from_env,
+    process_of_many,
+)
 from ._launch import LOG_DIR, launch
 from ._make import make_store
 from ._placement import AXES, PLACEMENTS, make_mesh
@@ -30,6 +37,8 @@ __all__ = [
     "PlanError",
     "ShardedTableStore",
     "TableShape",
+    "allgather_json",
+    "allgather_rows",
     "broadcast_text",
     "comm_bytes",
     "exchange_bytes",

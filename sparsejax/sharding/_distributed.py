@@ -39,6 +39,8 @@ default `jax_cpu_collectives_implementation`; set explicitly here).
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 
 ENV_COORDINATOR = "SPARSEJAX_COORDINATOR"
@@ -237,3 +239,37 @@ def broadcast_text(text: str | None) -> str | None:
     if not out[0]:
         return None
     return bytes(out[1:]).rstrip(b"\0").decode(errors="replace")
+
+
+def allgather_rows(a):
+    """Every process's numpy array `a`, in process order (a collective: all call it).
+    The arrays may differ in their first dimension only. They travel as bytes, so 64-bit
+    keys keep their bits whether or not JAX has x64 on, in a buffer padded to a power of
+    two: the gather compiles once per size class, not once per row count (a publish
+    gathers a few dozen arrays whose lengths change every time)."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [a]
+    from jax.experimental import multihost_utils
+
+    a = np.ascontiguousarray(a)
+    row = a.dtype.itemsize * math.prod(a.shape[1:])
+    n = np.asarray(multihost_utils.process_allgather(np.array(a.shape[0], np.int64)))
+    size = 1 << max(10, (int(np.max(n)) * row - 1).bit_length())
+    buf = np.zeros(size, np.uint8)
+    buf[: a.nbytes] = a.reshape(-1).view(np.uint8)
+    got = np.asarray(multihost_utils.process_allgather(buf))
+    return [
+        np.ascontiguousarray(g[: k * row]).view(a.dtype).reshape(int(k), *a.shape[1:])
+        for g, k in zip(got, n, strict=True)
+    ]
+
+
+def allgather_json(obj) -> list:
+    """`obj` (JSON) of every process, in process order (a collective: all call it)."""
+    import numpy as np
+
+    text = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    return [json.loads(bytes(t).decode()) for t in allgather_rows(text)]

@@ -117,10 +117,19 @@ def _read_rows(stack_state: Mapping, dev: np.ndarray, local: np.ndarray):
         for k, sh in enumerate(shards):
             sel = np.nonzero(dev == k)[0]
             if sel.shape[0]:
-                out[sel] = np.asarray(sh.data[jnp.asarray(local[sel], jnp.int32)])
+                idx = np.zeros(bucket_size(sel.shape[0]), np.int32)
+                idx[: sel.shape[0]] = local[sel]
+                out[sel] = np.asarray(_take_rows(sh.data, idx))[: sel.shape[0]]
         return out
 
     return leaf(stack_state["weights"]), {k: leaf(v) for k, v in stack_state["slots"].items()}
+
+
+@jax.jit
+def _take_rows(block: jax.Array, idx: jax.Array) -> jax.Array:
+    """`block[idx]` on the block's device: one program per (block, index bucket) shape,
+    where eager indexing compiled its several steps again for every row count."""
+    return jnp.take(block, idx, axis=0, mode="clip")
 
 
 class OwnedTables(HostTables):
