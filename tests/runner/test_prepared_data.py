@@ -1,14 +1,18 @@
 """`sparsejax data` and `data.kind: prepared`: a config's data written once as table rows
 trains exactly as the data it was written from (generated data, a Criteo file with a
-fitted vocabulary, dynamic tables' raw keys; one process and two), and a prepared
+fitted vocabulary, dynamic tables' raw keys; one process, and two of two devices each,
+which also checks the launch's run directory), and a prepared
 directory that does not fit the run is refused with one line naming the column."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from _cli import run_sparsejax
+from _cli import ROOT
 from _data import write_criteo_like
 
 from sparsejax import runner
@@ -63,22 +67,61 @@ def test_a_prepared_copy_trains_as_the_data_it_was_written_from(tmp_path, source
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
-def test_two_processes_read_their_shares_and_train_as_one(tmp_path):
-    cfg = runner.load_config([], [SMALL, "data.batch_size=64", "steps=6"])
+def test_two_processes_of_two_devices_read_their_shares_and_train_as_one(tmp_path):
+    """`launch -n 2 --devices-per-process 2` on prepared data (each process reads its
+    share of the files) against one process on this test's 8 devices, run meanwhile:
+    the same losses and evals, and one run directory, written by process 0 alone."""
+    cfg = runner.load_config([], [SMALL, "data.batch_size=64", "data.eval_batches=1"])
     runner.prepare_data(cfg, str(tmp_path / "prepared"), log=lambda _: None)
     args = [
         f"out_dir={tmp_path / 'runs'}",
-        *FAST,
+        "progress=false",
+        "log_every=1",
+        "eval_every=3",
+        "checkpoint_every=3",
         "data.kind=prepared",
         f"data.path={tmp_path / 'prepared'}",
         "data.batch_size=64",
+        "data.eval_batches=1",
         "steps=6",
     ]
-    run_sparsejax("train", *args, "name=one")
-    run_sparsejax("launch", "-n", "2", *args, "name=two")
-    one, two = _losses(tmp_path / "runs" / "one"), _losses(tmp_path / "runs" / "two")
-    assert len(one) == 6
-    np.testing.assert_allclose(two, one, rtol=0, atol=1e-5)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("SPARSEJAX_TRACEBACK", None)
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "sparsejax", "launch", "-n", "2", "--devices-per-process", "2"]
+        + [*args, "name=two"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert main(["train", *args, "name=one"]) == 0  # the reference, in this process meanwhile
+    _, err = launch.communicate(timeout=240)
+    assert launch.returncode == 0, err[-3000:]
+    one, two = tmp_path / "runs" / "one", tmp_path / "runs" / "two"
+    assert {"config.yaml", "run.json", "metrics.jsonl", "summary.json", "checkpoints"} <= set(
+        os.listdir(two)
+    )
+    assert os.listdir(two / "launch") == ["p1.log"]
+    history = json.loads((two / "run.json").read_text())["history"]
+    assert [(h["event"], h["processes"]) for h in history] == [("start", 2)]
+    assert sorted(int(s) for s in os.listdir(two / "checkpoints") if s.isdigit()) == [3, 6]
+    a, b = _losses(one), _losses(two)
+    assert len(a) == 6
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    evals = [
+        [
+            r
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind") == "eval"
+        ]
+        for run in (one, two)
+    ]
+    assert [e["step"] for e in evals[0]] == [e["step"] for e in evals[1]] == [3, 6]
+    for ea, eb in zip(*evals, strict=True):
+        assert ea["examples"] == eb["examples"] == 64
+        assert abs(ea["loss"] - eb["loss"]) < 1e-5
 
 
 def _error(capsys, *argv) -> str:

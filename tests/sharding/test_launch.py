@@ -1,8 +1,9 @@
-"""Many processes: `sparsejax launch -n 2` trains one run (one run directory, one metrics
-log) with the losses of one process; a process that dies stops the launch with one line
-naming it; a second launch on a running run directory is refused (process 0's message,
-the others exit with it instead of waiting); `plan --help`; the environment the
-processes join by; each process's share of a global batch."""
+"""Many processes (that `sparsejax launch -n 2` trains one run with the losses of one
+process, with one run directory: tests/runner/test_prepared_data.py): a process that
+dies stops the launch with one line naming it; a second launch on a running run
+directory is refused (process 0's message, the others exit with it instead of waiting);
+`plan --help`; the environment the processes join by; each process's share of a global
+batch."""
 
 import json
 import os
@@ -69,42 +70,6 @@ def _losses(run_dir) -> dict[int, float]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
-# ---------------------------------------------------------------------------------------
-# End to end
-
-
-def test_two_processes_train_one_run_with_the_losses_of_one(tmp_path):
-    config = _config(tmp_path)
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "sparsejax", "launch", "-n", "2", "--devices-per-process", "2"]
-        + [config, "name=two"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    one = tmp_path / "runs" / "one"
-    assert main(["train", config, "name=one"]) == 0  # the reference, in this process meanwhile
-    _, err = launch.communicate(timeout=120)
-    assert launch.returncode == 0, err[-3000:]
-    two = tmp_path / "runs" / "two"
-    # one run directory, written by process 0 alone
-    assert {"config.yaml", "run.json", "metrics.jsonl", "summary.json", "checkpoints"} <= set(
-        os.listdir(two)
-    )
-    assert os.listdir(two / "launch") == ["p1.log"]
-    history = json.loads((two / "run.json").read_text())["history"]
-    assert [(h["event"], h["processes"]) for h in history] == [("start", 2)]
-    assert sorted(int(s) for s in os.listdir(two / "checkpoints") if s.isdigit()) == [3, 6]
-    a, b = _losses(one), _losses(two)
-    assert list(a) == list(b) == list(range(1, 7))
-    np.testing.assert_allclose(list(b.values()), list(a.values()), rtol=0, atol=1e-5)
-    ea = json.loads((one / "summary.json").read_text())["last_eval"]
-    eb = json.loads((two / "summary.json").read_text())["last_eval"]
-    assert ea["examples"] == eb["examples"] == 64
-    assert abs(ea["loss"] - eb["loss"]) < 1e-5
 
 
 # ---------------------------------------------------------------------------------------
