@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -78,9 +79,7 @@ class TensorBoardLog(Hook):
     second, and a second writer in the same second would truncate the first's file)."""
 
     def __init__(self, logdir: str, resume_step: int):
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(
+        self.writer = _summary_writer()(
             logdir=logdir,
             purge_step=resume_step + 1 if resume_step else None,
             filename_suffix=f".{time.time_ns()}",
@@ -103,6 +102,24 @@ class TensorBoardLog(Hook):
 
     def close(self) -> None:
         self.writer.close()  # idempotent
+
+
+def _summary_writer():
+    """tensorboardX's `SummaryWriter` class, imported without PyTorch: tensorboardX
+    imports torch where it is installed (2 s of a run's start) for image and graph
+    summaries a run never writes; its scalars need only numpy. A torch this process
+    imported already is used as is, and `import torch` works again afterwards."""
+    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError meanwhile
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 def tensorboard_log(

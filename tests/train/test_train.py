@@ -177,6 +177,26 @@ def _tensorboard_scalars(logdir):
     return out
 
 
+def test_the_tensorboard_log_writes_scalars_without_importing_pytorch(tmp_path):
+    """tensorboardX imports torch where it is installed (2 s of a run's start); the run's
+    log writes its scalars without it, and `import torch` works afterwards."""
+    code = (
+        "import importlib.util, sys\n"
+        "from sparsejax.runner._report import TensorBoardLog\n"
+        f"log = TensorBoardLog({str(tmp_path)!r}, 0)\n"
+        "log.on_log(1, {'loss': 0.5})\n"
+        "log.close()\n"
+        "assert 'torch' not in sys.modules\n"
+        "if importlib.util.find_spec('torch'):\n"
+        "    import torch\n"
+        "print('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert _tensorboard_scalars(tmp_path) == {"train/loss": [(1, 0.5)]}
+
+
 def test_tensorboard_event_files_and_summary_hold_the_metrics_of_metrics_jsonl(
     tmp_path, monkeypatch
 ):
