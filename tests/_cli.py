@@ -8,12 +8,27 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def one_device_env(env: dict | None = None) -> dict:
+    """`env` (default: this process's) less conftest.py's 8 fake CPU devices, so a child
+    process gets one; XLA's other flags (the suite's compile settings) are kept."""
+    env = dict(os.environ if env is None else env)
+    flags = " ".join(
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
 def run_sparsejax(*args: str, timeout: float = 300) -> str:
     """`python -m sparsejax ARGS` from the repository root; asserts it succeeded and
     returns its stdout and stderr."""
-    env = dict(os.environ)
+    env = one_device_env()  # one CPU device per process
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
     out = subprocess.run(
         [sys.executable, "-m", "sparsejax", *args],
         capture_output=True,

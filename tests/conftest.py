@@ -6,7 +6,12 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's backend at -O0 for the whole suite (the processes the tests start too, through
+# tests/_cli.py's `one_device_env`): a fifth of the suite's CPU time is compiling small
+# programs once, and the tests check what programs compute, not how fast.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 
 # One persistent compilation cache for the run, made before the test workers start, so
 # they and every `sparsejax` process a test starts share it: the same small models are

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _cli import one_device_env
 from _data import CRITEO_SAMPLE, data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,11 +17,10 @@ MIN_AUC = 0.70  # the notebook asserts the same; one epoch reaches ~0.73
 
 
 def _kernel_env(data: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    # conftest.py fakes 8 CPU devices for mesh tests; the notebook runs on one, as a
+    # user's would
+    env = one_device_env()
     env["SPARSEJAX_DATA_DIR"] = str(data)  # where the notebook finds the sample
-    # conftest.py fakes 8 CPU devices for mesh tests; the notebook runs as a user's would.
-    if env.get("XLA_FLAGS") == "--xla_force_host_platform_device_count=8":
-        del env["XLA_FLAGS"]
     # The kernel imports the sparsejax under test, installed or not (its cwd is experiments/).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env

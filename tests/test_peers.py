@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from _cli import one_device_env
 
 from sparsejax._peers import (
     TIMEOUT_ENV,
@@ -373,7 +374,7 @@ def test_jax_distributed_rendezvous():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _JAX_CHILD, str(port), str(i)],
