@@ -17,7 +17,6 @@ from ..serving import (
 )
 from ..sharding import broadcast_text
 from ..train import Hook, TrainState
-from ._config import ConfigError
 from ._export import _input_spec, example_rows, item_catalog
 from ._model import configured_model
 
@@ -39,8 +38,14 @@ class PublishHook(Hook):
         self._published_step: int | None = None
         self._next_step: int | None = None  # several processes: the next publish's step
         self._rate_from: tuple[float, int] | None = None  # (time, step) of the last publish
-        if run.trainer.task == "retrieval" and jax.process_count() > 1:
-            raise ConfigError("publish: a retrieval model publishes from a run of one process")
+        # a delta's catalog embeddings need every table on one process: in a run of
+        # several, a retrieval model publishes full versions only
+        full_only = run.trainer.task == "retrieval" and jax.process_count() > 1
+        if full_only:
+            log(
+                "publish: a retrieval model in a run of several processes publishes full "
+                "versions only (a delta's catalog embeddings need every table in one process)"
+            )
         spec = _input_spec(cfg, data)
         common = dict(
             make_model=lambda tables: configured_model(cfg, tables, data.features),
@@ -82,7 +87,7 @@ class PublishHook(Hook):
         self.publisher = Publisher(
             p.dir,
             export=export,
-            arguments=arguments,
+            arguments=None if full_only else arguments,
             full_every_s=p.full_every_s,
             headroom=p.key_headroom,
             background=True,

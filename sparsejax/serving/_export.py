@@ -672,17 +672,19 @@ def export_model(
                 )
         retrieval = None
         if trainer.task == "retrieval":
-            if jax.process_count() > 1:
-                raise ExportError("export: a retrieval model exports in one process")
-            items, embeddings = _embed_catalog(
-                fn, read_args(), serving_tables, features, num_dense, catalog
-            )
-            arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
+            # the catalog through the item tower on the model dir's own arguments (process
+            # 0 reads every process's pieces, its tables whole) and written with its mappings
+            items = None
+            if first:
+                items, embeddings = _embed_catalog(
+                    fn, read_args(), serving_tables, features, num_dense, catalog
+                )
+                arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
             retrieval = {
                 "temperature": float(model.temperature),
                 "item_ids": "items/ids",
                 "item_embeddings": "items/embeddings",
-                "items": int(items.shape[0]),
+                "items": allgather_json(None if items is None else int(items.shape[0]))[0],
                 "user_features": list(model.user_features),
                 "item_features": list(model.item_features),
             }

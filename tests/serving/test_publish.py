@@ -20,6 +20,7 @@ from sparsejax import runner
 from sparsejax.runner import export_run
 from sparsejax.serving import DeltaError, Predictor, Publisher, make_app
 from sparsejax.serving._delta import DELTA, delta_dirs
+from sparsejax.serving._format import MANIFEST
 
 SYNTHETIC = [
     "data.kind=synthetic",
@@ -432,6 +433,43 @@ def test_two_processes_publish_the_rows_each_holds(tmp_path):
     first = Predictor.load(str(pub / "1"), warmup=False)
     assert np.abs(first.predict(rows) - final.predict(rows)).max() > 1e-6
     np.testing.assert_allclose(followed.predict(rows), final.predict(rows), rtol=0, atol=1e-6)
+
+
+def test_a_retrieval_model_of_two_processes_publishes_full_versions(tmp_path):
+    """`launch -n 2` of a two-tower run with publish: each publish a full version (a
+    delta's catalog embeddings would need every table in one process), its catalog
+    embedded by process 0 from every process's pieces; the last retrieves as the final
+    checkpoint exported in one process."""
+    from _cli import run_sparsejax
+
+    pub = tmp_path / "pub"
+    out = run_sparsejax(
+        "launch",
+        "-n",
+        "2",
+        f"out_dir={tmp_path / 'runs'}",
+        "name=tt",
+        *SYNTHETIC[6:9],  # progress, logging
+        "steps=3",
+        *TWO_TOWER,
+        f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1, 8]}}",
+    )
+    assert "publishes full versions only" in out
+    assert [f"published step {s} as full version {s}" in out for s in (1, 2, 3)] == [True] * 3
+    assert not [d for d in os.listdir(pub) if d.endswith(".delta")]
+    manifest = json.loads((pub / "3" / MANIFEST).read_text())
+    assert manifest["processes"] == 2 and manifest["retrieval"]["items"] == 240
+    assert manifest["check"]["max_abs_diff"] < 1e-5, manifest["check"]
+    final = str(tmp_path / "final")
+    export_run(str(tmp_path / "runs" / "tt"), final, log=lambda _: None)
+    final = Predictor.load(final, warmup=False)
+    served = Predictor.load(str(pub / "3"), warmup=False)
+    user = json.loads((pub / "3" / "example_retrieve.json").read_text())["user"]
+    (a_items, a), (b_items, b) = served.retrieve(user, 240), final.retrieve(user, 240)
+    assert sorted(a_items) == sorted(b_items) == list(range(240))
+    np.testing.assert_allclose(
+        np.asarray(a)[np.argsort(a_items)], np.asarray(b)[np.argsort(b_items)], rtol=0, atol=1e-6
+    )
 
 
 def test_a_delta_that_fails_in_the_background_stops_the_run_with_its_error(tmp_path, monkeypatch):
