@@ -256,7 +256,7 @@ def allgather_rows(a):
 
     a = np.ascontiguousarray(a)
     row = a.dtype.itemsize * math.prod(a.shape[1:])
-    n = np.asarray(multihost_utils.process_allgather(np.array(a.shape[0], np.int64)))
+    n = np.asarray(multihost_utils.process_allgather(np.array(a.shape[0], np.int32)))
     size = 1 << max(10, (int(np.max(n)) * row - 1).bit_length())
     buf = np.zeros(size, np.uint8)
     buf[: a.nbytes] = a.reshape(-1).view(np.uint8)
