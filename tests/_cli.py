@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from sparsejax.sharding._launch import _without_forced_devices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -12,11 +14,7 @@ def one_device_env(env: dict | None = None) -> dict:
     """`env` (default: this process's) less conftest.py's 8 fake CPU devices, so a child
     process gets one; XLA's other flags (the suite's compile settings) are kept."""
     env = dict(os.environ if env is None else env)
-    flags = " ".join(
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    )
+    flags = _without_forced_devices(env.get("XLA_FLAGS", ""))
     if flags:
         env["XLA_FLAGS"] = flags
     else:
@@ -24,17 +22,22 @@ def one_device_env(env: dict | None = None) -> dict:
     return env
 
 
+def sparsejax_env() -> dict:
+    """`one_device_env()` with this checkout of sparsejax first on the path."""
+    env = one_device_env()
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def run_sparsejax(*args: str, timeout: float = 300) -> str:
     """`python -m sparsejax ARGS` from the repository root; asserts it succeeded and
     returns its stdout and stderr."""
-    env = one_device_env()  # one CPU device per process
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(
         [sys.executable, "-m", "sparsejax", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=sparsejax_env(),  # one CPU device per process
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from _cli import ROOT
+from _cli import ROOT, sparsejax_env
 from _data import write_criteo_like
 
 from sparsejax import runner
@@ -85,15 +85,13 @@ def test_two_processes_of_two_devices_read_their_shares_and_train_as_one(tmp_pat
         "data.eval_batches=1",
         "steps=6",
     ]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("SPARSEJAX_TRACEBACK", None)
     launch = subprocess.Popen(
         [sys.executable, "-m", "sparsejax", "launch", "-n", "2", "--devices-per-process", "2"]
         + [*args, "name=two"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=sparsejax_env(),
         cwd=ROOT,
     )
     assert main(["train", *args, "name=one"]) == 0  # the reference, in this process meanwhile
