@@ -13,10 +13,14 @@ shared-memory folder of the tables counted whole, also its pages no worker has t
 `_memory_kib`), against the model's table bytes. wrk and the process tree's CPU are
 `_load_tools`', as in bench_serving.py.
 
+--unpinned adds, per worker count > 1, a server of that many workers whose models run
+on every core (`serve --no-pin-cores`), against the default of a share each.
+
 Checks (the issue's Must reach): 2 workers >= 1.5x one worker's requests/s at the best
 concurrency; their memory <= one worker's + 20% of the table bytes.
 
     python experiments/bench_serving_workers.py MODEL_DIR --concurrency 16 64 --seconds 10
+    python experiments/bench_serving_workers.py MODEL_DIR --concurrency 64 128 --unpinned
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", nargs="+", type=int, default=[16, 64])
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--reps", type=int, default=3, help="repetitions, interleaved; median")
+    p.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="also each worker count > 1 with --no-pin-cores (every worker's model on every core)",
+    )
     args = p.parse_args(argv)
     lt.need("wrk")
     model = args.model
@@ -102,14 +111,19 @@ def main(argv=None) -> int:
 
     # every server up at once (an idle one takes next to no CPU), then the cells
     # interleaved rep by rep: this VM's speed drifts within minutes
-    servers: dict[int, ServerProcess] = {}
+    kinds = {str(w): (w, []) for w in args.workers}  # label: (workers, more flags)
+    if args.unpinned:
+        kinds.update({f"{w} (every core)": (w, ["--no-pin-cores"]) for w in args.workers if w > 1})
+    servers: dict[str, ServerProcess] = {}
     with contextlib.ExitStack() as stack:  # each server stopped (SIGTERM) on the way out
-        for w in args.workers:
-            servers[w] = stack.enter_context(ServerProcess(model, ["--workers", str(w)], workers=w))
+        for w, (n, flags) in kinds.items():
+            servers[w] = stack.enter_context(
+                ServerProcess(model, ["--workers", str(n), *flags], workers=n)
+            )
             wrk(servers[w], 4, 2)  # warm-up
         cells: dict[tuple, list] = {}
         for rep in range(args.reps):
-            order = args.workers if rep % 2 == 0 else args.workers[::-1]
+            order = list(kinds) if rep % 2 == 0 else list(kinds)[::-1]
             for w in order:
                 for c in args.concurrency:
                     cpu = lt.TreeCpu(servers[w].proc.pid)
@@ -135,17 +149,17 @@ def main(argv=None) -> int:
         + "|"
     )
     for (w, c), r in rows.items():
-        base = rows.get((1, c), r)["throughput"]
+        base = rows.get(("1", c), r)["throughput"]
         reps = ", ".join(f"{x:,.0f}" for x in r["rps_all"])
         print(f"| {w} | {c} | {r['throughput']:,.0f} | {reps} | {r['throughput'] / base:.2f}x | "
               f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} | {r['tool_cpu_s']:.1f} | "
               f"{r['cores']:.2f} | "
               f"{r['memory_mib']:.0f} | {r['pss_mib']:.0f} |")  # fmt: skip
     if 1 in args.workers and 2 in args.workers:
-        best1 = max(rows[(1, c)]["throughput"] for c in args.concurrency)
-        best2 = max(rows[(2, c)]["throughput"] for c in args.concurrency)
-        mem1 = max(rows[(1, c)]["memory_mib"] for c in args.concurrency)
-        mem2 = max(rows[(2, c)]["memory_mib"] for c in args.concurrency)
+        best1 = max(rows[("1", c)]["throughput"] for c in args.concurrency)
+        best2 = max(rows[("2", c)]["throughput"] for c in args.concurrency)
+        mem1 = max(rows[("1", c)]["memory_mib"] for c in args.concurrency)
+        mem2 = max(rows[("2", c)]["memory_mib"] for c in args.concurrency)
         limit = mem1 + 0.2 * table_bytes / 2**20
         print(f"\nchecks: 2 workers / 1 worker at the best concurrency = {best2 / best1:.2f}x "
               f"({'ok' if best2 >= 1.5 * best1 else 'FAIL'}: >= 1.5x); memory {mem2:.0f} MiB "

@@ -168,6 +168,16 @@ def _workers_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected a number >= 1 or auto, got {text!r}")
 
 
+def _cores_arg(text: str) -> list[int]:
+    try:
+        cores = [int(c) for c in text.split(",")]
+    except ValueError:
+        cores = []
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"expected core numbers like 0,1, got {text!r}")
+    return cores
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from .serving import serve
@@ -195,6 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
             worker_args=rest,
             run_worker=main,
             grpc_port=args.grpc_port,
+            pin_cores=args.pin_cores,
         )
     log = print
     worker = os.environ.get("SPARSEJAX_SERVE_WORKER")
@@ -214,6 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_name=args.name,
         grpc_port=args.grpc_port,
         reuse_port=args.reuse_port,
+        model_cores=args.model_cores,
         log=log,
     )
 
@@ -539,7 +551,15 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         help="server processes on the one port, sharing the tables (SO_REUSEPORT; a "
         "worker that dies is restarted); auto: one per core (default 1)",
     )
+    sv.add_argument(
+        "--pin-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --workers N > 1, run each worker's model (XLA's threads and its "
+        "batcher) on its own share of the cores (default; --no-pin-cores: on every core)",
+    )
     sv.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    sv.add_argument("--model-cores", type=_cores_arg, default=None, help=argparse.SUPPRESS)
     sv.add_argument(
         "--grpc-port",
         type=int,

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import gc
 import json
@@ -58,7 +59,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -953,6 +954,7 @@ def serve(
     model_name: str | None = None,
     grpc_port: int | None = None,
     reuse_port: bool = False,
+    model_cores: Sequence[int] | None = None,
     shutdown_timeout: float = 30.0,
     loader: Callable[[str], Any] | None = None,
     log: Callable[[str], Any] = print,
@@ -964,7 +966,10 @@ def serve(
     connections, lets requests in flight finish (up to `shutdown_timeout` seconds) and
     returns 0. Returns 2 if it cannot listen. With `grpc_port`, the v2 gRPC API listens
     there too (0: any free port). `reuse_port`: bind with SO_REUSEPORT (the workers of
-    `serve --workers`, `_workers`). The other arguments are `make_app`'s.
+    `serve --workers`, `_workers`). `model_cores`: the cores the model's threads run on
+    (XLA's thread pool and the batcher, started with the model; `_workers.model_cores`);
+    the event loop and the HTTP front stay on every core. The other arguments are
+    `make_app`'s.
     The event loop is uvloop's where it is installed (it is a dependency of
     orbax-checkpoint; SPARSEJAX_SERVE_UVLOOP=0 uses asyncio's own). The objects alive
     after the model's load are moved out of the garbage collector's reach
@@ -974,18 +979,37 @@ def serve(
     Raises:
       ModelLoadError: no model of `model_path` could be loaded (one line).
     """
-    app = make_app(
-        model_path,
-        loader=loader,
-        max_batch=max_batch,
-        max_wait_ms=max_wait_ms,
-        max_body_bytes=max_body_bytes,
-        poll_seconds=poll_seconds,
-        model_name=model_name,
-        log=log,
-    )
+    with _threads_started_on(model_cores):
+        app = make_app(
+            model_path,
+            loader=loader,
+            max_batch=max_batch,
+            max_wait_ms=max_wait_ms,
+            max_body_bytes=max_body_bytes,
+            poll_seconds=poll_seconds,
+            model_name=model_name,
+            log=log,
+        )
+    if model_cores:
+        log(f"sparsejax serve: the model's threads on cores {','.join(map(str, model_cores))}")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(app, host, port, grpc_port, reuse_port, shutdown_timeout, log))
+
+
+@contextlib.contextmanager
+def _threads_started_on(cores: Sequence[int] | None):
+    """Threads started inside run on `cores` (Linux: a thread starts with its parent's
+    affinity), as does JAX's backend if it starts inside (XLA sizes its pool by them);
+    the calling thread is back on its own cores after."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # 0: the calling thread
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:

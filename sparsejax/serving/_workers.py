@@ -8,7 +8,8 @@ the connections over them. The supervisor has imported the server's code but sta
 JAX backend, and its objects are frozen out of the garbage collector before it forks, so
 the workers share those pages instead of each importing its own. Each worker is a whole
 server (batcher, reloads, deltas); a table argument, and a delta's patched one, is made
-once in the shared folder and mapped by every worker. A worker that dies is started again
+once in the shared folder and mapped by every worker. Each worker's model threads run on
+its own share of the cores (`model_cores`). A worker that dies is started again
 (its requests in flight are lost; the others keep serving); one that dies within
 `_STARTUP_S` of its start three times in a row stops the server with one line. SIGINT or
 SIGTERM stops the workers (each finishes its requests in flight) and removes the shared
@@ -70,6 +71,23 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def model_cores(cores: Sequence[int], workers: int) -> list[list[int]]:
+    """Each worker's share of `cores` for its model: disjoint where there are enough
+    cores (as OMP_NUM_THREADS=cores/N would size them), round-robin where there are not.
+
+    A worker's model threads are XLA's thread pool, sized by the cores it may run on when
+    JAX starts, and the batcher's thread that calls it. Left on every core, each worker's
+    pool takes every core, and a small batch's computation hops between cores: on a
+    2-core VM, 90-130 us of wall time and 110-150 us of CPU a DLRM batch, against 40-60
+    us on one core (experiments/RESULTS.md, "Each worker's model on its own core")."""
+    cores = sorted(cores)
+    if len(cores) < workers:
+        return [[cores[k % len(cores)]] for k in range(workers)]
+    return [
+        cores[k * len(cores) // workers : (k + 1) * len(cores) // workers] for k in range(workers)
+    ]
+
+
 def _remove_stale(parent: str) -> None:
     """Remove the shared folders of supervisors that are gone (killed with SIGKILL)."""
     for name in os.listdir(parent):
@@ -87,13 +105,15 @@ def serve_workers(
     worker_args: Sequence[str],
     run_worker: Callable[[list[str]], int],
     grpc_port: int | None = None,
+    pin_cores: bool = True,
     log: Callable[[str], object] = print,
 ) -> int:
     """Run `workers` servers of `model_path` on host:port (0: a free port) until SIGINT
     or SIGTERM (see the module docstring): each is a forked process that calls
     `run_worker` (the command line's main) with its `sparsejax serve` arguments, of
     which `worker_args` are the options; with `grpc_port` (0: a free one), the v2 gRPC
-    API on one port too. Returns 0 after a stop, 1 if a worker cannot
+    API on one port too; with `pin_cores`, each worker's model threads on its share of
+    the cores (`model_cores`). Returns 0 after a stop, 1 if a worker cannot
     start, 2 if the port is taken."""
     holds = []
     for what, want in (("", port), ("gRPC ", grpc_port)):
@@ -120,6 +140,9 @@ def serve_workers(
 
     argv = ["serve", model_path, "--host", host, "--port", str(port), "--reuse-port",
             *grpc, *worker_args]  # fmt: skip
+    shares = None
+    if pin_cores and hasattr(os, "sched_getaffinity"):
+        shares = model_cores(os.sched_getaffinity(0), workers)
     gc.freeze()  # the objects so far stay untouched: their pages stay shared after a fork
 
     stops = {signal.SIGINT, signal.SIGTERM}
@@ -144,7 +167,8 @@ def serve_workers(
             for h in holds:
                 h.close()
             os.environ.update({ENV: shared, WORKER_ENV: str(k)})
-            code = run_worker(list(argv))
+            pin = [] if shares is None else ["--model-cores", ",".join(map(str, shares[k]))]
+            code = run_worker([*argv, *pin])
         except SystemExit as e:
             code = 0 if e.code is None else e.code
         except BaseException:  # noqa: BLE001 - the worker's end: say why, then exit

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from sparsejax import runner
+from sparsejax.serving._workers import model_cores
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT and /proc")
@@ -108,6 +109,15 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
         for pid in pids:  # each worker maps the shared table files
             maps = pathlib_text(f"/proc/{pid}/maps")
             assert any(f in maps for f in files), pid
+        # each worker's model threads (XLA's pool among them) on its own share of the
+        # cores; its main thread, which runs the event loop, on every core
+        cores = sorted(os.sched_getaffinity(0))
+        shares = {tuple(s) for s in model_cores(cores, 2)}
+        for pid in pids:
+            threads = _thread_cores(pid)
+            assert threads[pid][1] == tuple(cores), threads[pid]
+            xla = {c for t, (name, c) in threads.items() if name.startswith("tf_XLAEigen")}
+            assert len(xla) == 1 and xla <= shares, (pid, threads)
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
         # once the supervisor has reaped it (every thread gone, its socket closed), no new
@@ -128,10 +138,36 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
             f"worker 1 (pid {victim}) died (killed by SIGKILL); restarting" in out
         )
         assert not os.path.exists(shared)
+        for k, share in enumerate(model_cores(cores, 2)):
+            assert (
+                f"[worker {k}] sparsejax serve: the model's threads on cores "
+                + ",".join(map(str, share))
+                in out
+            ), out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _thread_cores(pid: int) -> dict[int, tuple[str, tuple[int, ...]]]:
+    """{thread id: (its name, the cores it may run on)} of process `pid`."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        name = pathlib_text(f"/proc/{pid}/task/{tid}/comm").strip()
+        out[int(tid)] = (name, tuple(sorted(os.sched_getaffinity(int(tid)))))
+    return out
+
+
+def test_each_worker_gets_its_own_share_of_the_cores():
+    """As OMP_NUM_THREADS=cores/N would size them: disjoint shares that cover the cores,
+    as even as they can be; fewer cores than workers: one each, round-robin."""
+    assert model_cores([0, 1], 2) == [[0], [1]]
+    assert model_cores([7, 2, 5, 3], 2) == [[2, 3], [5, 7]]
+    assert model_cores(range(8), 3) == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert model_cores([4], 3) == [[4], [4], [4]]
+    assert model_cores([0, 1], 3) == [[0], [1], [0]]
+    assert model_cores(range(4), 1) == [[0, 1, 2, 3]]
 
 
 def _exists(pid: int) -> bool:
