@@ -52,8 +52,10 @@ predictor section; --examples gives the bodies).
     --grpc-port P --name bench` with dynamic batching (--max-wait-ms, --max-batch as in
     (b)). N = 1 is the single process (no supervisor); N >= 2 a supervisor and N
     worker processes on one port (SO_REUSEPORT; P is picked free beforehand, as every
-    worker binds it). Paths (--paths, default all), single-example requests, the
-    model's first example (example_request.json, or --examples):
+    worker binds it). All the servers are up at once, and their cells go in turn (see
+    --load-reps), so the VM's drift over minutes reaches every server alike. Paths
+    (--paths, default all), single-example requests, the model's first example
+    (example_request.json, or --examples):
       v1    POST /v1/predict, {"examples": [example]};
       v2    POST /v2/models/bench/infer (KServe v2 REST: JSON tensors, a JSON answer);
       grpc  inference.GRPCInferenceService/ModelInfer (KServe v2 gRPC over h2c, the
@@ -89,7 +91,8 @@ predictor section; --examples gives the bodies).
     length. CPU seconds over each cell: the load tool's (getrusage of the children this
     process reaps) and the server's (the sum over its processes: the supervisor and its
     workers, from /proc; none if a worker was restarted meanwhile). --load-reps R runs
-    each cell R times, interleaved (all paths and cells once, then again), and the
+    each cell R times, interleaved (every server's closed-loop cells once, the servers'
+    order alternating, then again; then the open-loop cells so), and the
     table gives the medians, the p99 range and ratios from the same run: 2 workers / 1
     worker throughput at the same C, p99 / 10 ms. Checks: the paths' scores agree; per
     worker count and path, single-example p99 < 10 ms at 80% of the peak (no errors,
@@ -108,6 +111,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -586,7 +590,7 @@ def _cell_line(path: str, what: str, r: dict) -> str:
     own = r.get("server_over_10ms")
     late = ("" if own is None else f"  server's own > 10 ms {own:.2%}") + late
     return (
-        f"    {path:<4} {what:<14} {offered}{r['throughput']:8,.0f} req/s  p50 "
+        f"    {path:<4} {what:<18} {offered}{r['throughput']:8,.0f} req/s  p50 "
         f"{r['p50_ms'] or float('nan'):7.2f} ms  p99 {r['p99_ms'] or float('nan'):7.2f} ms  "
         f"errors {r['errors']}  cpu {r['tool']} {r['tool_cpu_s']:.2f} s server "
         f"{float('nan') if cpu is None else cpu:.2f} s{late}"
@@ -594,68 +598,103 @@ def _cell_line(path: str, what: str, r: dict) -> str:
 
 
 def native_load(model_dir: str, label: str, examples: list[dict], args) -> dict:
-    """Per worker count: a server (`serve --workers N --grpc-port P`, dynamic batching),
-    then per path the peak (closed loop) and the open loop at fractions of it."""
+    """Per worker count a server (`serve --workers N --grpc-port P`, dynamic batching),
+    all up at once; per path the peak (closed loop), then the open loop at fractions of
+    each server's own peak. The servers' cells go rep by rep, the servers' order
+    alternating: this VM's speed drifts within minutes, and a ratio of two servers
+    measured minutes apart would carry the drift."""
     lt.need("wrk", "h2load")
     out: dict = {"example": examples[0], "workers": {}}
-    for w in args.workers:
-        grpc_port = lt.free_port()
-        flags = ["--workers", str(w), "--grpc-port", str(grpc_port), "--name", V2_NAME,
-                 *MODES["dynamic"](args)]  # fmt: skip
-        with ServerProcess(model_dir, flags, timeout=args.startup_timeout, workers=w) as server:
+    with contextlib.ExitStack() as stack:  # each server stopped (SIGTERM) on the way out
+        runs: dict[int, _NativeServer] = {}
+        for w in args.workers:
+            grpc_port = lt.free_port()
+            flags = ["--workers", str(w), "--grpc-port", str(grpc_port), "--name", V2_NAME,
+                     *MODES["dynamic"](args)]  # fmt: skip
+            server = stack.enter_context(
+                ServerProcess(model_dir, flags, timeout=args.startup_timeout, workers=w)
+            )
             print(
                 f"[{label}] {w} worker(s): {server.url}, gRPC port {grpc_port}, pids "
                 f"{sorted(server.pids)} ({' '.join(server.cmd[3:])})",
                 flush=True,
             )
-            out["workers"][str(w)] = _native_server(server, grpc_port, examples[0], args)
+            runs[w] = _NativeServer(server, grpc_port, examples[0], args)
+
+        def in_turn(step) -> None:
+            for rep in range(args.load_reps):
+                for w in list(runs) if rep % 2 == 0 else list(runs)[::-1]:
+                    step(runs[w])
+
+        in_turn(_NativeServer.closed_rep)
+        in_turn(_NativeServer.open_rep)
+        for w, run in runs.items():
+            out["workers"][str(w)] = run.finish()
     return out
 
 
-def _native_server(server: ServerProcess, grpc_port: int, example: dict, args) -> dict:
-    targets, scores = _targets(server, grpc_port, example, args.paths)
-    print(f"    one request a path, score: {scores}", flush=True)
-    cpu = lt.TreeCpu(server.proc.pid)
-    top = max(args.peak_connections)
-    estimate = {}
-    for path in args.paths:  # warm-up; for gRPC, how many requests fill --seconds
-        r = _native_cell(targets[path], cpu, args, connections=top,
-                         seconds=args.warmup_seconds)  # fmt: skip
-        estimate[path] = max(r["throughput"], 100.0)
-    closed = {p: {c: [] for c in args.peak_connections} for p in args.paths}
-    for _ in range(args.load_reps):  # repetitions interleaved: drift spreads over all
-        for path in args.paths:
-            for c in args.peak_connections:
-                r = _native_cell(targets[path], cpu, args, connections=c,
-                                 estimate=estimate[path])  # fmt: skip
-                estimate[path] = max(r["throughput"], 100.0)
-                closed[path][c].append(r)
-                print(_cell_line(path, f"closed C={c}", r), flush=True)
-    result: dict = {"pids": sorted(server.pids), "scores": scores, "paths": {}}
-    for path in args.paths:
-        cells = {str(c): _median(reps) for c, reps in closed[path].items()}
-        peak_c = max(cells, key=lambda c: cells[c]["throughput"])
-        result["paths"][path] = {
-            "closed": cells,
-            "peak": {"throughput": cells[peak_c]["throughput"], "connections": int(peak_c)},
-            "open": {},
-        }
-    opened = {p: {f: [] for f in args.open_loop_fractions} for p in args.paths}
-    for _ in range(args.load_reps):
-        for path in args.paths:
+class _NativeServer:
+    """One server's cells: its targets and warm-up (made with it), a repetition of its
+    closed-loop cells, then of its open-loop cells (at fractions of its own peak, from
+    the medians of all its closed-loop repetitions), and its result."""
+
+    def __init__(self, server: ServerProcess, grpc_port: int, example: dict, args):
+        self.server, self.args = server, args
+        self.targets, self.scores = _targets(server, grpc_port, example, args.paths)
+        print(f"    one request a path, score: {self.scores}", flush=True)
+        self.cpu = lt.TreeCpu(server.proc.pid)
+        self.estimate = {}
+        for path in args.paths:  # warm-up; for gRPC, how many requests fill --seconds
+            r = _native_cell(self.targets[path], self.cpu, args,
+                             connections=max(args.peak_connections),
+                             seconds=args.warmup_seconds)  # fmt: skip
+            self.estimate[path] = max(r["throughput"], 100.0)
+        self.closed = {p: {c: [] for c in args.peak_connections} for p in args.paths}
+        self.opened = {p: {f: [] for f in args.open_loop_fractions} for p in args.paths}
+        self.result: dict | None = None
+
+    def closed_rep(self) -> None:
+        for path in self.args.paths:
+            for c in self.args.peak_connections:
+                r = _native_cell(self.targets[path], self.cpu, self.args, connections=c,
+                                 estimate=self.estimate[path])  # fmt: skip
+                self.estimate[path] = max(r["throughput"], 100.0)
+                self.closed[path][c].append(r)
+                print(_cell_line(path, f"{self.server.workers}w closed C={c}", r), flush=True)
+
+    def _peaks(self) -> dict:
+        if self.result is None:
+            self.result = {"pids": sorted(self.server.pids), "scores": self.scores, "paths": {}}
+            for path in self.args.paths:
+                cells = {str(c): _median(reps) for c, reps in self.closed[path].items()}
+                peak_c = max(cells, key=lambda c: cells[c]["throughput"])
+                self.result["paths"][path] = {
+                    "closed": cells,
+                    "peak": {"throughput": cells[peak_c]["throughput"], "connections": int(peak_c)},
+                    "open": {},
+                }
+        return self.result
+
+    def open_rep(self) -> None:
+        result = self._peaks()
+        for path in self.args.paths:
             peak = result["paths"][path]["peak"]["throughput"]
-            for f in args.open_loop_fractions:
-                r = _native_cell(targets[path], cpu, args, rate=f * peak)
-                opened[path][f].append(r)
-                print(_cell_line(path, f"open {f:.0%}", r), flush=True)
-    for path in args.paths:
-        result["paths"][path]["open"] = {
-            f"{f:g}": _median(reps) for f, reps in opened[path].items()
-        }
-        if args.slo_steps:
-            result["paths"][path]["slo"] = _slo_rate(path, targets[path], cpu, args,
-                                                     result["paths"][path])  # fmt: skip
-    return result
+            for f in self.args.open_loop_fractions:
+                r = _native_cell(self.targets[path], self.cpu, self.args, rate=f * peak)
+                self.opened[path][f].append(r)
+                print(_cell_line(path, f"{self.server.workers}w open {f:.0%}", r), flush=True)
+
+    def finish(self) -> dict:
+        result = self._peaks()
+        for path in self.args.paths:
+            result["paths"][path]["open"] = {
+                f"{f:g}": _median(reps) for f, reps in self.opened[path].items()
+            }
+            if self.args.slo_steps:
+                result["paths"][path]["slo"] = _slo_rate(
+                    path, self.targets[path], self.cpu, self.args, result["paths"][path]
+                )
+        return result
 
 
 def _meets_slo(r: dict) -> bool:
