@@ -2,15 +2,15 @@
 // (sparsejax/serving/_front.py).
 //
 // One thread accepts connections on a listening socket the server made and reads and
-// frames their requests. A `POST <path>` with a Content-Length body is queued for
-// Python, which takes the bodies in batches (`take`), scores them and answers them in
+// frames their requests. A `POST` to one of its paths with a Content-Length body is
+// queued for Python, which takes the bodies in batches (`take`), scores them and answers them in
 // batches (`respond`, which leaves them for this thread to send). Answers go out in the
 // order their requests came on each connection (HTTP/1.1 pipelining); a connection with
 // 64 requests unanswered is not read until answers go out, one idle for the keep-alive
 // timeout with none in flight is closed, and out of file descriptors the loop stops
 // accepting for 0.1 s instead of spinning on the listening socket. Anything else -
 // another method or path, chunked bodies, `Expect`, HTTP/1.0, a body over the limit, a
-// header block over 16 KiB - hands the connection over: once its answers are out, it
+// header block over 16 KiB, a v2 request with binary tensors - hands the connection over: once its answers are out, it
 // leaves this loop and Python's HTTP server (aiohttp) takes it, with the bytes read so
 // far (`take_handoffs`, woken by `handoff_fd`). So every request this loop does not know
 // is answered exactly as before, by the one implementation of the API.
@@ -75,6 +75,7 @@ struct Request {
   uint64_t token;  // connection id << 32 | sequence number
   std::string body;
   double arrived;  // CLOCK_MONOTONIC seconds (Python's time.monotonic) when framed
+  int route;       // which of the front's paths it was posted to
 };
 
 double Monotonic() {
@@ -108,9 +109,9 @@ const char* Reason(int status) {
 
 class Front {
  public:
-  Front(int listen_fd, std::string path, size_t max_body, double idle_timeout_s)
+  Front(int listen_fd, std::vector<std::string> paths, size_t max_body, double idle_timeout_s)
       : listen_fd_(listen_fd),
-        path_(std::move(path)),
+        paths_(std::move(paths)),
         max_body_(max_body),
         idle_timeout_s_(idle_timeout_s) {}
 
@@ -366,13 +367,14 @@ class Front {
       const size_t header_len = static_cast<size_t>(end - data) + 4;
       size_t body_len = 0;
       bool close = false;
-      if (!FastRequest(data, header_len, &body_len, &close)) {
+      int route = 0;
+      if (!FastRequest(data, header_len, &body_len, &close, &route)) {
         c->handoff = true;
         break;
       }
       if (avail - header_len < body_len) break;  // the body is still coming
-      framed.push_back(
-          {id << 32 | c->next_seq++, std::string(data + header_len, body_len), Monotonic()});
+      framed.push_back({id << 32 | c->next_seq++, std::string(data + header_len, body_len),
+                        Monotonic(), route});
       pos += header_len + body_len;
       if (close) c->last_framed = c->close_after = true;  // Connection: close
     }
@@ -404,14 +406,24 @@ class Front {
     for (uint64_t id : touched) Flush(id);
   }
 
-  // Whether the header block is a request this loop answers; its body's length.
-  bool FastRequest(const char* h, size_t len, size_t* body_len, bool* close_after) const {
+  // Whether the header block is a request this loop answers; its body's length and
+  // which of the paths it was posted to.
+  bool FastRequest(const char* h, size_t len, size_t* body_len, bool* close_after,
+                   int* route) const {
     const char* line_end = static_cast<const char*>(memmem(h, len, "\r\n", 2));
-    const std::string expect_line = "POST " + path_ + " HTTP/1.1";
-    if (line_end == nullptr || static_cast<size_t>(line_end - h) != expect_line.size() ||
-        memcmp(h, expect_line.data(), expect_line.size()) != 0) {
-      return false;
+    if (line_end == nullptr) return false;
+    const size_t line_len = static_cast<size_t>(line_end - h);
+    *route = -1;
+    for (size_t i = 0; i < paths_.size(); ++i) {  // "POST " + path + " HTTP/1.1"
+      const std::string& path = paths_[i];
+      if (line_len == path.size() + 14 && memcmp(h, "POST ", 5) == 0 &&
+          memcmp(h + 5, path.data(), path.size()) == 0 &&
+          memcmp(h + 5 + path.size(), " HTTP/1.1", 9) == 0) {
+        *route = static_cast<int>(i);
+        break;
+      }
     }
+    if (*route < 0) return false;
     bool have_length = false;
     const char* p = line_end + 2;
     const char* stop = h + len - 2;  // the final empty line
@@ -435,7 +447,8 @@ class Front {
         *body_len = n;
         have_length = true;
       } else if (IEquals(p, name_len, "transfer-encoding") || IEquals(p, name_len, "expect") ||
-                 IEquals(p, name_len, "upgrade")) {
+                 IEquals(p, name_len, "upgrade") ||
+                 IEquals(p, name_len, "inference-header-content-length")) {  // v2 binary
         return false;
       } else if (IEquals(p, name_len, "connection")) {
         if (IContains(v, ve - v, "upgrade")) return false;
@@ -516,7 +529,7 @@ class Front {
   }
 
   const int listen_fd_;
-  const std::string path_;
+  const std::vector<std::string> paths_;
   const size_t max_body_;
   const double idle_timeout_s_;
   bool accept_paused_ = false;
@@ -555,14 +568,30 @@ Front* FrontOf(PyObject* self) {
 }
 
 PyObject* FrontNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* kwlist[] = {"listen_fd", "path", "max_body", "idle_timeout_s", nullptr};
+  static const char* kwlist[] = {"listen_fd", "paths", "max_body", "idle_timeout_s", nullptr};
   int fd;
-  const char* path;
-  Py_ssize_t path_len;
+  PyObject* path_seq;
   long long max_body;
   double idle_timeout = 75.0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "is#L|d", const_cast<char**>(kwlist), &fd, &path,
-                                   &path_len, &max_body, &idle_timeout)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOL|d", const_cast<char**>(kwlist), &fd,
+                                   &path_seq, &max_body, &idle_timeout)) {
+    return nullptr;
+  }
+  std::vector<std::string> paths;
+  PyObject* seq = PySequence_Fast(path_seq, "HttpFront: paths must be a list of str");
+  if (seq == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    Py_ssize_t len;
+    const char* path = PyUnicode_AsUTF8AndSize(PySequence_Fast_GET_ITEM(seq, i), &len);
+    if (path == nullptr) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    paths.emplace_back(path, static_cast<size_t>(len));
+  }
+  Py_DECREF(seq);
+  if (paths.empty()) {
+    PyErr_SetString(PyExc_ValueError, "HttpFront: paths must name at least one path");
     return nullptr;
   }
   if (max_body < 0) {
@@ -571,8 +600,7 @@ PyObject* FrontNew(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   }
   PyFront* self = reinterpret_cast<PyFront*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
-  self->front =
-      new Front(fd, std::string(path, path_len), static_cast<size_t>(max_body), idle_timeout);
+  self->front = new Front(fd, std::move(paths), static_cast<size_t>(max_body), idle_timeout);
   if (const int err = self->front->Start()) {
     delete self->front;
     self->front = nullptr;
@@ -613,9 +641,9 @@ PyObject* FrontTake(PyObject* self, PyObject* args) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(got.size()));
   if (list == nullptr) return nullptr;
   for (size_t i = 0; i < got.size(); ++i) {
-    PyObject* item = Py_BuildValue("(Ky#d)", static_cast<unsigned long long>(got[i].token),
+    PyObject* item = Py_BuildValue("(Ky#di)", static_cast<unsigned long long>(got[i].token),
                                    got[i].body.data(), static_cast<Py_ssize_t>(got[i].body.size()),
-                                   got[i].arrived);
+                                   got[i].arrived, got[i].route);
     if (item == nullptr) {
       Py_DECREF(list);
       return nullptr;
@@ -638,19 +666,24 @@ PyObject* FrontRespond(PyObject* self, PyObject* arg) {
     int status;
     const char* body;
     Py_ssize_t body_len;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Kiy#", &token, &status, &body,
-                          &body_len)) {
+    const char* headers = "Content-Type: application/json; charset=utf-8\r\n";
+    Py_ssize_t headers_len = static_cast<Py_ssize_t>(strlen(headers));
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Kiy#|y#", &token, &status, &body,
+                          &body_len, &headers, &headers_len)) {
       Py_DECREF(seq);
       return nullptr;
     }
-    char head[160];
-    const int k = snprintf(head, sizeof head,
-                           "HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\n"
-                           "Content-Length: %zd\r\n\r\n",
-                           status, Reason(status), body_len);
+    char status_line[64];
+    const int k = snprintf(status_line, sizeof status_line, "HTTP/1.1 %d %s\r\n", status,
+                           Reason(status));
+    char length_line[64];
+    const int m = snprintf(length_line, sizeof length_line, "Content-Length: %zd\r\n\r\n",
+                           body_len);
     std::string response;
-    response.reserve(static_cast<size_t>(k + body_len));
-    response.append(head, static_cast<size_t>(k));
+    response.reserve(static_cast<size_t>(k + headers_len + m + body_len));
+    response.append(status_line, static_cast<size_t>(k));
+    response.append(headers, static_cast<size_t>(headers_len));
+    response.append(length_line, static_cast<size_t>(m));
     response.append(body, static_cast<size_t>(body_len));
     answers.emplace_back(static_cast<uint64_t>(token), std::move(response));
   }
@@ -714,13 +747,14 @@ PyObject* FrontHandoffFd(PyObject* self, PyObject*) {
 
 PyMethodDef kFrontMethods[] = {
     {"take", FrontTake, METH_VARARGS,
-     "take(max_n, timeout_s) -> [(token, body: bytes, arrived: time.monotonic() seconds)] (up "
-     "to max_n; [] on timeout or wake; timeout_s < 0: no timeout), or None once shut down "
+     "take(max_n, timeout_s) -> [(token, body: bytes, arrived: time.monotonic() seconds, "
+     "route: the index of its path)] (up to max_n; [] on timeout or wake; timeout_s < 0: no timeout), or None once shut down "
      "and drained."},
     {"wake", FrontWake, METH_NOARGS, "Make a waiting (or the next) take() return now."},
     {"respond", FrontRespond, METH_O,
-     "respond([(token, status, json_body: bytes)]): leave each answer for the front's thread "
-     "to send on its connection, in request order (dropped if the client went away)."},
+     "respond([(token, status, body: bytes[, headers: bytes])]): leave each answer for the "
+     "front's thread to send on its connection, in request order (dropped if the client went "
+     "away); headers (\"Name: value\\r\\n\" lines) replace the JSON Content-Type."},
     {"take_handoffs", FrontTakeHandoffs, METH_NOARGS,
      "take_handoffs() -> [(fd, bytes read so far)]: the connections handed over; the caller "
      "owns the fds."},

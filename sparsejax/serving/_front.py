@@ -1,20 +1,24 @@
-"""The native HTTP front of `sparsejax serve`: /v1/predict without the event loop.
+"""The native HTTP front of `sparsejax serve`: /v1/predict and v2 infer without the
+event loop.
 
 An asyncio server spends ~100 us of Python a request on accepting, reading, framing and
 answering it - several times the JSON parse and the request's share of its batch - and
 all of it holds the GIL the batcher's threads need. `HttpFront` (csrc/http_front.cc)
 does that work in a thread of its own, outside the GIL: it frames each
-`POST /v1/predict` with a Content-Length body; the batcher's worker thread, when it is
+`POST /v1/predict` and `POST /v2/models/NAME/infer` (the served model's, KServe v2 JSON)
+with a Content-Length body; the batcher's worker thread, when it is
 ready for requests, takes the bodies in bunches (`attach_intake`: no thread is woken per
 request), parses their JSON and queues them (`submit_to`), and hands each batch's
 answers back in one call that sends them. The
-answers are the bytes the aiohttp handler gives (the server's `predict_examples`,
-`predict_answer` and `error_answer`), and the metrics count them the same way.
+answers are the bytes the aiohttp handlers give (the server's `predict_examples`,
+`predict_answer` and `error_answer`; `_v2.parse_infer` and `infer_response`), and the
+metrics count them the same way.
 
 Every other request - another endpoint, chunked or `Expect: 100-continue` bodies, a body
-over the limit, HTTP/1.0 - moves its connection, once the answers before it are out,
-to the aiohttp server with the bytes read so far: one implementation of the API, the
-native one only a shortcut to it. `serve` uses the front where the C++ extension is
+over the limit, HTTP/1.0, a v2 request with binary tensors (its
+`Inference-Header-Content-Length` header) - moves its connection, once the answers
+before it are out, to the aiohttp server with the bytes read so far: one implementation
+of the API, the native one only a shortcut to it. `serve` uses the front where the C++ extension is
 built (SPARSEJAX_SERVE_NATIVE_HTTP=0: aiohttp only, as without it).
 """
 
@@ -28,9 +32,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import _v2 as v2
+
 __all__ = ["NativeFront", "available"]
 
 _TAKE = 256  # most bodies taken at once
+_V1, _V2 = 0, 1  # the front's routes (its paths' order)
+_ENDPOINTS = ("predict", "v2_infer")  # their names in the metrics
 
 
 def available() -> bool:
@@ -85,7 +93,8 @@ class NativeFront:
         self._server = server
         self._aiohttp = aiohttp_server
         self._loop = loop
-        self._front = HttpFront(sock.fileno(), "/v1/predict", server.max_body_bytes)
+        paths = ["/v1/predict", f"/v2/models/{server.model_name}/infer"]
+        self._front = HttpFront(sock.fileno(), paths, server.max_body_bytes)
         self._adopting: set[asyncio.Task] = set()
         self._drained = threading.Event()
         loop.add_reader(self._front.handoff_fd(), self._on_handoffs)
@@ -116,31 +125,47 @@ class NativeFront:
             return False
         server = self._server
         now: list = []  # answered without the model, as `_deliver` takes them
-        for token, raw, arrived in bodies:
+        for token, raw, arrived, route in bodies:
+            request = (token, arrived, route, None)  # + how a v2 answer is written
             try:
-                examples = server.predict_examples(raw)
-                if examples:
-                    server.batcher.submit_to(examples, (token, arrived), self._deliver, arrived)
+                if route == _V1:
+                    examples = server.predict_examples(raw)
                 else:
-                    now.append(((token, arrived), ([], server.predictor.version), None))
+                    predictor = server.v2_model(server.model_name)
+                    examples, how = v2.parse_infer(raw, None, predictor)
+                    request = (token, arrived, route, how)
+                if examples:
+                    server.batcher.submit_to(examples, request, self._deliver, arrived)
+                else:
+                    now.append((request, ([], server.predictor.version), None))
             except Exception as e:  # the request's fault (400), or shutting down (503)
-                now.append(((token, arrived), None, e))
+                now.append((request, None, e))
         if now:
             self._deliver(now)
         return True
 
     def _deliver(self, items: list) -> None:
-        """Answer each request of `items`, [((token, arrival), (scores, version) or None,
-        error or None)]: a batch's results (the batcher calls it), or `_take`'s."""
+        """Answer each request of `items`, [((token, arrival, route, v2 answer's form),
+        (scores, version) or None, error or None)]: a batch's results (the batcher calls
+        it), or `_take`'s."""
         server = self._server
         answers = []
-        for (token, arrived), result, error in items:
-            if error is None:
+        for (token, arrived, route, how), result, error in items:
+            endpoint = _ENDPOINTS[route]
+            if error is not None:
+                status, body = server.error_answer(endpoint, error)
+                answers.append((token, status, body))
+            elif route == _V1:
                 status, body = 200, server.predict_answer(*result)
+                answers.append((token, status, body))
             else:
-                status, body = server.error_answer("predict", error)
-            server.metrics.request("predict", status, time.monotonic() - arrived)
-            answers.append((token, status, body))
+                scores, version = result
+                body, headers = v2.infer_response(
+                    scores, name=server.model_name, version=version, **how
+                )
+                status, lines = 200, "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+                answers.append((token, status, body, lines.encode()))
+            server.metrics.request(endpoint, status, time.monotonic() - arrived)
         self._front.respond(answers)
 
     async def stop(self, timeout: float = 30.0) -> None:

@@ -62,7 +62,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import orjson
 import prometheus_client as prom
 from aiohttp import web
 
@@ -70,14 +69,11 @@ from . import _front
 from . import _v2 as v2
 from ._batching import BatcherClosedError, DynamicBatcher
 from ._delta import DeltaError, delta_dirs
+from ._json import loads as _loads
 from ._predictor import ModelLoadError, Predictor, RequestError
 
 __all__ = ["ModelServer", "make_app", "serve", "SERVER_KEY"]
 
-# a body's bytes with each digit as "0" and the rest " ": a run of 19 zeros is a number
-# of 19 digits or more, which orjson may not hold as json does (2**63 has 19 digits)
-_DIGITS_AS_ZERO = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
-_LONG_NUMBER = b"0" * 19
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
@@ -119,19 +115,6 @@ def _predict_answer(scores: Any, version: str) -> bytes:
     """The body of a /v1/predict answer (`scores` an array, or a list)."""
     scores = scores.tolist() if hasattr(scores, "tolist") else list(scores)
     return _json_bytes({"scores": scores, "model_version": version})
-
-
-def _loads(raw: bytes) -> Any:
-    """`json.loads(raw)`, through orjson where it gives the same value (5x faster: the
-    JSON parse was a fifth of a worker's time). What orjson refuses and `json` takes
-    (NaN, 1e400, UTF-16 bodies), every error message, and bodies with a run of 19
-    digits or more (orjson makes an integer beyond 64 bits a float) are json's."""
-    if _LONG_NUMBER not in raw.translate(_DIGITS_AS_ZERO):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
 
 
 def _decode_json(raw: bytes, *, empty_ok: bool = False) -> Any:

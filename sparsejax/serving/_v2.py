@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
+from ._json import loads
 from ._preprocess import RequestError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -183,7 +184,7 @@ def parse_infer(body: bytes, header_length: str | None, predictor: Any) -> tuple
     else:
         n = len(body)
     try:
-        request = json.loads(body[:n])
+        request = loads(body[:n])
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"malformed JSON in the inference request: {e}") from None
     return parse_request(request, memoryview(body)[n:], predictor)

@@ -223,7 +223,7 @@ def test_the_front_closes_idle_connections_and_only_those():
     from sparsejax._cpu_ext import HttpFront
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        front = HttpFront(listener.fileno(), "/p", 1000, 0.5)
+        front = HttpFront(listener.fileno(), ["/p"], 1000, 0.5)
         idle = socket.create_connection(listener.getsockname(), timeout=10)
         busy = socket.create_connection(listener.getsockname(), timeout=10)
         with idle, busy:
@@ -233,7 +233,7 @@ def test_the_front_closes_idle_connections_and_only_those():
                 while front.connections() < 2 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 assert front.connections() == 2
-                ((token, body, _),) = front.take(10, 5.0)
+                ((token, body, _, route),) = front.take(10, 5.0)
                 assert body == b"{}"
                 assert idle.recv(1) == b""  # closed after 0.5-1.5 s without a request
                 assert front.connections() == 1  # the one with a request in flight stays

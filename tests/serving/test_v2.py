@@ -6,10 +6,13 @@ a wrong datatype, shape, input, output, model or version is a 400 / 404 naming i
 import asyncio
 import contextlib
 import pathlib
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
+from _cli import sparsejax_env
 from aiohttp import web
 
 from sparsejax import runner
@@ -80,9 +83,57 @@ def _live(app):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def native(model_dir):
+    """`sparsejax serve` of the model with its native HTTP front (which takes v2 infer
+    requests with JSON tensors and hands binary ones to aiohttp): "host:port"."""
+    from sparsejax.serving import _front
+
+    if not _front.available():
+        pytest.skip("the C++ extension is not built")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sparsejax",
+            "serve",
+            model_dir,
+            "--port",
+            "0",
+            "--poll-seconds",
+            "0",
+            "--name",
+            NAME,
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**sparsejax_env(), "SPARSEJAX_SERVE_NATIVE_HTTP": "1"},
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "listening on http://" in line:
+            break
+    try:
+        assert any("on the native HTTP front" in line for line in lines), lines
+        yield lines[-1].split("listening on http://")[1].split()[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    """The model's app on aiohttp alone: "host:port"."""
     with _live(make_app(model_dir, poll_seconds=0, log=lambda _: None)) as (url, _):
         yield url
+
+
+@pytest.fixture(scope="module", params=["aiohttp", "native"])
+def server(request):
+    """The v2 API of aiohttp alone, and of `serve`'s native front beside it."""
+    return request.getfixturevalue("native" if request.param == "native" else "plain")
 
 
 def _examples(n: int, seed: int = 1) -> list[dict]:
@@ -227,12 +278,69 @@ def _request(inputs, **extra) -> bytes:
         (_request([]), None, 400, "the request has no examples"),
     ],
 )  # fmt: skip
-def test_malformed_v2_bodies_are_400s_naming_why(model_dir, body, header, status, words):
+def test_malformed_v2_bodies_are_400s_naming_why(model_dir, native, body, header, status, words):
     if header == "HDR":  # the JSON part's length
         header = str(body.index(b"}]}") + 3)
     headers = {} if header is None else {"Inference-Header-Content-Length": header}
     got = _post_raw(model_dir, f"/v2/models/{NAME}/infer", body, headers)
     assert got[0] == status and words in got[1]["error"], got
+    # the native front answers alike; a request with binary tensors, aiohttp behind it
+    status, answer, by_aiohttp = _post_http(native, f"/v2/models/{NAME}/infer", body, headers)
+    assert (status, answer) == got
+    assert by_aiohttp == (header is not None)
+
+
+def _post_http(address: str, path: str, body: bytes, headers=None) -> tuple[int, dict, bool]:
+    """(status, JSON answer, whether aiohttp answered: the native front sends no Server
+    header) of a POST to a live server."""
+    import http.client
+    import json
+
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read()), "aiohttp" in (r.getheader("Server") or "")
+    finally:
+        conn.close()
+
+
+def test_the_native_front_answers_v2_json_as_aiohttp_does(plain, native):
+    """Byte for byte, a JSON answer and a binary one (asked for in the JSON request)."""
+    import http.client
+
+    ex = _examples(3)
+    inputs = [{"name": k, "datatype": "INT64", "shape": [3], "data": [e[k] for e in ex]}
+              for k in DENSE_NAMES] + [
+              {"name": k, "datatype": "BYTES", "shape": [3], "data": [e[k] for e in ex]}
+              for k in CATEGORICAL_NAMES]  # fmt: skip
+    answers = {}
+    for binary in (False, True):
+        body = _request(inputs, id="r1", outputs=[{"name": "scores", "parameters":
+                                                    {"binary_data": binary}}])  # fmt: skip
+        for address in (plain, native):
+            host, port = address.rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            conn.request("POST", f"/v2/models/{NAME}/infer", body=body)
+            r = conn.getresponse()
+            kept = ("content-type", "inference-header-content-length")
+            head = {k: v for k, v in r.getheaders() if k.lower() in kept}
+            answers.setdefault(binary, []).append((r.status, head, r.read()))
+            conn.close()
+    for binary, got in answers.items():
+        assert len({str(a) for a in got}) == 1, got  # the same from both
+        status, head, body = got[0]
+        assert status == 200
+        assert ("Inference-Header-Content-Length" in head) == binary, head
+        if binary:
+            n = int(head["Inference-Header-Content-Length"])
+            scores = np.frombuffer(body[n:], "<f4")
+        else:
+            import json
+
+            scores = np.asarray(json.loads(body)["outputs"][0]["data"], np.float32)
+        np.testing.assert_allclose(scores, _v1_scores(native, ex), rtol=0, atol=1e-6)
 
 
 def test_another_version_is_a_404(model_dir):
