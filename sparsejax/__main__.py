@@ -731,7 +731,7 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         return args.fn(args)
     except KeyboardInterrupt:
-        print("sparsejax: interrupted", file=sys.stderr)
+        _say("sparsejax: interrupted")
         return _exit_now_if_many(130)
     except Exception as e:
         args.error = e
@@ -739,11 +739,10 @@ def _run_command(args: argparse.Namespace) -> int:
         if who is not None and _lost_peer(e) and os.environ.get("SPARSEJAX_TRACEBACK") != "1":
             where = _log_traceback(e, _log_file(args, e), args.command)
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            print(
+            _say(
                 f"sparsejax: process {who}: error: a collective with the other processes "
                 f"failed (one of them probably ended; see its output): {first.strip()}"
-                + (f" (traceback in {where})" if where else ""),
-                file=sys.stderr,
+                + (f" (traceback in {where})" if where else "")
             )
             return _exit_now_if_many(1)
         if not _is_user_error(e) or os.environ.get("SPARSEJAX_TRACEBACK") == "1":
@@ -757,8 +756,15 @@ def _run_command(args: argparse.Namespace) -> int:
         where = _log_traceback(e, _log_file(args, e), args.command)
         detail = f" (traceback in {where})" if where else ""
         who = "" if who is None else f"process {who}: "
-        print(f"sparsejax: {who}{kind}: {' '.join(str(e).split())}{detail}", file=sys.stderr)
+        _say(f"sparsejax: {who}{kind}: {' '.join(str(e).split())}{detail}")
         return _exit_now_if_many(2)
+
+
+def _say(line: str) -> None:
+    """`line` on stderr in one write: `print` writes the text and its newline apart, and
+    a library's thread writing between them (gloo's, in a launch) ends up on our line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _lost_peer(e: BaseException) -> bool:
