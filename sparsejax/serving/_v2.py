@@ -47,6 +47,11 @@ _NUMPY = {
     "FP64": np.float64,
 }
 _INTS = {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
+_OTHER_TYPES = {  # what else `_ACCEPTED` takes, in an error message
+    "FP32": " (or another integer or float type)",
+    "INT64": " (or another integer type)",
+    "BYTES": "",
+}
 _ACCEPTED = {  # an input's declared datatype -> the datatypes a request may send it in
     "FP32": {"FP16", "FP32", "FP64", *_INTS},
     "INT64": _INTS,
@@ -116,8 +121,7 @@ def _values(t: Mapping, binary: memoryview, at: int, want: str) -> tuple[list, i
     name, datatype, shape = t["name"], t.get("datatype"), t.get("shape")
     if datatype not in _ACCEPTED[want]:
         raise RequestError(
-            f"input {name!r}: datatype {datatype!r}, expected {want}"
-            + (" (or another integer or float type)" if want != "BYTES" else "")
+            f"input {name!r}: datatype {datatype!r}, expected {want}" + _OTHER_TYPES[want]
         )
     if (
         not isinstance(shape, list)

@@ -274,6 +274,8 @@ def _request(inputs, **extra) -> bytes:
          "input 'C1': binary BYTES data ends early"),
         (_request([{"name": "I1", "datatype": "INT64", "shape": [1], "data": [1]}]) + b"xx",
          "HDR", 400, "2 bytes of binary data belong to no input"),
+        (_request([{"name": "I1", "datatype": "FP32", "shape": [1], "data": [1.5]}]), None, 400,
+         "input 'I1': datatype 'FP32', expected INT64 (or another integer type)"),
         (b"{not json", None, 400, "malformed JSON in the inference request"),
         (_request([]), None, 400, "the request has no examples"),
     ],
