@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from sparsejax.sharding._launch import _without_forced_devices
+from sparsejax.sharding._launch import _drop_forced_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,11 +14,7 @@ def one_device_env(env: dict | None = None) -> dict:
     """`env` (default: this process's) less conftest.py's 8 fake CPU devices, so a child
     process gets one; XLA's other flags (the suite's compile settings) are kept."""
     env = dict(os.environ if env is None else env)
-    flags = _without_forced_devices(env.get("XLA_FLAGS", ""))
-    if flags:
-        env["XLA_FLAGS"] = flags
-    else:
-        env.pop("XLA_FLAGS", None)
+    _drop_forced_devices(env)
     return env
 
 

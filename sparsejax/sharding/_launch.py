@@ -62,12 +62,19 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         pass
 
 
-def _without_forced_devices(flags: str) -> str:
-    """XLA_FLAGS less `--xla_force_host_platform_device_count` (the launcher's
-    `--devices-per-process` sets the count instead)."""
-    return " ".join(
-        f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+def _drop_forced_devices(env: dict) -> None:
+    """Take `--xla_force_host_platform_device_count` out of `env`'s XLA_FLAGS (the
+    launcher's `--devices-per-process` sets the count instead), and XLA_FLAGS out of
+    `env` if nothing else is left."""
+    flags = " ".join(
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
     )
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
 
 
 def child_env(
@@ -90,11 +97,7 @@ def child_env(
     )
     if devices_per_process is not None:
         env[ENV_LOCAL_DEVICES] = str(devices_per_process)
-        flags = _without_forced_devices(env.get("XLA_FLAGS", ""))
-        if flags:
-            env["XLA_FLAGS"] = flags
-        else:
-            env.pop("XLA_FLAGS", None)
+        _drop_forced_devices(env)
     return env
 
 
