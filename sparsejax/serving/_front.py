@@ -131,8 +131,7 @@ class NativeFront:
                 if route == _V1:
                     examples = server.predict_examples(raw)
                 else:
-                    predictor = server.v2_model(server.model_name)
-                    examples, how = v2.parse_infer(raw, None, predictor)
+                    examples, how = v2.parse_infer(raw, None, server.predictor)
                     request = (token, arrived, route, how)
                 if examples:
                     server.batcher.submit_to(examples, request, self._deliver, arrived)
