@@ -12,6 +12,7 @@ import jax
 from ..serving import (
     Preprocessing,
     Publisher,
+    embed_catalog,
     export_model,
     serving_arguments,
 )
@@ -38,14 +39,6 @@ class PublishHook(Hook):
         self._published_step: int | None = None
         self._next_step: int | None = None  # several processes: the next publish's step
         self._rate_from: tuple[float, int] | None = None  # (time, step) of the last publish
-        # a delta's catalog embeddings need every table on one process: in a run of
-        # several, a retrieval model publishes full versions only
-        full_only = run.trainer.task == "retrieval" and jax.process_count() > 1
-        if full_only:
-            log(
-                "publish: a retrieval model in a run of several processes publishes full "
-                "versions only (a delta's catalog embeddings need every table in one process)"
-            )
         spec = _input_spec(cfg, data)
         common = dict(
             make_model=lambda tables: configured_model(cfg, tables, data.features),
@@ -84,13 +77,26 @@ class PublishHook(Hook):
                 **common,
             )
 
+        def embed(whole, keys) -> dict:  # process 0 of several: from every process's rows
+            return embed_catalog(
+                run.trainer,
+                self._state,
+                whole,
+                num_dense=data.eval_batches[0].dense.shape[1],
+                quantize=p.quantize,
+                keys=keys,
+                **common,
+            )
+
+        several_retrieval = run.trainer.task == "retrieval" and jax.process_count() > 1
         self.publisher = Publisher(
             p.dir,
             export=export,
-            arguments=None if full_only else arguments,
+            arguments=arguments,
             full_every_s=p.full_every_s,
             headroom=p.key_headroom,
             background=True,
+            complete=embed if several_retrieval else None,
             log=log,
         )
 

@@ -24,6 +24,7 @@ from ._export import ExportError as ExportError
 from ._export import Preprocessing as Preprocessing
 from ._export import check_export as check_export
 from ._export import check_servable as check_servable
+from ._export import embed_catalog as embed_catalog
 from ._export import export_model as export_model
 from ._export import serving_arguments as serving_arguments
 from ._format import FORMAT_VERSION as FORMAT_VERSION

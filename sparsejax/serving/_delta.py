@@ -145,13 +145,20 @@ def write_delta(
     base: int,
     step: int,
     keys: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    complete: Callable[[str, Mapping], dict[str, np.ndarray]] | None = None,
 ) -> dict:
     """Write the delta from `previous` to `current` (arguments by key, the same keys,
     shapes and dtypes) as `out` (through `<out>.tmp-<pid>`), with the dynamic tables'
     key changes `keys` (`{table: {"added", "rows", "removed"}}`: int64 arrays); returns
     its manifest. In a run of several processes, a collective: each writes the rows it
-    holds (`serving_arguments`), process 0 the manifest."""
-    if set(previous) != set(current):
+    holds (`serving_arguments`), process 0 the manifest.
+
+    `complete(tmp, arguments)` (process 0 of several) makes the arguments of `previous`
+    that `current` lacks, once every process's rows are written in `tmp` (`arguments`:
+    their manifest entries): those made from the whole version (a retrieval model's
+    catalog embeddings). `current` gains them."""
+    missing = set(previous) - set(current)
+    if set(current) - set(previous) or (missing and complete is None):
         raise ValueError(f"the arguments differ: {sorted(set(previous) ^ set(current))}")
     me = jax.process_index()
     tmp = f"{out}.tmp-{allgather_json(os.getpid())[0]}"  # process 0's pid
@@ -173,14 +180,7 @@ def write_delta(
                 key_parts[table][part] = f"p{me}.keys{j}.{part}"
         entries = write_arrays(os.path.join(tmp, "arrays"), arrays)
 
-        def entry(x):  # the names in `x` as their entries
-            if isinstance(x, str):
-                return entries[x]
-            if isinstance(x, list):
-                return [entry(v) for v in x]
-            return {k: entry(v) for k, v in x.items()}
-
-        arguments, key_parts = entry(arguments), entry(key_parts)
+        arguments, key_parts = _entries(arguments, entries), _entries(key_parts, entries)
     except Exception as e:  # noqa: BLE001 - reported on every process below
         error = f"process {me}: {type(e).__name__}: {e}"
     errors = [e for e in allgather_json(error) if e is not None]
@@ -193,6 +193,8 @@ def write_delta(
                 have = merged.setdefault(key, parts)
                 if have is not parts:
                     have["pieces"] += parts["pieces"]
+        if allgather_json(bool(missing))[0]:
+            _complete(tmp, previous, current, merged, complete if me == 0 else None)
         manifest = {
             "format": DELTA_FORMAT,
             "format_version": DELTA_VERSION,
@@ -214,6 +216,40 @@ def write_delta(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _entries(x, entries: Mapping[str, dict]):
+    """The array names in `x` (nested dicts and lists) as their `entries`."""
+    if isinstance(x, str):
+        return entries[x]
+    if isinstance(x, list):
+        return [_entries(v, entries) for v in x]
+    return {k: _entries(v, entries) for k, v in x.items()}
+
+
+def _complete(tmp: str, previous, current, merged: dict, complete) -> None:
+    """Process 0: the arguments `complete` makes from the version's rows in `tmp`, cut
+    and written into it (`merged` and `current` gain them); every process learns whether
+    that failed (a collective)."""
+    error = None
+    if complete is not None:
+        try:
+            made = complete(tmp, merged)
+            if set(made) != set(previous) - set(current):
+                raise ValueError(f"made {sorted(made)}, not {sorted(set(previous) - set(current))}")
+            arrays: dict[str, np.ndarray] = {}
+            cut = {}
+            for i, (key, new) in enumerate(made.items()):
+                got = _cut(key, previous[key], new, f"made.{i}", arrays)
+                if got is not None:
+                    cut[key] = got
+            merged.update(_entries(cut, write_arrays(os.path.join(tmp, "arrays"), arrays)))
+            current.update(made)
+        except Exception as e:  # noqa: BLE001 - reported on every process below
+            error = f"process 0: {type(e).__name__}: {e}"
+    error = allgather_json(error)[0]
+    if error is not None:
+        raise RuntimeError(f"delta {tmp} not completed: {error}")
 
 
 def read_delta(path: str) -> dict:
@@ -316,17 +352,18 @@ def patched(
     return out
 
 
-def _own_arguments(model_dir: str, manifest: Mapping) -> dict[str, Argument]:
+def _own_arguments(model_dir: str, manifest: Mapping, whole: bool = False) -> dict[str, Argument]:
     """A model dir's arguments as `serving_arguments` gives them: whole in one process;
-    in several, each process's own pieces of the tables, and process 0 the rest."""
-    me, many = jax.process_index(), jax.process_count() > 1
+    in several, each process's own pieces of the tables, and process 0 the rest (a
+    retrieval model's catalog embeddings too: it makes them). `whole`: all of them."""
+    me, many = jax.process_index(), jax.process_count() > 1 and not whole
     out = {}
     for k, e in manifest["arguments"].items():
         if many and "pieces" in e:
             out[k] = read_own_pieces(model_dir, e, me)
         elif me == 0 or not many:
             out[k] = read_argument(model_dir, e)
-    if r := manifest.get("retrieval"):
+    if (r := manifest.get("retrieval")) and (me == 0 or not many):
         entry = manifest["mapping_arrays"][r["item_embeddings"]]
         out[ITEM_EMBEDDINGS] = read_model_array(model_dir, entry)
     return out
@@ -355,7 +392,14 @@ class Publisher:
     arguments, and the delta is cut and written in a thread of its own while training
     goes on; the next `publish`, and `wait`, wait for it and raise its error. A full
     version is written in the call. Several processes write every delta in the call (its
-    manifest is gathered)."""
+    manifest is gathered).
+
+    `complete(arguments, keys)` (a run of several processes) makes, on process 0, the
+    arguments no process holds the rows for, from every argument of the version whole
+    (`keys`: its dynamic tables' key rows): a retrieval model's catalog embeddings
+    (`embed_catalog`). Process 0 then keeps the served arguments whole, patched with
+    each delta's rows read back from it, as a full export reads its model dir back to
+    embed the catalog."""
 
     MIN_SPARE_ROWS = 1024
 
@@ -368,10 +412,13 @@ class Publisher:
         full_every_s: float | None = 3600.0,
         headroom: float = 0.25,
         background: bool = False,
+        complete: Callable[[Mapping, Mapping[str, KeyMapping]], dict[str, np.ndarray]]
+        | None = None,
         log: Callable[[str], object] = print,
     ):
         self.directory = os.path.abspath(directory)
-        self.export, self.arguments = export, arguments
+        self.export, self.arguments, self.complete = export, arguments, complete
+        self._whole: dict[str, np.ndarray] = {}  # process 0, with `complete`: served, whole
         self.full_every_s = full_every_s
         self.headroom = headroom
         self.log = log
@@ -453,6 +500,8 @@ class Publisher:
             self._previous = None
             if self.arguments is not None:  # what the server reads, byte for byte
                 self._previous = _own_arguments(out, manifest)
+                if self.complete is not None and jax.process_index() == 0:
+                    self._whole = _own_arguments(out, manifest, whole=True)
             if jax.process_index() == 0:
                 self._prune()
             _barrier("pruned")
@@ -482,6 +531,7 @@ class Publisher:
             base=self.version,
             step=step,
             keys=key_changes,
+            complete=None if self.complete is None else functools.partial(self._made, served),
         )
         self.version, self._previous, self._served = version, current, served
         rows = {
@@ -493,6 +543,15 @@ class Publisher:
             for t, c in key_changes.items()
         }
         return {"kind": "delta", "version": version, "path": out, "rows": rows, "keys": keys}
+
+    def _made(self, served: Mapping[str, KeyMapping], tmp: str, arguments: Mapping) -> dict:
+        """Process 0: `complete`'s arguments of the delta being written in `tmp`, from the
+        served arguments patched with every process's rows of it."""
+        getters = {k: functools.partial(self._whole.get, k) for k in self._whole}
+        whole = {**self._whole, **patched(tmp, {"arguments": arguments}, getters)}
+        made = self.complete(whole, {**self._served, **served})
+        self._whole = {**whole, **made}
+        return made
 
     def wait(self) -> dict | None:
         """Wait for the delta being written in the background; its `publish` result

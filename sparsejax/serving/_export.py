@@ -375,12 +375,12 @@ def serving_arguments(
     from. In a run of several processes (a collective: all call it), each gets the rows
     it holds of each table argument, as `[(first row, rows)]` in the pieces an export
     writes (a table kept on the hosts, tiered or dynamic: its `_row_share`), and process
-    0 the dense parameters too. A retrieval model (one process; its `catalog` as
-    `export_model` takes it) adds its catalog's embeddings as `ITEM_EMBEDDINGS`."""
-    if trainer.task == "retrieval" and (catalog is None or jax.process_count() > 1):
-        raise ExportError(
-            "a retrieval model's serving arguments need its item catalog (catalog=) and one process"
-        )
+    0 the dense parameters too. A retrieval model (its `catalog` as `export_model` takes
+    it) adds its catalog's embeddings as `ITEM_EMBEDDINGS` in a run of one process; in
+    several, no process holds every table, and process 0 embeds the catalog once it has
+    the version's arguments whole (`embed_catalog`)."""
+    if trainer.task == "retrieval" and catalog is None:
+        raise ExportError("a retrieval model's serving arguments need its item catalog (catalog=)")
     kind = storage_kind(quantize)
     features = tuple(features)
     full = _full_tables(trainer, state, {t.name: t for t in tables}, features, key_rows)
@@ -409,19 +409,64 @@ def serving_arguments(
             out[jax.tree_util.keystr(p)] = values.get((a.path, a.stack, a.kind), [])
         elif jax.process_index() == 0:  # the dense parameters: the same on every process
             out[jax.tree_util.keystr(p)] = np.array(a)  # a copy: the state is donated
-    if trainer.task == "retrieval":
-        towers = _CATALOG_TOWERS.setdefault(trainer, {})
-        layout = (kind, tuple(serving_tables), features, num_dense)
-        if layout not in towers:  # the same function: its compiled call is reused
-            towers[layout] = inference_fn(
-                model, features, InferenceTableStore.factory(kind, "xla"), "retrieval"
-            )
-        fn = towers[layout]
+    if trainer.task == "retrieval" and jax.process_count() == 1:
         args = jax.tree_util.tree_unflatten(treedef, list(out.values()))
+        fn = _catalog_tower(trainer, model, kind, serving_tables, features, num_dense)
         _, out[ITEM_EMBEDDINGS] = _embed_catalog(
             fn, args, serving_tables, features, num_dense, catalog
         )
     return out
+
+
+def embed_catalog(
+    trainer: Trainer,
+    state: TrainState,
+    arguments: Mapping[str, np.ndarray],
+    *,
+    make_model: Callable[[Sequence[TableSpec]], Any],
+    tables: Sequence[TableSpec],
+    features: Sequence[FeatureSpec],
+    num_dense: int,
+    catalog: Mapping,
+    keys: Mapping[str, KeyMapping],
+    quantize: str | None = None,
+) -> dict[str, np.ndarray]:
+    """A retrieval model's catalog embeddings, `{ITEM_EMBEDDINGS: f32[items, E]}`, from
+    `arguments`: every argument of the version whole (keyed as `serving_arguments` gives
+    them; `keys`, its dynamic tables' key rows). What process 0 of a run of several
+    processes computes for a delta, once it has read every process's rows of it."""
+    kind = storage_kind(quantize)
+    features = tuple(features)
+    serving_tables = [
+        serving_spec(t, keys[t.name].default_row + 1 if t.name in keys else t.vocab_size)
+        for t in tables
+    ]
+    model = make_model(serving_tables).clone(implementation="xla")
+    packer = BatchPacker(serving_tables, features, batch_size=1, num_dense=num_dense)
+    with tables_stored_by(InferenceTableStore.factory(kind, "xla")):
+        layouts, _ = trace_layouts(model, _pad_batch(packer))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        (state.params, tables_from_layers(layouts, _markers(layouts)))
+    )
+    args = jax.tree_util.tree_unflatten(
+        treedef, [arguments[jax.tree_util.keystr(p)] for p, _ in flat]
+    )
+    fn = _catalog_tower(trainer, model, kind, serving_tables, features, num_dense)
+    return {
+        ITEM_EMBEDDINGS: _embed_catalog(fn, args, serving_tables, features, num_dense, catalog)[1]
+    }
+
+
+def _catalog_tower(trainer, model, kind: str, serving_tables, features, num_dense: int):
+    """The inference function a retrieval model's catalog is embedded with: the same
+    function object for the same serving layout, so its compiled call is reused."""
+    towers = _CATALOG_TOWERS.setdefault(trainer, {})
+    layout = (kind, tuple(serving_tables), tuple(features), num_dense)
+    if layout not in towers:
+        towers[layout] = inference_fn(
+            model, features, InferenceTableStore.factory(kind, "xla"), "retrieval"
+        )
+    return towers[layout]
 
 
 # ---- preprocessing ------------------------------------------------------------------------

@@ -435,11 +435,12 @@ def test_two_processes_publish_the_rows_each_holds(tmp_path):
     np.testing.assert_allclose(followed.predict(rows), final.predict(rows), rtol=0, atol=1e-6)
 
 
-def test_a_retrieval_model_of_two_processes_publishes_full_versions(tmp_path):
-    """`launch -n 2` of a two-tower run with publish: each publish a full version (a
-    delta's catalog embeddings would need every table in one process), its catalog
-    embedded by process 0 from every process's pieces; the last retrieves as the final
-    checkpoint exported in one process."""
+def test_a_retrieval_model_of_two_processes_publishes_deltas(tmp_path):
+    """`launch -n 2` of a two-tower run with publish, its item table split row-wise over
+    the processes and its category table tiered (a host cache): a full version, then deltas whose
+    catalog embeddings process 0 makes from every process's rows (no process holds every
+    table); the followed deltas retrieve as the final checkpoint exported in one
+    process."""
     from _cli import run_sparsejax
 
     pub = tmp_path / "pub"
@@ -452,24 +453,33 @@ def test_a_retrieval_model_of_two_processes_publishes_full_versions(tmp_path):
         *SYNTHETIC[6:9],  # progress, logging
         "steps=3",
         *TWO_TOWER,
+        "tables={item: {placement: row_wise}, category: {cache_rows: 12}}",
         f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: null, buckets: [1, 8]}}",
     )
-    assert "publishes full versions only" in out
-    assert [f"published step {s} as full version {s}" in out for s in (1, 2, 3)] == [True] * 3
-    assert not [d for d in os.listdir(pub) if d.endswith(".delta")]
-    manifest = json.loads((pub / "3" / MANIFEST).read_text())
+    assert "published step 1 as full version 1" in out
+    assert [f"published step {s} as delta version {s}" in out for s in (2, 3)] == [True] * 2
+    assert sorted(os.listdir(pub)) == ["1", "2.delta", "3.delta"]
+    manifest = json.loads((pub / "1" / MANIFEST).read_text())
     assert manifest["processes"] == 2 and manifest["retrieval"]["items"] == 240
-    assert manifest["check"]["max_abs_diff"] < 1e-5, manifest["check"]
+    for v in (2, 3):
+        m = json.loads((pub / f"{v}.delta" / DELTA).read_text())
+        writers = {f.name.split(".")[0] for f in (pub / f"{v}.delta" / "arrays").iterdir()}
+        assert writers == {"p0", "p1", "made"}, writers
+        assert "retrieval.item_embeddings" in m["arguments"]
     final = str(tmp_path / "final")
     export_run(str(tmp_path / "runs" / "tt"), final, log=lambda _: None)
     final = Predictor.load(final, warmup=False)
-    served = Predictor.load(str(pub / "3"), warmup=False)
-    user = json.loads((pub / "3" / "example_retrieve.json").read_text())["user"]
-    (a_items, a), (b_items, b) = served.retrieve(user, 240), final.retrieve(user, 240)
-    assert sorted(a_items) == sorted(b_items) == list(range(240))
-    np.testing.assert_allclose(
-        np.asarray(a)[np.argsort(a_items)], np.asarray(b)[np.argsort(b_items)], rtol=0, atol=1e-6
-    )
+    first, followed = Predictor.load(str(pub / "1"), warmup=False), _follow(pub)
+    assert followed.version == "3"
+    user = json.loads((pub / "1" / "example_retrieve.json").read_text())["user"]
+
+    def scores(predictor):
+        items, got = predictor.retrieve(user, 240)
+        assert sorted(items) == list(range(240))
+        return np.asarray(got)[np.argsort(items)]
+
+    np.testing.assert_allclose(scores(followed), scores(final), rtol=0, atol=1e-6)
+    assert np.abs(scores(first) - scores(final)).max() > 1e-3  # training moved them
 
 
 def test_a_delta_that_fails_in_the_background_stops_the_run_with_its_error(tmp_path, monkeypatch):
@@ -529,3 +539,40 @@ def test_changed_rows_are_the_rows_whose_bytes_differ(shape, dtype, monkeypatch)
     got = _delta.changed_rows(old, new)
     np.testing.assert_array_equal(got, want)
     assert got.dtype.kind == "i"
+
+
+def test_a_delta_completed_by_process_0_carries_what_it_made_and_fails_whole(tmp_path):
+    """`write_delta(complete=)`: the arguments `previous` has and `current` lacks are made
+    from the written rows (cut like the others, `current` gains them); a `complete` that
+    fails, or makes other arguments, leaves no delta, naming why."""
+    from sparsejax.serving._delta import _array, write_delta
+
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(50, 4)).astype(np.float32)
+    previous = {"t": table, "made": np.zeros((6, 2), np.float32)}
+    new = table.copy()
+    new[[3, 40]] += 1.0
+    seen = []
+
+    def complete(tmp, arguments):  # the sum of the new table's rows, made from what was written
+        seen.append(sorted(arguments))
+        rows = _array(tmp, arguments["t"]["pieces"][0]["rows"])
+        return {"made": np.full((6, 2), rows.sum(), np.float32)}
+
+    common = dict(model_id="m", version=2, base=1, step=0)
+    current = {"t": new}
+    m = write_delta(str(tmp_path / "2.delta"), previous, current, complete=complete, **common)
+    assert seen == [["t"]] and set(m["arguments"]) == {"t", "made"}
+    np.testing.assert_array_equal(current["made"], np.full((6, 2), 43.0, np.float32))
+    got = _array(str(tmp_path / "2.delta"), m["arguments"]["made"]["whole"])
+    np.testing.assert_array_equal(got, current["made"])
+
+    def broken(tmp, arguments):
+        raise ValueError("the tower failed")
+
+    for bad, why in ((broken, "the tower failed"), (lambda *_: {"other": new}, "made")):
+        with pytest.raises(RuntimeError, match=f"not completed: process 0: .*{why}"):
+            write_delta(str(tmp_path / "3.delta"), previous, {"t": new}, complete=bad, **common)
+        assert sorted(os.listdir(tmp_path)) == ["2.delta"]
+    with pytest.raises(ValueError, match="the arguments differ"):
+        write_delta(str(tmp_path / "3.delta"), previous, {"t": new}, **common)
