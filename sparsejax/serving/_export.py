@@ -721,8 +721,13 @@ def export_model(
             # 0 reads every process's pieces, its tables whole) and written with its mappings
             items = None
             if first:
+                tower = fn  # with XLA's kernels, the one the deltas use: compiled once
+                if impl == "xla":
+                    tower = _catalog_tower(
+                        trainer, model, kind, serving_tables, features, num_dense
+                    )
                 items, embeddings = _embed_catalog(
-                    fn, read_args(), serving_tables, features, num_dense, catalog
+                    tower, read_args(), serving_tables, features, num_dense, catalog
                 )
                 arrays["items/ids"], arrays["items/embeddings"] = items, embeddings
             retrieval = {

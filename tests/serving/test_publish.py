@@ -243,7 +243,7 @@ def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path, monkeypat
     )
     lines = []
     runner.train(cfg, log=lines.append)
-    assert built == ["retrieval", "retrieval"]  # the full version's, then the deltas' one
+    assert built == ["retrieval", "retrieval"]  # the export's, then the catalog tower of all
     export_run(str(tmp_path / "runs" / "tt"), str(tmp_path / "final"), log=lambda _: None)
     # the towers' weights and the embeddings change whole: the log line counts them
     deltas = [ln for ln in lines if "as delta version" in ln]
