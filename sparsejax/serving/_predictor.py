@@ -24,7 +24,7 @@ import numpy as np
 
 from .._version import __version__
 from ..data import BatchPacker, Examples
-from ..embedding import FeatureSpec, TableSpec, aligned_empty
+from ..embedding import FeatureSpec, TableSpec
 from ..ops import cpu_ffi_available
 from ._delta import DeltaError, patched, read_delta, updated_keys
 from ._export import ITEM_EMBEDDINGS, _pad_batch, _scores, batch_arrays
@@ -53,23 +53,22 @@ def _native_kernels_ok(m: Mapping, model_dir: str) -> None:
         )
 
 
-def _on_device(a: np.ndarray, like: jax.Array | None = None) -> jax.Array:
-    """`a` on the default device; on CPU sharing `a`'s memory when it is 64-byte aligned
-    (a table argument read piece by piece is), so a table is held once, not twice. With
-    `like` (the leaf `a` replaces), placed as `like` was (committed or not), so the
-    compiled computations take it without compiling again."""
-    if like is not None and not like.committed:
-        return jax.device_put(a)
-    if like is not None and a.ctypes.data % 64:
-        aligned = aligned_empty(a.shape, a.dtype)
-        aligned[...] = a
-        a = aligned
-    if jax.default_backend() == "cpu" and a.size and a.ctypes.data % 64 == 0:
+def _on_device(a: np.ndarray) -> jax.Array:
+    """`a` committed to the default device, as every leaf of a predictor is: on CPU
+    sharing `a`'s memory when it is 64-byte aligned (a table argument read piece by piece
+    is), so a table is held once, not twice. One placement for every leaf, whatever the
+    alignment of its host array: the compiled computations' inputs, and so the compiles
+    and their keys in JAX's compilation cache, are the same in every process and after
+    a delta replaces a leaf."""
+    device = jax.devices()[0]
+    if device.platform == "cpu" and a.size and a.ctypes.data % 64 == 0:
         try:
-            return jnp.from_dlpack(a)
+            got = jnp.from_dlpack(a)
+            if got.committed and got.devices() == {device}:
+                return got
         except (BufferError, TypeError, ValueError, RuntimeError):  # e.g. bfloat16
             pass
-    return jax.device_put(a) if like is None else jax.device_put(a, like.sharding)
+    return jax.device_put(a, device)
 
 
 class _JoinedCall:
@@ -251,7 +250,7 @@ class Predictor:
         embeddings = new.pop(ITEM_EMBEDDINGS, None)
         leaves = list(self._leaves)
         for k, a in new.items():
-            leaves[at[k]] = _on_device(a, like=self._leaves[at[k]])
+            leaves[at[k]] = _on_device(a)
         out = copy.copy(self)
         out._leaves, out._shared_names = leaves, names
         if embeddings is not None:

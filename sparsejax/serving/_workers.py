@@ -8,10 +8,11 @@ the connections over them. The supervisor has imported the server's code but sta
 JAX backend, and its objects are frozen out of the garbage collector before it forks, so
 the workers share those pages instead of each importing its own. Each worker is a whole
 server (batcher, reloads, deltas); a table argument, and a delta's patched one, is made
-once in the shared folder and mapped by every worker. Each worker's model threads run on
-its own share of the cores (`model_cores`). A worker that dies is started again
-(its requests in flight are lost; the others keep serving); one that dies within
-`_STARTUP_S` of its start three times in a row stops the server with one line. SIGINT or
+once in the shared folder and mapped by every worker, and so are the computations they
+compile (JAX's compilation cache). Each worker's model threads run on its own share of
+the cores (`model_cores`). A worker that dies is started again, its computations read
+from the cache (its requests in flight are lost; the others keep serving); one that
+dies within `_STARTUP_S` of its start three times in a row stops the server with one line. SIGINT or
 SIGTERM stops the workers (each finishes its requests in flight) and removes the shared
 folder; a supervisor killed with SIGKILL takes its workers with it (the kernel sends
 them SIGTERM) and leaves its folder, which the next supervisor removes. A worker that
@@ -86,6 +87,19 @@ def model_cores(cores: Sequence[int], workers: int) -> list[list[int]]:
     return [
         cores[k * len(cores) // workers : (k + 1) * len(cores) // workers] for k in range(workers)
     ]
+
+
+def _share_compiles(directory: str) -> None:
+    """The workers' compiled computations in JAX's compilation cache in `directory`
+    (unless the user set a cache of their own): a worker started again after a crash
+    loads the model's computations instead of compiling them (the default model: 0.7 s
+    to serve again, not 4.4-5.1 s). Called before the worker's JAX backend starts."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _remove_stale(parent: str) -> None:
@@ -167,6 +181,7 @@ def serve_workers(
             for h in holds:
                 h.close()
             os.environ.update({ENV: shared, WORKER_ENV: str(k)})
+            _share_compiles(os.path.join(shared, "xla"))
             pin = [] if shares is None else ["--model-cores", ",".join(map(str, shares[k]))]
             code = run_worker([*argv, *pin])
         except SystemExit as e:

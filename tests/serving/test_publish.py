@@ -265,22 +265,33 @@ def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path, monkeypat
     assert scores(first).shape == (240,) and first.version == "1"
 
 
-def test_a_replacing_leaf_is_placed_as_the_leaf_it_replaces():
+@pytest.mark.parametrize("dtype", ["float32", "int8", "bfloat16"])
+def test_every_leaf_is_committed_to_the_default_device_whatever_its_alignment(dtype):
+    """A leaf's placement never depends on where its host array happens to lie (it
+    would change the compiled computation's inputs: a compile per replaced leaf, and
+    keys in JAX's compilation cache that differ by process); an aligned CPU array is
+    shared, not copied."""
     import jax
+    import ml_dtypes
 
     from sparsejax.embedding import aligned_empty
     from sparsejax.serving._predictor import _on_device
 
-    aligned = aligned_empty((64, 8), np.float32)
-    aligned[...] = 1.0
-    unaligned = np.frombuffer(bytes(4 + 64 * 8 * 4), np.uint8)[4:].view(np.float32).reshape(64, 8)
-    committed = jax.device_put(aligned, jax.devices()[0])
-    uncommitted = jax.device_put(aligned)
-    assert committed.committed and not uncommitted.committed
-    for a in (aligned, unaligned):
-        assert _on_device(a, like=committed).committed
-        assert not _on_device(a, like=uncommitted).committed
-        np.testing.assert_array_equal(np.asarray(_on_device(a, like=committed)), a)
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    aligned = aligned_empty((64, 8), dt)
+    aligned[...] = np.arange(64 * 8).reshape(64, 8) % 100
+    raw = aligned_empty((aligned.nbytes + 64,), np.uint8)[dt.itemsize :][: aligned.nbytes]
+    unaligned = raw.view(dt).reshape(64, 8)
+    unaligned[...] = aligned
+    assert unaligned.ctypes.data % 64
+    for a in (aligned, unaligned, aligned[:0]):
+        got = _on_device(a)
+        assert got.committed and got.devices() == {jax.devices()[0]}, a.ctypes.data % 64
+        np.testing.assert_array_equal(np.asarray(got), a)
+    if dtype == "float32":  # shared: a change to the host array shows on the device
+        shared = _on_device(aligned)
+        aligned[0, 0] = -7
+        assert float(shared[0, 0]) == -7
 
 
 # ---- dynamic tables: new keys in spare rows, evicted keys removed ----------------------
