@@ -88,6 +88,37 @@ def test_deltas_applied_in_order_score_as_the_final_export(published):
     assert [x.committed for x in second._leaves] == [x.committed for x in first._leaves]
 
 
+def test_a_new_version_of_the_same_model_takes_the_compiled_calls_of_the_one_before(tmp_path):
+    """A publish folder's next full version has the same computations: loaded while the
+    version before is alive (a reload), it takes that version's compiled calls rather
+    than compiling them again, and scores with its own tables, as it does loaded
+    alone."""
+    import gc
+
+    pub = tmp_path / "pub"
+    cfg = runner.load_config(
+        [],
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            *SYNTHETIC[:-1],
+            "steps=2",
+            f"publish={{dir: {pub}, every_s: 1.0e-9, full_every_s: 1.0e-9, buckets: [1, 8]}}",
+        ],
+    )
+    runner.train(cfg, log=lambda _: None)
+    first = Predictor.load(str(pub / "1"), warmup=False)
+    second = Predictor.load(str(pub / "2"), warmup=False)
+    assert all(second._calls[b] is first._calls[b] for b in (1, 8))
+    rows = first.example_request["examples"]
+    got = second.predict(rows)
+    assert np.abs(first.predict(rows) - got).max() > 1e-6  # its own tables
+    assert first._calls[1] is not first._calls[8]  # another computation: its own call
+    del first, second
+    gc.collect()
+    alone = Predictor.load(str(pub / "2"), warmup=False)  # compiled anew
+    np.testing.assert_array_equal(alone.predict(rows), got)
+
+
 def test_a_delta_carries_only_the_rows_training_changed(published):
     _, pub, _, final = published
     m = json.loads(pathlib.Path(pub, "3.delta", DELTA).read_text())
