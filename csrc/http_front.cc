@@ -8,10 +8,11 @@
 // order their requests came on each connection (HTTP/1.1 pipelining); a connection with
 // 64 requests unanswered is not read until answers go out, one idle for the keep-alive
 // timeout with none in flight is closed, and out of file descriptors the loop stops
-// accepting for 0.1 s instead of spinning on the listening socket. Anything else -
-// another method or path, chunked bodies, `Expect`, HTTP/1.0, a body over the limit, a
-// header block over 16 KiB, a v2 request with binary tensors - hands the connection over: once its answers are out, it
-// leaves this loop and Python's HTTP server (aiohttp) takes it, with the bytes read so
+// accepting for 0.1 s instead of spinning on the listening socket. A v2 request with
+// binary tensors comes with the value of its Inference-Header-Content-Length header.
+// Anything else - another method or path, chunked bodies, `Expect`, HTTP/1.0, a body
+// over the limit, a header block over 16 KiB - hands the connection over: once its
+// answers are out, it leaves this loop and Python's HTTP server (aiohttp) takes it, with the bytes read so
 // far (`take_handoffs`, woken by `handoff_fd`). So every request this loop does not know
 // is answered exactly as before, by the one implementation of the API.
 //
@@ -76,7 +77,11 @@ struct Request {
   std::string body;
   double arrived;  // CLOCK_MONOTONIC seconds (Python's time.monotonic) when framed
   int route;       // which of the front's paths it was posted to
+  bool has_json_length;     // an Inference-Header-Content-Length header (v2 binary tensors)
+  std::string json_length;  // its value as sent (Python checks it)
 };
+
+constexpr size_t kMaxJsonLengthValue = 32;  // a longer header value goes to aiohttp
 
 double Monotonic() {
   timespec ts;
@@ -368,13 +373,18 @@ class Front {
       size_t body_len = 0;
       bool close = false;
       int route = 0;
-      if (!FastRequest(data, header_len, &body_len, &close, &route)) {
+      const char* json_length = nullptr;
+      size_t json_length_len = 0;
+      if (!FastRequest(data, header_len, &body_len, &close, &route, &json_length,
+                       &json_length_len)) {
         c->handoff = true;
         break;
       }
       if (avail - header_len < body_len) break;  // the body is still coming
       framed.push_back({id << 32 | c->next_seq++, std::string(data + header_len, body_len),
-                        Monotonic(), route});
+                        Monotonic(), route, json_length != nullptr,
+                        json_length == nullptr ? std::string()
+                                               : std::string(json_length, json_length_len)});
       pos += header_len + body_len;
       if (close) c->last_framed = c->close_after = true;  // Connection: close
     }
@@ -406,10 +416,11 @@ class Front {
     for (uint64_t id : touched) Flush(id);
   }
 
-  // Whether the header block is a request this loop answers; its body's length and
-  // which of the paths it was posted to.
-  bool FastRequest(const char* h, size_t len, size_t* body_len, bool* close_after,
-                   int* route) const {
+  // Whether the header block is a request this loop answers; its body's length, which
+  // of the paths it was posted to, and its Inference-Header-Content-Length value (the
+  // JSON part of a v2 body with binary tensors; null if none).
+  bool FastRequest(const char* h, size_t len, size_t* body_len, bool* close_after, int* route,
+                   const char** json_length, size_t* json_length_len) const {
     const char* line_end = static_cast<const char*>(memmem(h, len, "\r\n", 2));
     if (line_end == nullptr) return false;
     const size_t line_len = static_cast<size_t>(line_end - h);
@@ -446,9 +457,13 @@ class Front {
         if (n > max_body_) return false;  // aiohttp answers 413
         *body_len = n;
         have_length = true;
+      } else if (IEquals(p, name_len, "inference-header-content-length")) {
+        if (*json_length != nullptr || ve - v > static_cast<ptrdiff_t>(kMaxJsonLengthValue))
+          return false;
+        *json_length = v;
+        *json_length_len = static_cast<size_t>(ve - v);
       } else if (IEquals(p, name_len, "transfer-encoding") || IEquals(p, name_len, "expect") ||
-                 IEquals(p, name_len, "upgrade") ||
-                 IEquals(p, name_len, "inference-header-content-length")) {  // v2 binary
+                 IEquals(p, name_len, "upgrade")) {
         return false;
       } else if (IEquals(p, name_len, "connection")) {
         if (IContains(v, ve - v, "upgrade")) return false;
@@ -641,9 +656,12 @@ PyObject* FrontTake(PyObject* self, PyObject* args) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(got.size()));
   if (list == nullptr) return nullptr;
   for (size_t i = 0; i < got.size(); ++i) {
-    PyObject* item = Py_BuildValue("(Ky#di)", static_cast<unsigned long long>(got[i].token),
-                                   got[i].body.data(), static_cast<Py_ssize_t>(got[i].body.size()),
-                                   got[i].arrived, got[i].route);
+    const Request& r = got[i];
+    PyObject* item = Py_BuildValue(
+        "(Ky#diz#)", static_cast<unsigned long long>(r.token), r.body.data(),
+        static_cast<Py_ssize_t>(r.body.size()), r.arrived, r.route,
+        r.has_json_length ? r.json_length.data() : nullptr,
+        static_cast<Py_ssize_t>(r.json_length.size()));
     if (item == nullptr) {
       Py_DECREF(list);
       return nullptr;
@@ -748,8 +766,9 @@ PyObject* FrontHandoffFd(PyObject* self, PyObject*) {
 PyMethodDef kFrontMethods[] = {
     {"take", FrontTake, METH_VARARGS,
      "take(max_n, timeout_s) -> [(token, body: bytes, arrived: time.monotonic() seconds, "
-     "route: the index of its path)] (up to max_n; [] on timeout or wake; timeout_s < 0: no timeout), or None once shut down "
-     "and drained."},
+     "route: the index of its path, its Inference-Header-Content-Length value: str or "
+     "None)] (up to max_n; [] on timeout or wake; timeout_s < 0: no timeout), or None once "
+     "shut down and drained."},
     {"wake", FrontWake, METH_NOARGS, "Make a waiting (or the next) take() return now."},
     {"respond", FrontRespond, METH_O,
      "respond([(token, status, body: bytes[, headers: bytes])]): leave each answer for the "

@@ -5,21 +5,21 @@ An asyncio server spends ~100 us of Python a request on accepting, reading, fram
 answering it - several times the JSON parse and the request's share of its batch - and
 all of it holds the GIL the batcher's threads need. `HttpFront` (csrc/http_front.cc)
 does that work in a thread of its own, outside the GIL: it frames each
-`POST /v1/predict` and `POST /v2/models/NAME/infer` (the served model's, KServe v2 JSON)
-with a Content-Length body; the batcher's worker thread, when it is
-ready for requests, takes the bodies in bunches (`attach_intake`: no thread is woken per
-request), parses their JSON and queues them (`submit_to`), and hands each batch's
-answers back in one call that sends them. The
+`POST /v1/predict` and `POST /v2/models/NAME/infer` (the served model's, KServe v2, with
+JSON or binary tensors) with a Content-Length body; the batcher's worker thread, when it
+is ready for requests, takes the bodies in bunches (`attach_intake`: no thread is woken
+per request), parses them and queues them (`submit_to`), and hands each batch's answers
+back in one call that sends them. The
 answers are the bytes the aiohttp handlers give (the server's `predict_examples`,
 `predict_answer` and `error_answer`; `_v2.parse_infer` and `infer_response`), and the
 metrics count them the same way.
 
 Every other request - another endpoint, chunked or `Expect: 100-continue` bodies, a body
-over the limit, HTTP/1.0, a v2 request with binary tensors (its
-`Inference-Header-Content-Length` header) - moves its connection, once the answers
-before it are out, to the aiohttp server with the bytes read so far: one implementation
-of the API, the native one only a shortcut to it. `serve` uses the front where the C++ extension is
-built (SPARSEJAX_SERVE_NATIVE_HTTP=0: aiohttp only, as without it).
+over the limit, HTTP/1.0, a header the front does not frame (a second, or overlong,
+`Inference-Header-Content-Length`) - moves its connection, once the answers before it
+are out, to the aiohttp server with the bytes read so far: one implementation of the
+API, the native one only a shortcut to it. `serve` uses the front where the C++
+extension is built (SPARSEJAX_SERVE_NATIVE_HTTP=0: aiohttp only, as without it).
 """
 
 from __future__ import annotations
@@ -125,13 +125,13 @@ class NativeFront:
             return False
         server = self._server
         now: list = []  # answered without the model, as `_deliver` takes them
-        for token, raw, arrived, route in bodies:
+        for token, raw, arrived, route, json_length in bodies:
             request = (token, arrived, route, None)  # + how a v2 answer is written
             try:
                 if route == _V1:
                     examples = server.predict_examples(raw)
                 else:
-                    examples, how = v2.parse_infer(raw, None, server.predictor)
+                    examples, how = v2.parse_infer(raw, json_length, server.predictor)
                     request = (token, arrived, route, how)
                 if examples:
                     server.batcher.submit_to(examples, request, self._deliver, arrived)

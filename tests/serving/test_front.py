@@ -233,14 +233,41 @@ def test_the_front_closes_idle_connections_and_only_those():
                 while front.connections() < 2 and time.monotonic() < deadline:
                     time.sleep(0.01)
                 assert front.connections() == 2
-                ((token, body, _, route),) = front.take(10, 5.0)
-                assert body == b"{}"
+                ((token, body, _, route, json_length),) = front.take(10, 5.0)
+                assert body == b"{}" and json_length is None
                 assert idle.recv(1) == b""  # closed after 0.5-1.5 s without a request
                 assert front.connections() == 1  # the one with a request in flight stays
                 front.respond([(token, 200, b"[1]")])
                 buf = bytearray()
                 assert _read_answer(busy, buf)[::2] == (200, b"[1]")
                 assert busy.recv(1) == b""  # idle now, and closed in turn
+            finally:
+                front.close()
+
+
+def test_the_front_passes_a_v2_json_length_header_on_as_sent():
+    """A v2 body with binary tensors is framed like any other; its
+    Inference-Header-Content-Length value comes with it as sent (trimmed), for Python
+    to check; requests without one get None."""
+    from sparsejax._cpu_ext import HttpFront
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        front = HttpFront(listener.fileno(), ["/p"], 1000, 5.0)
+        with socket.create_connection(listener.getsockname(), timeout=10) as client:
+            try:
+                client.sendall(
+                    _post(b"{}ab", path="/p", extra="Inference-Header-Content-Length:  2 \r\n")
+                    + _post(b"{}", path="/p")
+                    + _post(b"{}", path="/p", extra="inference-header-content-length: x\r\n")
+                )
+                got, deadline = [], time.monotonic() + 10
+                while len(got) < 3 and time.monotonic() < deadline:
+                    got += front.take(10, 1.0)
+                assert [(body, n) for _, body, _, _, n in got] == [
+                    (b"{}ab", "2"),
+                    (b"{}", None),
+                    (b"{}", "x"),
+                ]
             finally:
                 front.close()
 

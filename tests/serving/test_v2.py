@@ -23,6 +23,8 @@ from sparsejax.serving import make_app
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+HEADER = "Inference-Header-Content-Length"
+
 NAME = "ctr"
 
 
@@ -85,7 +87,7 @@ def _live(app):
 @pytest.fixture(scope="module")
 def native(model_dir):
     """`sparsejax serve` of the model with its native HTTP front (which takes v2 infer
-    requests with JSON tensors and hands binary ones to aiohttp): "host:port"."""
+    requests, JSON and binary tensors): "host:port"."""
     from sparsejax.serving import _front
 
     if not _front.available():
@@ -286,10 +288,36 @@ def test_malformed_v2_bodies_are_400s_naming_why(model_dir, native, body, header
     headers = {} if header is None else {"Inference-Header-Content-Length": header}
     got = _post_raw(model_dir, f"/v2/models/{NAME}/infer", body, headers)
     assert got[0] == status and words in got[1]["error"], got
-    # the native front answers alike; a request with binary tensors, aiohttp behind it
+    # the native front answers alike, itself, binary tensors included
     status, answer, by_aiohttp = _post_http(native, f"/v2/models/{NAME}/infer", body, headers)
     assert (status, answer) == got
-    assert by_aiohttp == (header is not None)
+    assert not by_aiohttp
+
+
+def test_a_v2_header_the_native_front_does_not_frame_goes_to_aiohttp(model_dir, native):
+    """An Inference-Header-Content-Length value longer than any length, or sent twice:
+    the connection goes to aiohttp, which answers as it would alone."""
+    import http.client
+    import json
+
+    body = _request([{"name": "I1", "datatype": "INT64", "shape": [1], "data": [1]}])
+    long = "9" * 40
+    got = _post_raw(model_dir, f"/v2/models/{NAME}/infer", body, {HEADER: long})
+    assert got[0] == 400 and f"{HEADER} is '{long}'" in got[1]["error"], got
+    assert _post_http(native, f"/v2/models/{NAME}/infer", body, {HEADER: long}) == (*got, True)
+    host, port = native.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:  # twice: aiohttp reads the first
+        conn.putrequest("POST", f"/v2/models/{NAME}/infer")
+        for value in (str(len(body)), "0"):
+            conn.putheader(HEADER, value)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        answer = json.loads(r.read())
+        assert r.status == 200 and "aiohttp" in r.getheader("Server"), answer
+    finally:
+        conn.close()
 
 
 def _post_http(address: str, path: str, body: bytes, headers=None) -> tuple[int, dict, bool]:
