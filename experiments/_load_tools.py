@@ -148,20 +148,37 @@ def v2_body(example: Mapping, inputs: Sequence[Mapping]) -> bytes:
     return json.dumps({"inputs": tensors}).encode()
 
 
+def _raw(datatype: str, values: Sequence) -> bytes:
+    """A tensor's values as the v2 binary tensor extension lays them out (little-endian;
+    BYTES: each a 4-byte length, then the bytes)."""
+    if datatype == "BYTES":
+        return b"".join(struct.pack("<I", len(b)) + b for b in (str(x).encode() for x in values))
+    numpy_types = {"FP32": "<f4", "FP64": "<f8", "INT32": "<i4", "INT64": "<i8"}
+    return np.asarray(values, numpy_types[datatype]).tobytes()
+
+
+def v2_binary_body(example: Mapping, inputs: Sequence[Mapping]) -> tuple[bytes, int]:
+    """A single-example KServe v2 REST infer body with binary tensors, as Triton's HTTP
+    client sends them (a JSON answer asked for), and the length of its JSON part (the
+    request's Inference-Header-Content-Length)."""
+    tensors, raws = [], []
+    for n, d, s, v in _tensors(example, inputs):
+        raws.append(_raw(d, v))
+        tensors.append({"name": n, "datatype": d, "shape": s,
+                        "parameters": {"binary_data_size": len(raws[-1])}})  # fmt: skip
+    header = json.dumps({"inputs": tensors, "outputs": [{"name": "scores"}]}).encode()
+    return header + b"".join(raws), len(header)
+
+
 def grpc_request(example: Mapping, inputs: Sequence[Mapping], model: str) -> bytes:
     """A single-example ModelInferRequest, serialized, with its tensors as
     `raw_input_contents` (as Triton's client sends them)."""
     from tritonclient.grpc import service_pb2
 
-    numpy_types = {"FP32": "<f4", "FP64": "<f8", "INT32": "<i4", "INT64": "<i8"}
     request = service_pb2.ModelInferRequest(model_name=model)
     for name, datatype, shape, values in _tensors(example, inputs):
-        if datatype == "BYTES":
-            raw = b"".join(struct.pack("<I", len(b)) + b for b in (str(x).encode() for x in values))
-        else:
-            raw = np.asarray(values, numpy_types[datatype]).tobytes()
         request.inputs.add(name=name, datatype=datatype, shape=shape)
-        request.raw_input_contents.append(raw)
+        request.raw_input_contents.append(_raw(datatype, values))
     return request.SerializeToString()
 
 
@@ -246,12 +263,13 @@ def _ms(value: str, unit: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
-def _post_lua(body: bytes) -> str:
-    """A wrk script's lines that make each request a POST of `body` (JSON)."""
-    return (
-        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body.decode())}\n"
-    )
+def _post_lua(body: bytes, headers: Mapping[str, str] | None = None) -> str:
+    """A wrk script's lines that make each request a POST of `body` (JSON, or bytes with
+    `headers` that say what they are), as a Lua string of decimal escapes."""
+    lines = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"']
+    lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in (headers or {}).items()]
+    lines.append('wrk.body = "' + "".join(f"\\{b}" for b in body) + '"')
+    return "\n".join(lines) + "\n"
 
 
 def _run_wrk(url: str, lua: str, *, connections: int, seconds: float, threads: int = 1) -> dict:
@@ -271,11 +289,12 @@ def _run_wrk(url: str, lua: str, *, connections: int, seconds: float, threads: i
     return {**_wrk_result(out), "seconds": seconds, "tool_cpu_s": cpu, "wall_s": round(wall, 3)}
 
 
-def wrk(url: str, body: bytes, *, connections: int, seconds: float, threads: int = 1) -> dict:
+def wrk(url: str, body: bytes, *, connections: int, seconds: float, threads: int = 1,
+        headers: Mapping[str, str] | None = None) -> dict:  # fmt: skip
     """Closed loop: `connections` HTTP/1.1 keep-alive connections, each POSTing `body`
-    (JSON) to `url` back to back for `seconds` (whole seconds: wrk takes no less).
-    wrk's own throughput and latency."""
-    return _run_wrk(url, _post_lua(body), connections=connections, seconds=seconds,
+    (JSON; or as `headers` say) to `url` back to back for `seconds` (whole seconds: wrk
+    takes no less). wrk's own throughput and latency."""
+    return _run_wrk(url, _post_lua(body, headers), connections=connections, seconds=seconds,
                     threads=threads)  # fmt: skip
 
 
@@ -306,7 +325,14 @@ end
 
 
 def wrk_open(
-    url: str, body: bytes, *, rate: float, connections: int, seconds: float, seed: int = 0
+    url: str,
+    body: bytes,
+    *,
+    rate: float,
+    connections: int,
+    seconds: float,
+    seed: int = 0,
+    headers: Mapping[str, str] | None = None,
 ) -> dict:
     """Open loop over HTTP/1.1: POSTs of `body` to `url` at Poisson arrivals of `rate`
     requests/s for `seconds` (whole seconds), sent by whichever of `connections`
@@ -315,7 +341,7 @@ def wrk_open(
     falls below `rate`). One wrk thread; latency is from the send (wrk's), over the
     whole run. A schedule in whole milliseconds: an arrival due within 1 ms goes at
     once."""
-    lua = _post_lua(body) + _OPEN_LUA.format(gap=1.0 / rate, seed=seed)
+    lua = _post_lua(body, headers) + _OPEN_LUA.format(gap=1.0 / rate, seed=seed)
     r = _run_wrk(url, lua, connections=connections, seconds=seconds)
     return {**r, "clients": connections, "offered": float(rate)}
 

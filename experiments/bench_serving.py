@@ -58,6 +58,8 @@ predictor section; --examples gives the bodies).
     (example_request.json, or --examples):
       v1    POST /v1/predict, {"examples": [example]};
       v2    POST /v2/models/bench/infer (KServe v2 REST: JSON tensors, a JSON answer);
+      v2bin the same with binary tensors (Inference-Header-Content-Length), as Triton's
+            HTTP client sends them, a JSON answer;
       grpc  inference.GRPCInferenceService/ModelInfer (KServe v2 gRPC over h2c, the
             tensors as raw_input_contents, as Triton's client sends them).
     One request on each path first checks that they get the same score. Then per path,
@@ -298,9 +300,13 @@ def http_get(url: str, path: str, timeout: float = 10.0) -> tuple[int, str]:
         return e.code, e.read().decode(errors="replace")
 
 
-def http_post(url: str, path: str, body: bytes, timeout: float = 30.0) -> tuple[int, str]:
+def http_post(
+    url: str, path: str, body: bytes, timeout: float = 30.0, headers: dict | None = None
+) -> tuple[int, str]:
     request = urllib.request.Request(
-        url.rstrip("/") + path, data=body, headers={"Content-Type": "application/json"}
+        url.rstrip("/") + path,
+        data=body,
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
@@ -446,7 +452,7 @@ def predictor_throughput(
 
 # -- native load tools: paths, workers, closed and open loop (--loadgen native) -----------
 
-PATHS = ("v1", "v2", "grpc")
+PATHS = ("v1", "v2", "v2bin", "grpc")
 V2_NAME = "bench"  # the model's name in the v2 APIs (serve --name)
 P99_LINE_MS = 10.0  # the Must reach: single-example p99 < 10 ms at 80% of the peak rate
 AT_FRACTION = 0.8
@@ -484,6 +490,9 @@ def _targets(server: ServerProcess, grpc_port: int, example: dict, paths) -> tup
         },
         "grpc": {"url": grpc_url, "grpc": True},
     }
+    body, json_length = lt.v2_binary_body(example, inputs)
+    header = {"Inference-Header-Content-Length": str(json_length)}
+    targets["v2bin"] = {**targets["v2"], "body": body, "headers": header}
     scores = {}
     for path in paths:
         t = targets[path]
@@ -493,7 +502,7 @@ def _targets(server: ServerProcess, grpc_port: int, example: dict, paths) -> tup
             t["body"], t["answer_bytes"] = lt.grpc_frame(message), len(lt.grpc_frame(answer))
             scores[path] = lt.grpc_scores(answer)[0]
             continue
-        status, text = http_post(t["url"], "", t["body"])
+        status, text = http_post(t["url"], "", t["body"], headers=t.get("headers"))
         if status != 200:
             raise RuntimeError(f"POST {t['url']}: {status} {text[:300]}")
         answer = json.loads(text)
@@ -518,6 +527,7 @@ def _native_cell(target: dict, cpu: lt.TreeCpu, args, *, connections=None, rate=
             rate=rate,
             connections=max(OPEN_MIN_CLIENTS, math.ceil(rate / args.client_rps)),
             seconds=seconds,
+            headers=target.get("headers"),
         )
         r["behind"] = bool(r["throughput"] < BEHIND * rate)
     elif rate is not None:
@@ -546,7 +556,8 @@ def _native_cell(target: dict, cpu: lt.TreeCpu, args, *, connections=None, rate=
             timeout=10 * seconds + 30,
         )
     else:
-        r = lt.wrk(target["url"], target["body"], connections=connections, seconds=seconds)
+        r = lt.wrk(target["url"], target["body"], connections=connections, seconds=seconds,
+                   headers=target.get("headers"))  # fmt: skip
     r["server_cpu_s"] = cpu.stop()
     r["server_over_10ms"] = None
     if own:
@@ -590,7 +601,7 @@ def _cell_line(path: str, what: str, r: dict) -> str:
     own = r.get("server_over_10ms")
     late = ("" if own is None else f"  server's own > 10 ms {own:.2%}") + late
     return (
-        f"    {path:<4} {what:<18} {offered}{r['throughput']:8,.0f} req/s  p50 "
+        f"    {path:<5} {what:<18} {offered}{r['throughput']:8,.0f} req/s  p50 "
         f"{r['p50_ms'] or float('nan'):7.2f} ms  p99 {r['p99_ms'] or float('nan'):7.2f} ms  "
         f"errors {r['errors']}  cpu {r['tool']} {r['tool_cpu_s']:.2f} s server "
         f"{float('nan') if cpu is None else cpu:.2f} s{late}"
@@ -829,7 +840,7 @@ def _native_table(results: dict) -> None:
                     own = r.get("server_over_10ms")
                     own = f"{own:6.2%}" if own is not None else f"{'-':>6}"
                     print(
-                        f"{label:<8} {w:>2} {path:<4} {what:<11} {r['tool']:<6} {offered} "
+                        f"{label:<8} {w:>2} {path:<5} {what:<11} {r['tool']:<6} {offered} "
                         f"{r['throughput']:8,.0f}{'*' if r.get('behind') else ' '}{vs} "
                         f"{r['p50_ms'] or float('nan'):7.2f} {p99:7.2f} {spread:>13} "
                         f"{p99 / P99_LINE_MS:6.2f} {r['errors']:4d} {r['tool_cpu_s']:6.2f} "
@@ -841,7 +852,7 @@ def _native_table(results: dict) -> None:
                 slo = cells.get("slo")
                 if slo:
                     print(
-                        f"{label:<8} {w:>2} {path:<4} p99 < {P99_LINE_MS:g} ms up to "
+                        f"{label:<8} {w:>2} {path:<5} p99 < {P99_LINE_MS:g} ms up to "
                         f"{slo['rate']:,.0f} req/s ({slo['fraction']:.0%} of the closed-loop "
                         f"peak; not at {slo['below']:,.0f})"
                     )

@@ -377,3 +377,32 @@ def test_another_version_is_a_404(model_dir):
     body = _request([{"name": "I1", "datatype": "INT64", "shape": [1], "data": [1]}])
     status, got = _post_raw(model_dir, f"/v2/models/{NAME}/versions/999/infer", body)
     assert status == 404 and "version '999' is not served" in got["error"]
+
+
+def test_the_benchs_binary_body_reads_as_its_json_body_and_survives_wrks_script(model_dir):
+    """experiments/bench_serving.py's `v2bin` path: its body (binary tensors) gives the
+    examples its JSON body gives, and the wrk script carries its bytes exactly (Lua's
+    decimal escapes, read back here by Lua's rule)."""
+    import importlib.util
+    import re
+
+    from sparsejax.serving import Predictor
+    from sparsejax.serving import _v2 as v2
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "_load_tools", root / "experiments" / "_load_tools.py"
+    )
+    lt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lt)
+    p = Predictor.load(model_dir, warmup=False)
+    inputs = v2.inputs(p)
+    for ex in _examples(3):
+        body, n = lt.v2_binary_body(ex, inputs)
+        got, how = v2.parse_infer(body, str(n), p)
+        assert got == v2.parse_infer(lt.v2_body(ex, inputs), None, p)[0] and how["binary"] is False
+        lua = lt._post_lua(body, {HEADER: str(n)})
+        assert f'wrk.headers["{HEADER}"] = "{n}"' in lua
+        escaped = re.search(r'^wrk\.body = "(.*)"$', lua, re.M).group(1)
+        assert bytes(int(d) for d in re.findall(r"\\(\d{1,3})", escaped)) == body
+        assert re.fullmatch(r"(\\\d{1,3})*", escaped)
