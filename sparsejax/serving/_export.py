@@ -384,12 +384,9 @@ def serving_arguments(
     kind = storage_kind(quantize)
     features = tuple(features)
     full = _full_tables(trainer, state, {t.name: t for t in tables}, features, key_rows)
-    serving_tables = [serving_spec(t, full.rows[t.name]) for t in tables]
-    model = make_model(serving_tables).clone(implementation="xla")
-    packer = BatchPacker(serving_tables, features, batch_size=1, num_dense=num_dense)
-    with tables_stored_by(InferenceTableStore.factory(kind, "xla")):
-        layouts, _ = trace_layouts(model, _pad_batch(packer))
-    markers = _markers(layouts)
+    serving_tables, model, layouts, markers = _serving_layout(
+        make_model, tables, full.rows, features, num_dense, kind
+    )
     values: dict[tuple, np.ndarray | list] = {}
     for path, sname, k, _, (r0, r1), offset, a in _table_blocks(layouts, full, kind, {}):
         if jax.process_count() > 1:
@@ -437,16 +434,14 @@ def embed_catalog(
     processes computes for a delta, once it has read every process's rows of it."""
     kind = storage_kind(quantize)
     features = tuple(features)
-    serving_tables = [
-        serving_spec(t, keys[t.name].default_row + 1 if t.name in keys else t.vocab_size)
-        for t in tables
-    ]
-    model = make_model(serving_tables).clone(implementation="xla")
-    packer = BatchPacker(serving_tables, features, batch_size=1, num_dense=num_dense)
-    with tables_stored_by(InferenceTableStore.factory(kind, "xla")):
-        layouts, _ = trace_layouts(model, _pad_batch(packer))
+    rows = {
+        t.name: keys[t.name].default_row + 1 if t.name in keys else t.vocab_size for t in tables
+    }
+    serving_tables, model, layouts, markers = _serving_layout(
+        make_model, tables, rows, features, num_dense, kind
+    )
     flat, treedef = jax.tree_util.tree_flatten_with_path(
-        (state.params, tables_from_layers(layouts, _markers(layouts)))
+        (state.params, tables_from_layers(layouts, markers))
     )
     args = jax.tree_util.tree_unflatten(
         treedef, [arguments[jax.tree_util.keystr(p)] for p, _ in flat]
@@ -455,6 +450,17 @@ def embed_catalog(
     return {
         ITEM_EMBEDDINGS: _embed_catalog(fn, args, serving_tables, features, num_dense, catalog)[1]
     }
+
+
+def _serving_layout(make_model, tables, rows: Mapping[str, int], features, num_dense, kind):
+    """(serving table specs, the serving model, its layer layouts, their markers) of a
+    model whose tables serve `rows` rows each, stored as `kind`."""
+    serving_tables = [serving_spec(t, rows[t.name]) for t in tables]
+    model = make_model(serving_tables).clone(implementation="xla")
+    packer = BatchPacker(serving_tables, features, batch_size=1, num_dense=num_dense)
+    with tables_stored_by(InferenceTableStore.factory(kind, "xla")):
+        layouts, _ = trace_layouts(model, _pad_batch(packer))
+    return serving_tables, model, layouts, _markers(layouts)
 
 
 def _catalog_tower(trainer, model, kind: str, serving_tables, features, num_dense: int):
