@@ -71,6 +71,7 @@ from ._batching import BatcherClosedError, DynamicBatcher
 from ._delta import DeltaError, delta_dirs
 from ._json import loads as _loads
 from ._predictor import ModelLoadError, Predictor, RequestError
+from ._workers import WARM_UP_ENV
 
 __all__ = ["ModelServer", "make_app", "serve", "SERVER_KEY"]
 
@@ -973,6 +974,9 @@ def serve(
             model_name=model_name,
             log=log,
         )
+    if os.environ.get(WARM_UP_ENV) == "1":  # a `--workers` supervisor's first process
+        log("sparsejax serve: loaded and compiled for the workers")
+        return 0
     if model_cores:
         log(f"sparsejax serve: the model's threads on cores {','.join(map(str, model_cores))}")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -84,10 +84,15 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
         },
     )
     try:
+        # first a process that loads and compiles the model, then the workers
         first = proc.stdout.readline()
+        assert first == "[worker 0] sparsejax serve: loaded and compiled for the workers\n"
+        second = proc.stdout.readline()
         m = re.search(r"2 workers on http://127.0.0.1:(\d+), v2 gRPC on 127.0.0.1:(\d+) "
-                      r"\(pids (\d+), (\d+)\); tables shared in (\S+)", first)  # fmt: skip
-        assert m, first
+                      r"\(pids (\d+), (\d+)\); tables shared in (\S+)", second)  # fmt: skip
+        assert m, second
+        warmed = set(os.listdir(os.path.join(m.group(5), "xla")))  # its computations
+        assert warmed
         port, grpc_port = int(m.group(1)), int(m.group(2))
         pids, shared = {int(m.group(3)), int(m.group(4))}, m.group(5)
         assert _pids_answering(port, pids) >= pids
@@ -123,8 +128,8 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
             assert threads[pid][1] == tuple(cores), threads[pid]
             xla = {c for t, (name, c) in threads.items() if name.startswith("tf_XLAEigen")}
             assert len(xla) == 1 and xla <= shares, (pid, threads)
-        compiled = set(os.listdir(os.path.join(shared, "xla")))  # the workers' computations
-        assert compiled
+        compiled = set(os.listdir(os.path.join(shared, "xla")))
+        assert compiled == warmed  # the workers compiled nothing: they read the cache
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
         # once the supervisor has reaped it (every thread gone, its socket closed), no new
@@ -138,8 +143,8 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
         while not (restarted - pids) and time.monotonic() < deadline:
             restarted |= _pids_answering(port, {-1}, timeout=2)
         assert restarted - pids, "no new worker answered"
-        # it compiled nothing: its computations were in the cache, under the same keys
-        assert set(os.listdir(os.path.join(shared, "xla"))) == compiled
+        # it compiled nothing either: its computations were in the cache, the same keys
+        assert set(os.listdir(os.path.join(shared, "xla"))) == warmed
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out
@@ -218,6 +223,23 @@ os.waitpid(supervisor, 0)
 got += os.read(r, 64)  # the worker's handler writes at once, or the read waits 30 s
 print(got.decode())
 """
+
+
+def test_a_model_that_does_not_load_stops_the_workers_with_one_line(tmp_path):
+    """The first process (which loads the model for the workers) fails: its one-line
+    reason, then the supervisor's, exit 1, no worker started and no folder left."""
+    (tmp_path / "model.json").write_text('{"format": "something else"}')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparsejax", "serve", str(tmp_path), "--workers", "2",
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, (out, err)
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[worker 0] sparsejax serve: cannot load ")
+    assert "is not a sparsejax-model manifest" in lines[0], lines
+    assert lines[1] == "sparsejax serve: the model did not load (exit status 2); stopping"
+    assert not [d for d in os.listdir("/dev/shm") if d.startswith(f"sparsejax-serve-{proc.pid}-")]
 
 
 def test_a_worker_gets_sigterm_when_its_supervisor_is_killed():
