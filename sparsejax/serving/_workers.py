@@ -7,8 +7,8 @@ computations (JAX's compilation cache). It forks a first process that loads the 
 compiling it into that cache and making the shared tables, and exits; then N `sparsejax
 serve` workers that each bind the port with SO_REUSEPORT: the kernel spreads the
 connections over them. The workers read the compiled computations, so none compiles,
-nor keeps the heap a compile leaves behind (the default model: 362 MiB for the
-supervisor and two workers, against 436 when each compiled, and 372 for a lone server).
+nor keeps the heap a compile leaves behind (the default model's supervisor and two
+workers: 362 MiB of PSS, the shared tables aside, against 436 when each compiled).
 The supervisor has imported the server's code but started no JAX backend, and its
 objects are frozen out of the garbage collector before it forks, so the workers share
 those pages instead of each importing its own. Each worker is a whole server (batcher,
