@@ -188,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
             f"sparsejax serve needs the [serve] extra ({e.name} is missing): "
             f"pip install 'sparsejax[serve]'"
         ) from None
-    from .serving import serve_workers, usable_cores
+    from .serving import serve_workers, usable_cores, worker_label
 
     workers = usable_cores() if args.workers == "auto" else int(args.workers)
     if workers > 1:
@@ -208,11 +208,11 @@ def _serve(args: argparse.Namespace) -> int:
             pin_cores=args.pin_cores,
         )
     log = print
-    worker = os.environ.get("SPARSEJAX_SERVE_WORKER")
-    if worker is not None:
+    label = worker_label()
+    if label is not None:
 
         def log(line: str) -> None:
-            print(f"[worker {worker}] {line}", flush=True)
+            print(f"[{label}] {line}", flush=True)
 
     return serve(
         args.model_dir,

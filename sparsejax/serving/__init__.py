@@ -35,6 +35,7 @@ from ._store import QUANTIZE_CHOICES as QUANTIZE_CHOICES
 from ._store import InferenceTableStore as InferenceTableStore
 from ._workers import serve_workers as serve_workers
 from ._workers import usable_cores as usable_cores
+from ._workers import worker_label as worker_label
 
 _SERVER_NAMES = ("make_app", "serve", "SERVER_KEY")
 

@@ -99,6 +99,15 @@ WARM_UP_ENV = "SPARSEJAX_SERVE_WARM_UP"
 (compiling it into the workers' cache) and returns without listening."""
 
 
+def worker_label() -> str | None:
+    """This process's label in the log of `serve --workers`: "worker K", or "warm-up"
+    for the process that loads the model for the workers; None outside them."""
+    k = os.environ.get(WORKER_ENV)
+    if k is None:
+        return None
+    return "warm-up" if os.environ.get(WARM_UP_ENV) == "1" else f"worker {k}"
+
+
 def _share_compiles(directory: str) -> None:
     """The workers' compiled computations in JAX's compilation cache in `directory`
     (unless the user set a cache of their own): a worker started again after a crash

@@ -86,7 +86,7 @@ def test_two_workers_share_tables_and_one_killed_is_restarted(tmp_path):
     try:
         # first a process that loads and compiles the model, then the workers
         first = proc.stdout.readline()
-        assert first == "[worker 0] sparsejax serve: loaded and compiled for the workers\n"
+        assert first == "[warm-up] sparsejax serve: loaded and compiled for the workers\n"
         second = proc.stdout.readline()
         m = re.search(r"2 workers on http://127.0.0.1:(\d+), v2 gRPC on 127.0.0.1:(\d+) "
                       r"\(pids (\d+), (\d+)\); tables shared in (\S+)", second)  # fmt: skip
@@ -236,7 +236,7 @@ def test_a_model_that_does_not_load_stops_the_workers_with_one_line(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, (out, err)
     lines = out.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("[worker 0] sparsejax serve: cannot load ")
+    assert len(lines) == 2 and lines[0].startswith("[warm-up] sparsejax serve: cannot load ")
     assert "is not a sparsejax-model manifest" in lines[0], lines
     assert lines[1] == "sparsejax serve: the model did not load (exit status 2); stopping"
     assert not [d for d in os.listdir("/dev/shm") if d.startswith(f"sparsejax-serve-{proc.pid}-")]
