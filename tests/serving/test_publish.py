@@ -287,13 +287,19 @@ def test_a_retrieval_model_publishes_its_catalogs_embeddings(tmp_path, monkeypat
     user = json.loads((tmp_path / "final" / "example_retrieve.json").read_text())["user"]
 
     def scores(predictor):
-        items, got = predictor.retrieve(user, 240)
-        assert sorted(items) == list(range(240))
-        return np.asarray(got)[np.argsort(items)]
+        return _catalog_scores(predictor, user, 240)
 
     np.testing.assert_allclose(scores(p), scores(final), rtol=0, atol=1e-6)
     assert np.abs(scores(first) - scores(final)).max() > 1e-3  # training moved them
     assert scores(first).shape == (240,) and first.version == "1"
+
+
+def _catalog_scores(predictor: Predictor, user: dict, items: int) -> np.ndarray:
+    """`user`'s retrieval score of every one of the catalog's `items` items, by item id
+    (the ranking must hold them all)."""
+    ids, got = predictor.retrieve(user, items)
+    assert sorted(ids) == list(range(items))
+    return np.asarray(got)[np.argsort(ids)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8", "bfloat16"])
@@ -516,9 +522,7 @@ def test_a_retrieval_model_of_two_processes_publishes_deltas(tmp_path):
     user = json.loads((pub / "1" / "example_retrieve.json").read_text())["user"]
 
     def scores(predictor):
-        items, got = predictor.retrieve(user, 240)
-        assert sorted(items) == list(range(240))
-        return np.asarray(got)[np.argsort(items)]
+        return _catalog_scores(predictor, user, 240)
 
     np.testing.assert_allclose(scores(followed), scores(final), rtol=0, atol=1e-6)
     assert np.abs(scores(first) - scores(final)).max() > 1e-3  # training moved them
