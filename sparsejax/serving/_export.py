@@ -197,10 +197,7 @@ def _full_tables(
                 got = allgather_rows(host_rows[layer_table_key(path, name)]["keys"])
                 keys.setdefault(mirror[(path, name)], []).extend(got)
     keys = {t: key_rows(top[t], np.unique(np.concatenate(k))) for t, k in keys.items()}
-    rows = {
-        name: (keys[name].default_row + 1 if name in keys else t.vocab_size)
-        for name, t in top.items()
-    }
+    rows = _serving_rows(top.values(), keys)
     layers = {}
     for path, (store, exported) in by_layer.items():
         out = {}
@@ -434,11 +431,8 @@ def embed_catalog(
     processes computes for a delta, once it has read every process's rows of it."""
     kind = storage_kind(quantize)
     features = tuple(features)
-    rows = {
-        t.name: keys[t.name].default_row + 1 if t.name in keys else t.vocab_size for t in tables
-    }
     serving_tables, model, layouts, markers = _serving_layout(
-        make_model, tables, rows, features, num_dense, kind
+        make_model, tables, _serving_rows(tables, keys), features, num_dense, kind
     )
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         (state.params, tables_from_layers(layouts, markers))
@@ -449,6 +443,14 @@ def embed_catalog(
     fn = _catalog_tower(trainer, model, kind, serving_tables, features, num_dense)
     return {
         ITEM_EMBEDDINGS: _embed_catalog(fn, args, serving_tables, features, num_dense, catalog)[1]
+    }
+
+
+def _serving_rows(tables, keys: Mapping[str, KeyMapping]) -> dict[str, int]:
+    """Each table's rows in serving: a dynamic table's served keys and its default row
+    (`keys`), any other its vocabulary."""
+    return {
+        t.name: keys[t.name].default_row + 1 if t.name in keys else t.vocab_size for t in tables
     }
 
 
