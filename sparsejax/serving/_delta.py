@@ -194,7 +194,7 @@ def write_delta(
                 if have is not parts:
                     have["pieces"] += parts["pieces"]
         if allgather_json(bool(missing))[0]:
-            _complete(tmp, previous, current, merged, complete if me == 0 else None)
+            _complete(tmp, missing, previous, current, merged, complete if me == 0 else None)
         manifest = {
             "format": DELTA_FORMAT,
             "format_version": DELTA_VERSION,
@@ -227,16 +227,16 @@ def _entries(x, entries: Mapping[str, dict]):
     return {k: _entries(v, entries) for k, v in x.items()}
 
 
-def _complete(tmp: str, previous, current, merged: dict, complete) -> None:
-    """Process 0: the arguments `complete` makes from the version's rows in `tmp`, cut
-    and written into it (`merged` and `current` gain them); every process learns whether
-    that failed (a collective)."""
+def _complete(tmp: str, missing: set, previous, current, merged: dict, complete) -> None:
+    """Process 0: the `missing` arguments, which `complete` makes from the version's rows
+    in `tmp`, cut and written into it (`merged` and `current` gain them); every process
+    learns whether that failed (a collective)."""
     error = None
     if complete is not None:
         try:
             made = complete(tmp, merged)
-            if set(made) != set(previous) - set(current):
-                raise ValueError(f"made {sorted(made)}, not {sorted(set(previous) - set(current))}")
+            if set(made) != missing:
+                raise ValueError(f"made {sorted(made)}, not {sorted(missing)}")
             arrays: dict[str, np.ndarray] = {}
             cut = {}
             for i, (key, new) in enumerate(made.items()):
